@@ -1,0 +1,82 @@
+"""Encoding and decoding with the checks every receiver needs.
+
+`decode` raises `DecodeError` whose `reason` is one of the dead-letter reasons, so a service
+can route any bad message to its dead-letter subject without inspecting the exception text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from proto.messages import SCHEMA_VERSION
+
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 1024 * 1024
+"""NATS' default max_payload; the server would refuse a larger publish anyway."""
+
+SUPPORTED_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+
+_encoder = msgspec.json.Encoder()
+
+
+class DecodeError(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Envelope(msgspec.Struct):
+    schema_version: str = ""
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    data = _encoder.encode(message)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"{type(message).__name__}: encoded size {len(data)} bytes exceeds "
+            f"{MAX_MESSAGE_BYTES}; large tensors go through the object store, not the bus"
+        )
+    return data
+
+
+def check_schema_version(version: str) -> None:
+    major, _, _ = version.partition(".")
+    if not major.isdigit():
+        raise DecodeError(
+            "schema-version", f"schema_version: {version!r} is not of the form MAJOR.MINOR"
+        )
+    if int(major) != SUPPORTED_MAJOR:
+        raise DecodeError(
+            "schema-version",
+            f"schema_version: major version {major} is not supported (this build speaks "
+            f"{SUPPORTED_MAJOR}.x); upgrade the receiver or the sender so they agree",
+        )
+
+
+def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """Decode `data` as `type_` (a Struct or a tagged Union of Structs)."""
+    if len(data) > max_bytes:
+        raise DecodeError("too-large", f"message of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        envelope = _envelope.decode(data)
+    except msgspec.ValidationError as exc:
+        raise DecodeError("validation", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise DecodeError("decode", f"not valid JSON: {exc}") from exc
+    check_schema_version(envelope.schema_version or "missing")
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise DecodeError("validation", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise DecodeError("decode", str(exc)) from exc

@@ -1,0 +1,1 @@
+"""lorabus services: each subpackage runs as `python -m services.<name>`."""

@@ -1,0 +1,107 @@
+"""The adapter's on-disk and in-object-store form: the Hugging Face PEFT layout.
+
+One format everywhere (object store, exporter, vLLM/SGLang adapter directories):
+`adapter_model.safetensors` with keys `base_model.model.<module path>.lora_{A,B}.weight`
+(no `.default` segment: vLLM rejects it) and `adapter_config.json` built from the event's
+`LoraSpec`, so a receiver needs only the event and the one object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from proto.messages import LoraSpec
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+_ADAPTER_SEGMENT = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_(A|B)\.weight$")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype: {dtype} is not one of {sorted(DTYPES)}")
+
+
+def peft_key(module_path: str, which: str) -> str:
+    """`model.layers.0.self_attn.q_proj`, "A" -> the PEFT-standard tensor key."""
+    if which not in ("A", "B"):
+        raise ValueError(f"which: {which!r} must be 'A' or 'B'")
+    return f"{PEFT_PREFIX}{module_path}.lora_{which}.weight"
+
+
+def parse_peft_key(key: str) -> tuple[str, str]:
+    """The inverse of `peft_key`: (module path, "A" | "B")."""
+    m = _KEY.match(key)
+    if not m:
+        raise ValueError(
+            f"{key!r} is not a PEFT LoRA key (base_model.model.<module>.lora_A|B.weight)"
+        )
+    return m.group(1), m.group(2)
+
+
+def standardize_key(key: str) -> str:
+    """Drop the adapter-name segment peft uses in memory (`lora_A.default.weight`)."""
+    key = _ADAPTER_SEGMENT.sub(lambda m: f".lora_{m.group(1)}.weight", key)
+    return key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
+
+
+def adapter_config(lora: LoraSpec) -> dict:
+    """The `adapter_config.json` that `peft.PeftModel.from_pretrained` accepts."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": lora.base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(lora.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+
+
+def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Serialize with sorted keys so the same weights always give the same sha256."""
+    ordered = {k: tensors[k].detach().contiguous().cpu() for k in sorted(tensors)}
+    return st_save(ordered)
+
+
+def from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    return st_load(data)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_peft_dir(directory: str | os.PathLike, weights: bytes, lora: LoraSpec) -> Path:
+    """Write a PEFT adapter directory; files appear atomically (tmp + rename)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in (
+        (WEIGHTS_NAME, weights),
+        (CONFIG_NAME, json.dumps(adapter_config(lora), indent=2).encode()),
+    ):
+        tmp = directory / f".{name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, directory / name)
+    return directory

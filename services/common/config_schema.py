@@ -1,0 +1,223 @@
+"""The typed shape of a lorabus config file (AReaL-style YAML).
+
+Only the shape and defaults live here; loading, `${a.b}` interpolation and the cross-field
+validation rules are in `services.common.config`. Every service reads the same file and uses
+the sections it needs, so one YAML describes a whole run.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct, field
+
+
+class Section(Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class BusConfig(Section):
+    url: str = "nats://127.0.0.1:4222"
+    user: str | None = None
+    password: str | None = None
+    """prefer `password_env`: the name of an environment variable holding it"""
+    password_env: str | None = None
+    creds_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout_s: float = 5.0
+    max_reconnect_attempts: int = -1
+    """-1: retry forever, with backoff"""
+
+
+class StoreConfig(Section):
+    uri: str = "file://./runs/store"
+    """`file:///abs/dir` (one machine) or `s3://bucket/prefix` (MinIO/S3)"""
+    endpoint: str | None = None
+    """S3 endpoint `host:port`; required for s3://"""
+    access_key_env: str = "LORABUS_S3_ACCESS_KEY"
+    secret_key_env: str = "LORABUS_S3_SECRET_KEY"
+    secure: bool = False
+    region: str | None = None
+
+
+class MetricsConfig(Section):
+    host: str = "0.0.0.0"
+    port: int = 0
+    """0: pick a free port (logged at start); set one per service in deployments"""
+
+
+class GenerationConfig(Section):
+    """AReaL's `gconfig`."""
+
+    n_samples: int = 4
+    """completions per prompt: the GRPO group size"""
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    lora_name: str = "default_lora"
+    """single source of truth for the adapter's name; versions are `{lora_name}-v{N}`"""
+
+
+class OptimizerConfig(Section):
+    type: Literal["adam", "adamw", "sgd"] = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gradient_clipping: float = 1.0
+    warmup_steps: int = 0
+
+
+class PPOConfig(Section):
+    eps_clip: float = 0.2
+    eps_clip_higher: float | None = None
+    behav_imp_weight_cap: float | None = 5.0
+    """cap on pi_prox/pi_behave; tokens above it are masked (AReaL's default)"""
+    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    use_decoupled_loss: bool = True
+    kl_ctl: float = 0.0
+    reward_scaling: float = 1.0
+    reward_bias: float = 0.0
+    group_adv_norm: bool = True
+    adv_norm_std: bool = True
+    ppo_n_minibatches: int = 1
+    token_level_loss: bool = True
+
+
+class MegatronConfig(Section):
+    bridge_type: Literal["megatron-bridge", "mbridge", "none"] = "none"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+class ActorConfig(Section):
+    path: str = ""
+    """HF model id or local directory of the base model"""
+    tokenizer_path: str | None = None
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    """auto: cuda if available, else cpu"""
+    use_lora: bool = True
+    peft_type: str = "lora"
+    lora_rank: int = 32
+    lora_alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=list)
+    """empty or ["all-linear"]: every linear layer of the backend"""
+    weight_update_mode: Literal["disk", "xccl"] = "disk"
+    xccl_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    xccl_bucket_mb: float = 64.0
+    xccl_timeout_s: float = 30.0
+    xccl_master_address: str = "127.0.0.1"
+    xccl_master_port: int = 0
+    mb_spec_max_tokens: int = 4096
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint_dir: str = "${run_dir}/checkpoints"
+    checkpoint_every: int = 1
+    seed: int = 1
+
+
+class RolloutConfig(Section):
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    use_lora: bool = True
+    lora_name: str = ""
+    """back-filled from gconfig.lora_name when empty; must equal it otherwise"""
+    max_head_offpolicyness: int = 2
+    consumer_batch_size: int = 8
+    """groups per trainer step (B)"""
+    max_concurrent_rollouts: int | None = None
+    """defaults to consumer_batch_size"""
+    lora_keep_versions: int | None = None
+    """versions kept loaded; defaults to max_head_offpolicyness + 1"""
+    lease_seconds: float = 60.0
+    """a grant not finished within this is presumed dead and its capacity freed"""
+    replicas: int = 2
+    """how many rollout processes `lorabus up` starts"""
+    batch_groups: int = 2
+    """groups a replica generates in one engine batch"""
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    server_urls: list[str] = field(default_factory=list)
+    """vllm/sglang: every data-parallel replica's base URL"""
+    adapter_dir: str = "${run_dir}/adapters"
+    """where the sidecar writes adapters for the server to read"""
+    server_adapter_dir: str | None = None
+    """the same directory as the server sees it (shared volume); defaults to adapter_dir"""
+    request_timeout_s: float = 120.0
+    heartbeat_s: float = 2.0
+
+
+class VllmConfig(Section):
+    enable_lora: bool = True
+    max_lora_rank: int = 16
+    max_loras: int = 8
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] = field(default_factory=list)
+    """`name=path` entries; `{lora_name}-v0` is auto-filled"""
+    model: str = "${actor.path}"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+class SglangConfig(Section):
+    enable_lora: bool = True
+    max_lora_rank: int = 16
+    max_loaded_loras: int = 8
+    max_loras_per_batch: int = 8
+    lora_backend: Literal["csgmv", "triton", "triton_v2", "torch_native"] = "triton"
+    lora_paths: list[str] = field(default_factory=list)
+    """`name=path` entries; `{lora_name}-v0` is auto-filled"""
+    lora_target_modules: list[str] = field(default_factory=list)
+    model_path: str = "${actor.path}"
+    extra_args: list[str] = field(default_factory=list)
+
+
+class DatasetConfig(Section):
+    path: str = ""
+    """JSONL with `prompt` and `answer` fields, or `builtin:<task>` for a shipped task"""
+    type: Literal["rl", "sft"] = "rl"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    reward_fn: str = ""
+    """`package.module:function` taking (prompt, completion, answer) -> float"""
+    max_prompts: int | None = None
+    shuffle: bool = True
+
+
+class ExporterConfig(Section):
+    uri: str = "file://${run_dir}/export"
+    """`file:///dir` or `s3://bucket/prefix`; versions land in `<uri>/v<N>/`"""
+
+
+class LorabusConfig(Section):
+    experiment_name: str = "lorabus"
+    trial_name: str = "trial0"
+    run: str = "${experiment_name}-${trial_name}"
+    """the run id in every subject"""
+    run_dir: str = "./runs/${run}"
+    seed: int = 1
+    total_train_steps: int = 10
+    bus: BusConfig = field(default_factory=BusConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    sglang: SglangConfig = field(default_factory=SglangConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    exporter: ExporterConfig = field(default_factory=ExporterConfig)
