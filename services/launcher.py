@@ -1,0 +1,289 @@
+"""`lorabus up --config FILE`: a whole local deployment on one machine.
+
+Starts a nats-server with JetStream in the run directory (unless `--bus-url` points at one),
+then the registry, trainer, `rollout.replicas` rollout processes, the exporter and (optionally)
+the evaluator, each as its own process with its log in the run directory. It prints progress from
+the bus while the run goes, stops everything on Ctrl-C or once the trainer has finished and the
+last version is exported, and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto import messages as m
+from proto import subjects
+from services.common.config import load_config
+from services.common.config_schema import LorabusConfig
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab", buffering=0)
+        # own process group: Ctrl-C in the terminal reaches only the launcher, which then stops
+        # the children in order
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Progress:
+    """What the launcher learns from the bus; also the summary's content."""
+
+    head: int = -1
+    steps: list[m.TrainerStep] = field(default_factory=list)
+    verdicts: dict[str, int] = field(default_factory=dict)
+    exported: dict[int, str] = field(default_factory=dict)
+    evals: dict[int, float] = field(default_factory=dict)
+    loaded: dict[str, int] = field(default_factory=dict)
+
+    def line(self, started: float) -> str:
+        last = self.steps[-1] if self.steps else None
+        reward = f"{last.reward_mean:.3f}" if last else "-"
+        tps = f"{last.tokens / last.step_seconds:.0f}" if last and last.step_seconds else "-"
+        accepted = self.verdicts.get("accepted", 0)
+        rejected = sum(v for k, v in self.verdicts.items() if k != "accepted")
+        replicas = " ".join(f"{r}:v{v}" for r, v in sorted(self.loaded.items())) or "-"
+        return (
+            f"[{time.monotonic() - started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
+            f"accepted {accepted} rejected {rejected} | train tok/s {tps} | replicas {replicas}"
+        )
+
+
+def child_commands(
+    cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool
+) -> list[Child]:
+    py = [sys.executable, "-m"]
+    common = ["--config", config_path, *overrides]
+    children = [
+        Child("registry", [*py, "services.registry", *common], run_dir / "registry.log"),
+        Child("exporter", [*py, "services.exporter", *common], run_dir / "exporter.log"),
+        Child("trainer", [*py, "services.trainer", *common], run_dir / "trainer.log"),
+    ]
+    for i in range(cfg.rollout.replicas):
+        replica = f"rollout-{i}"
+        children.append(
+            Child(
+                replica,
+                [*py, "services.rollout", *common, "--replica", replica],
+                run_dir / f"{replica}.log",
+            )
+        )
+    if evaluate:
+        children.append(
+            Child(
+                "evaluator",
+                [*py, "services.clients.evaluate", *common],
+                run_dir / "evaluator.log",
+            )
+        )
+    return children
+
+
+def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
+    for child in reversed(children):
+        if child.alive():
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+async def follow(cfg: LorabusConfig, progress: Progress) -> list:
+    """Subscribe to the run's events (core subscriptions: the launcher only watches)."""
+    from services.common.bus import Bus
+
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service="launcher")
+    run = cfg.run
+
+    async def on_ready(msg: m.AdapterReady, _meta) -> None:
+        progress.head = max(progress.head, msg.version)
+
+    async def on_step(msg: m.TrainerStep, _meta) -> None:
+        progress.steps.append(msg)
+
+    async def on_decision(msg: m.TrajectoryDecision, _meta) -> None:
+        progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
+
+    async def on_export(msg: m.ExportDone, _meta) -> None:
+        progress.exported[msg.version] = msg.uri
+
+    async def on_eval(msg: m.EvalResult, _meta) -> None:
+        progress.evals[msg.version] = msg.score
+
+    async def on_loaded(msg: m.AdapterLoaded, _meta) -> None:
+        progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
+
+    await bus.subscribe(subjects.adapter_ready_all(run), m.AdapterReady, on_ready)
+    await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)
+    await bus.subscribe(subjects.decision_all(run), m.TrajectoryDecision, on_decision)
+    await bus.subscribe(subjects.export_done_all(run), m.ExportDone, on_export)
+    await bus.subscribe(subjects.eval_result_all(run), m.EvalResult, on_eval)
+    await bus.subscribe(subjects.rollout_report(run, "*", "loaded"), m.AdapterLoaded, on_loaded)
+    return [bus]
+
+
+def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: float) -> dict:
+    per_version = {}
+    for step in progress.steps:
+        # the reward of the groups a step consumed describes the policies that generated them:
+        # attribute it to the version the step started from
+        per_version[step.version - 1] = step.reward_mean
+    return {
+        "run": cfg.run,
+        "run_dir": str(run_dir),
+        "elapsed_s": round(elapsed, 1),
+        "head_version": progress.head,
+        "trainer_steps": len(progress.steps),
+        "reward_by_version": per_version,
+        "eval_by_version": dict(sorted(progress.evals.items())),
+        "trajectories": dict(progress.verdicts),
+        "exported": dict(sorted(progress.exported.items())),
+    }
+
+
+def print_summary(result: dict) -> None:
+    print("\n== lorabus run summary ==")
+    print(f"run {result['run']}: {result['trainer_steps']} steps, head v{result['head_version']}, "
+          f"{result['elapsed_s']} s; logs in {result['run_dir']}")
+    print(f"trajectories: {result['trajectories']}")
+    print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
+    versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
+    for v in versions:
+        reward = result["reward_by_version"].get(v)
+        score = result["eval_by_version"].get(v)
+        print(
+            f"{v:>8} {'' if reward is None else f'{reward:.3f}':>13} "
+            f"{'' if score is None else f'{score:.3f}':>11}  {result['exported'].get(v, '')}"
+        )
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    cfg = load_config(args.config, overrides)
+    run_dir = Path(cfg.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    nats = None
+    if args.bus_url:
+        overrides.append(f"bus.url={args.bus_url}")
+    else:
+        from services.common.nats_server import start_nats_server
+
+        nats = start_nats_server(run_dir / "nats")
+        overrides.append(f"bus.url={nats.url}")
+    cfg = load_config(args.config, overrides)
+
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    children = child_commands(cfg, args.config, overrides, run_dir, args.evaluate)
+    print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
+    progress = Progress()
+    started = time.monotonic()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    buses = await follow(cfg, progress)
+    for child in children:
+        child.start(env)
+        print(f"  started {child.name:<10} pid {child.proc.pid}  log {child.log_path.name}")
+
+    trainer = next(c for c in children if c.name == "trainer")
+    final_version = cfg.total_train_steps
+    exit_code = 0
+    last_print = 0.0
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now - last_print >= args.progress_every:
+                print(progress.line(started), flush=True)
+                last_print = now
+            crashed = [c for c in children if not c.alive() and c is not trainer
+                       and c.proc.returncode not in (0, None)]
+            if crashed:
+                names = ", ".join(f"{c.name} (exit {c.proc.returncode})" for c in crashed)
+                print(f"lorabus up: {names} stopped; see its log in {run_dir}", file=sys.stderr)
+                exit_code = 1
+                break
+            if not trainer.alive():
+                if trainer.proc.returncode != 0:
+                    print(f"lorabus up: trainer exited with {trainer.proc.returncode}; see "
+                          f"{trainer.log_path}", file=sys.stderr)
+                    exit_code = 1
+                    break
+                done = final_version in progress.exported and (
+                    not args.evaluate or final_version in progress.evals
+                )
+                if done:
+                    break
+                if now - started > args.timeout:
+                    break
+            if now - started > args.timeout:
+                print(f"lorabus up: timeout after {args.timeout} s", file=sys.stderr)
+                exit_code = 1
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        print(progress.line(started), flush=True)
+        stop_children(children)
+        for bus in buses:
+            await bus.close()
+        if nats is not None:
+            nats.stop()
+    result = summary(cfg, progress, run_dir, time.monotonic() - started)
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    print_summary(result)
+    return exit_code
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lorabus up", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML config (e.g. examples/tiny.yaml)")
+    p.add_argument("--bus-url", help="use this NATS server instead of starting one")
+    p.add_argument("--no-evaluate", dest="evaluate", action="store_false",
+                   help="do not start the held-out evaluator")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
+    p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per service process")
+    p.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(run_up(parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
