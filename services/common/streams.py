@@ -1,0 +1,127 @@
+"""JetStream streams and KV buckets of one run: names, subjects, retention.
+
+Every persisted subject family of `proto.subjects` is captured by exactly one stream. The
+admission request/reply subject is deliberately in none: a stream capturing it would answer
+the rollout's request with a PubAck before the registry could reply.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from proto import subjects
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+DUPLICATE_WINDOW_S = 120.0
+"""how long JetStream remembers a Nats-Msg-Id: covers a publisher retrying across a restart"""
+
+_STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+
+
+def stream_name(run: str, kind: str) -> str:
+    """`LORABUS_<run>_<KIND>`; no dots, since stream names are tokens of JetStream API subjects."""
+    name = f"LORABUS_{subjects.token(run, 'run')}_{kind}"
+    if not _STREAM_NAME.match(name):
+        raise ValueError(f"stream name {name!r}: use only [A-Za-z0-9_-], at most 255 characters")
+    return name
+
+
+def ADAPTERS(run: str) -> str:  # noqa: N802 - the contract names streams like constants
+    return stream_name(run, "ADAPTERS")
+
+
+def REPORTS(run: str) -> str:  # noqa: N802
+    return stream_name(run, "REPORTS")
+
+
+def TRAJECTORIES(run: str) -> str:  # noqa: N802
+    return stream_name(run, "TRAJECTORIES")
+
+
+def ACCEPTED(run: str) -> str:  # noqa: N802
+    return stream_name(run, "ACCEPTED")
+
+
+def DECISIONS(run: str) -> str:  # noqa: N802
+    return stream_name(run, "DECISIONS")
+
+
+def EXPORTS(run: str) -> str:  # noqa: N802
+    return stream_name(run, "EXPORTS")
+
+
+def EVALS(run: str) -> str:  # noqa: N802
+    return stream_name(run, "EVALS")
+
+
+def TRAINER(run: str) -> str:  # noqa: N802
+    return stream_name(run, "TRAINER")
+
+
+def DEADLETTER(run: str) -> str:  # noqa: N802
+    return stream_name(run, "DEADLETTER")
+
+
+def ledger_bucket(run: str) -> str:
+    """The registry's version ledger (JetStream KV; bucket names allow no dots either)."""
+    return f"lorabus_{subjects.token(run, 'run')}_ledger"
+
+
+# (stream, subject pattern, max_age, max_msgs_per_subject); -1 = unlimited.
+# Adapter events and exports are the run's history: services that start late replay them, so
+# they are kept for the run's lifetime. Heartbeats are chatter: keep the recent ones only.
+# Trajectories are kept a day so a registry that was down can catch up from its durable.
+_LAYOUT: list[tuple[Callable[[str], str], Callable[[str], str], float, int]] = [
+    (ADAPTERS, subjects.adapter_ready_all, 30 * DAY, -1),
+    (REPORTS, subjects.rollout_report_all, 1 * HOUR, 100),
+    (TRAJECTORIES, subjects.trajectory_all, 1 * DAY, -1),
+    (ACCEPTED, subjects.accepted, 1 * DAY, -1),
+    (DECISIONS, subjects.decision_all, 1 * DAY, -1),
+    (EXPORTS, subjects.export_done_all, 30 * DAY, -1),
+    (EVALS, subjects.eval_result_all, 30 * DAY, -1),
+    (TRAINER, subjects.trainer_step, 30 * DAY, -1),
+    (DEADLETTER, subjects.dead_letter_all, 7 * DAY, -1),
+]
+
+
+def stream_configs(run: str) -> list[StreamConfig]:
+    """The streams `Bus.ensure_streams` creates or updates for `run`."""
+    return [
+        StreamConfig(
+            name=name(run),
+            subjects=[subject(run)],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=max_age,
+            max_msgs_per_subject=per_subject,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        )
+        for name, subject, max_age, per_subject in _LAYOUT
+    ]
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some concrete subject matches both NATS patterns (`*` one token, `>` the rest)."""
+    ta, tb = a.split("."), b.split(".")
+    for x, y in zip(ta, tb):
+        if x == ">" or y == ">":
+            return True
+        if x != y and x != "*" and y != "*":
+            return False
+    if len(ta) == len(tb):
+        return True
+    # Different lengths and no `>` reached: no subject has both token counts.
+    return False
+
+
+def stream_for_subject(run: str, subject: str) -> str | None:
+    """The stream that would capture a concrete `subject`, or None."""
+    for config in stream_configs(run):
+        if any(subjects_overlap(pattern, subject) for pattern in config.subjects or []):
+            return config.name
+    return None
