@@ -55,6 +55,7 @@ class Progress:
     exported: dict[int, str] = field(default_factory=dict)
     evals: dict[int, float] = field(default_factory=dict)
     loaded: dict[str, int] = field(default_factory=dict)
+    max_accepted_staleness: int = 0
 
     def line(self, started: float) -> str:
         last = self.steps[-1] if self.steps else None
@@ -99,6 +100,11 @@ def child_commands(
     return children
 
 
+def write_pids(run_dir: Path, children: list[Child]) -> None:
+    """For operators and tests that want to signal one service."""
+    (run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in children}))
+
+
 def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
     for child in reversed(children):
         if child.alive():
@@ -129,6 +135,9 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list:
 
     async def on_decision(msg: m.TrajectoryDecision, _meta) -> None:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
+        if msg.verdict == "accepted" and msg.oldest_version is not None:
+            staleness = msg.head_version - msg.oldest_version
+            progress.max_accepted_staleness = max(progress.max_accepted_staleness, staleness)
 
     async def on_export(msg: m.ExportDone, _meta) -> None:
         progress.exported[msg.version] = msg.uri
@@ -163,6 +172,8 @@ def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: floa
         "reward_by_version": per_version,
         "eval_by_version": dict(sorted(progress.evals.items())),
         "trajectories": dict(progress.verdicts),
+        "max_accepted_staleness": progress.max_accepted_staleness,
+        "max_head_offpolicyness": cfg.rollout.max_head_offpolicyness,
         "exported": dict(sorted(progress.exported.items())),
     }
 
@@ -216,19 +227,28 @@ async def run_up(args: argparse.Namespace) -> int:
     for child in children:
         child.start(env)
         print(f"  started {child.name:<10} pid {child.proc.pid}  log {child.log_path.name}")
+    write_pids(run_dir, children)
 
     trainer = next(c for c in children if c.name == "trainer")
     final_version = cfg.total_train_steps
     exit_code = 0
     last_print = 0.0
+    restarts: dict[str, int] = {}
     try:
         while not stop.is_set():
             now = time.monotonic()
             if now - last_print >= args.progress_every:
                 print(progress.line(started), flush=True)
                 last_print = now
-            crashed = [c for c in children if not c.alive() and c is not trainer
-                       and c.proc.returncode not in (0, None)]
+            for child in children:
+                if child.name.startswith("rollout-") and not child.alive():
+                    # rollouts are cattle: a dead replica is replaced and rejoins at the head
+                    print(f"lorabus up: {child.name} exited ({child.proc.returncode}); "
+                          f"restarting it", flush=True)
+                    child.start(env)
+                    restarts[child.name] = restarts.get(child.name, 0) + 1
+                    write_pids(run_dir, children)
+            crashed = [c for c in children if not c.alive() and c is not trainer]
             if crashed:
                 names = ", ".join(f"{c.name} (exit {c.proc.returncode})" for c in crashed)
                 print(f"lorabus up: {names} stopped; see its log in {run_dir}", file=sys.stderr)
@@ -263,6 +283,7 @@ async def run_up(args: argparse.Namespace) -> int:
         if nats is not None:
             nats.stop()
     result = summary(cfg, progress, run_dir, time.monotonic() - started)
+    result["restarts"] = restarts
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
     print_summary(result)
     return exit_code
