@@ -1,0 +1,615 @@
+"""Load, back-fill and validate a lorabus config file.
+
+    cfg = load_config("examples/tiny.yaml", overrides=["rollout.replicas=3"])
+
+The pipeline is: read the YAML (OmegaConf's loader, so `3e-5` is a float as in AReaL's files),
+apply `key=value` overrides, lay the result over the schema's defaults, resolve `${a.b}` and
+`${oc.env:NAME,default}`, convert into `LorabusConfig` (unknown keys and wrong types are errors),
+fill derived defaults, then run every validation rule. Problems are collected rather than raised
+one at a time, so a user fixes a broken file in one pass; `ConfigError.problems` lists them.
+
+Each rule is a pure function `cfg -> list[str]` returning messages of the form
+`<dotted.field>: <bad value> <what is wrong>; <the fix>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import msgspec
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from proto.messages import adapter_name
+from proto.subjects import SubjectError, token
+from services.common.config_schema import ActorConfig, LorabusConfig
+
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "config_from_dict",
+    "backfill",
+    "validate",
+    "resolve_target_modules",
+    "hf_target_modules",
+    "RULES",
+    "ALL_LINEAR",
+    "MEGATRON_LINEAR",
+    "MEGATRON_TO_HF",
+    "HF_TO_MEGATRON",
+    "VLLM_LORA_RANKS",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. `problems` holds one message per problem found."""
+
+    def __init__(self, problems: str | Sequence[str], source: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f"config {source}" if source else "config"
+        if len(self.problems) == 1:
+            text = f"{where}: {self.problems[0]}"
+        else:
+            listed = "\n".join(f"  - {p}" for p in self.problems)
+            text = f"{where} has {len(self.problems)} problems:\n{listed}"
+        super().__init__(text)
+
+
+# --- target-module vocabularies -------------------------------------------------------------
+
+ALL_LINEAR = "all-linear"
+MEGATRON_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MEGATRON_TO_HF: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+HF_TO_MEGATRON: dict[str, str] = {hf: mg for mg, hfs in MEGATRON_TO_HF.items() for hf in hfs}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def resolve_target_modules(actor: ActorConfig) -> list[str] | Literal["all-linear"]:
+    """The modules the trainer wraps: `"all-linear"` for peft (fsdp2), which understands it;
+    megatron-bridge's LoRA takes explicit names, so all-linear becomes its four linear layers."""
+    names = list(actor.target_modules)
+    if not names or names == [ALL_LINEAR]:
+        return list(MEGATRON_LINEAR) if actor.backend == "megatron" else ALL_LINEAR
+    return names
+
+
+def hf_target_modules(actor: ActorConfig) -> list[str] | Literal["all-linear"]:
+    """The HF leaf names the exported adapter touches (what vLLM/SGLang see)."""
+    resolved = resolve_target_modules(actor)
+    if resolved == ALL_LINEAR or actor.backend != "megatron":
+        return resolved
+    out: list[str] = []
+    for name in resolved:
+        out.extend(h for h in MEGATRON_TO_HF.get(name, (name,)) if h not in out)
+    return out
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> LorabusConfig:
+    """Read, resolve, back-fill and validate one config file; raises `ConfigError`."""
+    source = os.fspath(path)
+    try:
+        loaded = OmegaConf.load(source)
+    except FileNotFoundError:
+        raise ConfigError(f"file not found: {source!r}; pass --config with an existing YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"is not valid YAML: {e}", source) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot be read: {_first_line(e)}", source) from None
+    tree = OmegaConf.to_container(loaded, resolve=False)
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"top level is a {type(tree).__name__}; a config is a mapping of sections "
+            "(experiment_name:, actor:, rollout:, ...)",
+            source,
+        )
+    return config_from_dict(tree, overrides, source=source)
+
+
+def config_from_dict(
+    tree: dict[str, Any], overrides: Iterable[str] = (), *, source: str | None = None
+) -> LorabusConfig:
+    """The same pipeline as `load_config`, for a tree already in memory (tests, launchers)."""
+    tree = _deep_merge(tree, _parse_overrides(overrides, source))
+    tree = _deep_merge(msgspec.to_builtins(LorabusConfig()), tree)
+    # Shape first: a misspelt key or `actor: 5` would otherwise surface as a confusing
+    # interpolation failure in some other field that refers to it.
+    problems = _shape_problems(tree, LorabusConfig, "")
+    if problems:
+        raise ConfigError(problems, source)
+    resolved = _resolve(tree, source)
+    cfg = _to_struct(resolved, source)
+    backfill(cfg)
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, Any]:
+    if isinstance(overrides, str):  # a lone "a=b" would otherwise iterate per character
+        overrides = [overrides]
+    out: dict[str, Any] = {}
+    problems = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            problems.append(f"override {item!r} is not key=value; write e.g. rollout.replicas=3")
+            continue
+        try:
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        except OmegaConfBaseException as e:
+            problems.append(f"override {item!r} cannot be parsed: {_first_line(e)}")
+            continue
+        out = _deep_merge(out, parsed)
+    if problems:
+        raise ConfigError(problems, source)
+    return out
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` wins; mappings merge key by key, anything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve(tree: dict[str, Any], source: str | None) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(
+            f"{key}: cannot resolve {_value_at(tree, key)!r}: {_first_line(e)}; references are "
+            "${section.key} (from the top level) or ${oc.env:NAME,default}",
+            source,
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# --- conversion into the typed shape ---------------------------------------------------------
+
+_MSGSPEC_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_EXPECTED = re.compile(r"^Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`")
+_ENUM = re.compile(r"^Invalid enum value (?P<value>.+)$")
+
+
+def _to_struct(tree: dict[str, Any], source: str | None) -> LorabusConfig:
+    problems = []
+    # One conversion per top-level field: msgspec stops at the first error, and a user should
+    # see one type problem per section at once rather than one per run.
+    for f in msgspec.structs.fields(LorabusConfig):
+        if f.name in tree:
+            try:
+                msgspec.convert(tree[f.name], f.type, strict=False)
+            except msgspec.ValidationError as e:
+                if not _UNKNOWN.match(str(e)):  # already reported, with suggestions
+                    problems.append(_explain(e, tree, prefix=f.name))
+    if problems:
+        raise ConfigError(problems, source)
+    try:
+        # strict=False: `${oc.env:...}` always yields strings, so "8" must still become 8.
+        return msgspec.convert(tree, LorabusConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(e, tree, prefix=""), source) from None
+
+
+def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            return t
+    return None
+
+
+def _shape_problems(tree: dict[str, Any], cls: type[msgspec.Struct], prefix: str) -> list[str]:
+    """Unknown keys (with a did-you-mean) and scalars where a section belongs, at every depth."""
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    problems = []
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key in fields:
+            inner = _struct_type(fields[key].type)
+            if inner is None:
+                continue
+            if isinstance(value, dict):
+                problems.extend(_shape_problems(value, inner, path))
+            elif not (isinstance(value, str) and "${" in value):  # may resolve to a mapping
+                some = ", ".join(f.name for f in msgspec.structs.fields(inner)[:3])
+                problems.append(
+                    f"{path}: {value!r} has type {type(value).__name__}; it must be a section "
+                    f"(a mapping of keys such as {some}, ...)"
+                )
+            continue
+        close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+        where = f"a key of {prefix}" if prefix else "a top-level section"
+        if close:
+            fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+        else:
+            fix = f"known keys: {', '.join(fields)}"
+        problems.append(f"{path}: unknown key (value {value!r}) is not {where}; {fix}")
+    return problems
+
+
+def _type_at(parts: list[str]) -> Any:
+    tp: Any = LorabusConfig
+    for part in parts:
+        if part.startswith("["):
+            args = typing.get_args(tp)
+            tp = args[0] if args else Any
+            continue
+        cls = _struct_type(tp)
+        if cls is None:
+            return Any
+        tp = next((f.type for f in msgspec.structs.fields(cls) if f.name == part), Any)
+    return tp
+
+
+def _split_path(path: str) -> list[str]:
+    return [p for p in re.split(r"\.|(?=\[)", path) if p]
+
+
+def _value_at(tree: Any, dotted: str) -> Any:
+    node = tree
+    for part in _split_path(dotted):
+        if part.startswith("[") and isinstance(node, list):
+            node = node[int(part[1:-1])]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _explain(e: msgspec.ValidationError, tree: dict[str, Any], prefix: str) -> str:
+    m = _MSGSPEC_AT.match(str(e))
+    msg, rel = m.group("msg"), (m.group("path") or "")
+    rel = rel.lstrip(".")
+    path = ".".join(p for p in (prefix, rel) if p).replace(".[", "[")
+    value = _value_at(tree, path)
+    if em := _EXPECTED.match(msg):
+        want, got = em.group("want"), em.group("got")
+        if want == "object":
+            return f"{path}: {value!r} has type {got}; it must be a section (a mapping of keys)"
+        hint = "; quote it in YAML" if want == "str" else ""
+        return f"{path}: {value!r} has type {got}, expected {want}{hint}"
+    if em := _ENUM.match(msg):
+        choices = [a for a in typing.get_args(_type_at(_split_path(path))) if isinstance(a, str)]
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+        fix = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{path}: {value!r} is not one of {', '.join(map(repr, choices))}{fix}"
+    if em := _UNKNOWN.match(msg):
+        return f"{path}.{em.group('name')}: unknown key"
+    return f"{path}: {value!r}: {msg}"
+
+
+# --- derived defaults ------------------------------------------------------------------------
+
+
+def backfill(cfg: LorabusConfig) -> LorabusConfig:
+    """Fill the fields whose defaults depend on others (in place; returns `cfg`)."""
+    ro = cfg.rollout
+    if not ro.lora_name:
+        ro.lora_name = cfg.gconfig.lora_name
+    if ro.max_concurrent_rollouts is None:
+        ro.max_concurrent_rollouts = ro.consumer_batch_size
+    if ro.lora_keep_versions is None:
+        ro.lora_keep_versions = ro.max_head_offpolicyness + 1
+    if cfg.vllm.max_cpu_loras is None:
+        cfg.vllm.max_cpu_loras = max(cfg.vllm.max_loras, ro.lora_keep_versions + 1)
+    v0 = adapter_name(ro.lora_name, 0)
+    v0_entry = f"{v0}={(ro.server_adapter_dir or ro.adapter_dir).rstrip('/')}/{v0}"
+    # The server preloads v0 at start so that the first admitted request never waits on a load.
+    if ro.engine == "vllm" and not _names(cfg.vllm.lora_modules) & {v0}:
+        cfg.vllm.lora_modules.append(v0_entry)
+    if ro.engine == "sglang" and not _names(cfg.sglang.lora_paths) & {v0}:
+        cfg.sglang.lora_paths.append(v0_entry)
+    return cfg
+
+
+def _names(entries: list[str]) -> set[str]:
+    return {e.partition("=")[0] for e in entries}
+
+
+def _keep(cfg: LorabusConfig) -> int:
+    ro = cfg.rollout
+    return ro.lora_keep_versions if ro.lora_keep_versions is not None else ro.max_head_offpolicyness + 1
+
+
+# --- validation rules ------------------------------------------------------------------------
+
+
+def check_lora(cfg: LorabusConfig) -> list[str]:
+    a, out = cfg.actor, []
+    if a.peft_type != "lora":
+        out.append(f"actor.peft_type: {a.peft_type!r} is not supported; lorabus trains LoRA only (peft_type: lora)")
+    if not a.use_lora:
+        out.append(
+            "actor.use_lora: false is not supported; lorabus moves LoRA adapters between services "
+            "and never full weights (use_lora: true)"
+        )
+    if a.use_lora != cfg.rollout.use_lora:
+        out.append(
+            f"rollout.use_lora: {cfg.rollout.use_lora} disagrees with actor.use_lora: {a.use_lora}; "
+            "the rollouts must serve what the trainer trains (set both to true, or write "
+            "rollout.use_lora: ${actor.use_lora})"
+        )
+    if a.lora_rank < 1:
+        out.append(f"actor.lora_rank: {a.lora_rank} must be >= 1 (AReaL's default is 32)")
+    if not a.lora_alpha > 0:
+        out.append(f"actor.lora_alpha: {a.lora_alpha} must be > 0; the LoRA scale is alpha / rank")
+    return out
+
+
+def check_lora_name(cfg: LorabusConfig) -> list[str]:
+    g, ro, out = cfg.gconfig.lora_name, cfg.rollout.lora_name, []
+    if ro and ro != g:
+        out.append(
+            f"rollout.lora_name: {ro!r} differs from gconfig.lora_name: {g!r}; gconfig.lora_name is "
+            "the single source of the adapter name (leave rollout.lora_name empty)"
+        )
+    try:
+        token(g, "gconfig.lora_name")
+    except SubjectError as e:
+        out.append(f"{e}, since it becomes server adapter names and paths")
+    return out
+
+
+def check_engine_matrix(cfg: LorabusConfig) -> list[str]:
+    backend, engine, mode = cfg.actor.backend, cfg.rollout.engine, cfg.actor.weight_update_mode
+    if mode != "xccl":
+        return []
+    why = None
+    if engine == "sglang":
+        why = (
+            "SGLang's distributed weight update (/update_weights_from_distributed) updates base "
+            "weights only and has no LoRA target"
+        )
+    elif engine == "vllm" and backend == "fsdp2":
+        why = "stock vLLM has no public API to load a LoRA adapter from tensors, only from a directory"
+    if why is None:
+        return []
+    return [
+        f"actor.weight_update_mode: 'xccl' is not supported with actor.backend {backend} and "
+        f"rollout.engine {engine}: {why}; use weight_update_mode: disk"
+    ]
+
+
+def check_megatron(cfg: LorabusConfig) -> list[str]:
+    a = cfg.actor
+    if a.backend != "megatron" or not a.use_lora:
+        return []
+    m, out = a.megatron, []
+    if m.bridge_type != "megatron-bridge":
+        out.append(
+            f"actor.megatron.bridge_type: {m.bridge_type!r} cannot train LoRA; Megatron LoRA is "
+            "megatron-bridge's PEFT (set actor.megatron.bridge_type: megatron-bridge)"
+        )
+    if m.use_distributed_optimizer:
+        out.append(
+            "actor.megatron.use_distributed_optimizer: true is not supported with LoRA: the "
+            "distributed optimizer shards contiguous buffers of all parameters, frozen base "
+            "included, and the adapter's optimizer state is too small to gain from sharding "
+            "(set it to false)"
+        )
+    if m.gradient_accumulation_fusion:
+        out.append(
+            "actor.megatron.gradient_accumulation_fusion: true is not supported with LoRA: the "
+            "fused kernel accumulates weight gradients into each base weight's main_grad, which "
+            "frozen base weights do not have (set it to false)"
+        )
+    return out
+
+
+def check_target_modules(cfg: LorabusConfig) -> list[str]:
+    a = cfg.actor
+    names, out = list(a.target_modules), []
+    if ALL_LINEAR in names and len(names) > 1:
+        out.append(
+            f"actor.target_modules: {names} mixes {ALL_LINEAR!r} with explicit names; "
+            f"use [{ALL_LINEAR}] (or []) alone, or list the modules"
+        )
+    for name in names:
+        if not name.strip():
+            out.append(f"actor.target_modules: {name!r} is empty; remove it")
+        elif name == ALL_LINEAR:
+            continue
+        elif a.backend == "fsdp2" and name in MEGATRON_TO_HF:
+            hf = ", ".join(MEGATRON_TO_HF[name])
+            out.append(
+                f"actor.target_modules: {name!r} is a Megatron module name, but actor.backend "
+                f"fsdp2 wraps HF modules; use {hf} instead"
+            )
+        elif a.backend == "megatron" and name not in MEGATRON_TO_HF:
+            if name in HF_TO_MEGATRON:
+                fix = f"use {HF_TO_MEGATRON[name]!r} (Megatron fuses it with its siblings)"
+            else:
+                close = difflib.get_close_matches(name, MEGATRON_LINEAR, n=1)
+                fix = (f"did you mean {close[0]!r}? " if close else "") + (
+                    f"allowed: {', '.join(MEGATRON_LINEAR)} or {ALL_LINEAR}"
+                )
+            out.append(
+                f"actor.target_modules: {name!r} is not a Megatron linear layer for actor.backend "
+                f"megatron; {fix}"
+            )
+    return out
+
+
+def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
+    ro, g, out = cfg.rollout, cfg.gconfig, []
+    k = ro.max_head_offpolicyness
+    if k < 0:
+        out.append(f"rollout.max_head_offpolicyness: {k} must be >= 0 (0 = strictly on-policy)")
+    keep = _keep(cfg)
+    if keep < max(k + 1, 1):
+        out.append(
+            f"rollout.lora_keep_versions: {keep} is below max_head_offpolicyness + 1 = {k + 1}; "
+            "every admissible version must stay loaded (raise it, or leave it unset)"
+        )
+    if ro.consumer_batch_size < 1:
+        out.append(f"rollout.consumer_batch_size: {ro.consumer_batch_size} must be >= 1 (groups per trainer step)")
+    mcr = ro.max_concurrent_rollouts
+    if mcr is not None and mcr < 1:
+        out.append(
+            f"rollout.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: defaults to consumer_batch_size)"
+        )
+    if g.n_samples < 1:
+        out.append(f"gconfig.n_samples: {g.n_samples} must be >= 1 (completions per prompt)")
+    elif g.n_samples == 1 and cfg.actor.ppo.group_adv_norm:
+        # An error, not a warning: a group of one has reward - group mean = 0 for every sample,
+        # so every advantage is zero and training silently does nothing.
+        out.append(
+            "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage "
+            "zero (a group of one is its own mean); use n_samples >= 2 or group_adv_norm: false"
+        )
+    return out
+
+
+def _check_entries(field: str, entries: list[str]) -> list[str]:
+    out = []
+    for e in entries:
+        name, sep, path = e.partition("=")
+        if not sep or not name or not path:
+            out.append(f"{field}: {e!r} is not name=path; write e.g. default_lora-v0=/adapters/default_lora-v0")
+    return out
+
+
+def check_vllm_slots(cfg: LorabusConfig) -> list[str]:
+    if cfg.rollout.engine != "vllm":
+        return []
+    v, rank, keep, out = cfg.vllm, cfg.actor.lora_rank, _keep(cfg), []
+    if not v.enable_lora:
+        out.append("vllm.enable_lora: false, but rollout.engine vllm serves LoRA adapters; set it to true")
+    if v.max_lora_rank not in VLLM_LORA_RANKS:
+        up = next((r for r in VLLM_LORA_RANKS if r >= v.max_lora_rank), VLLM_LORA_RANKS[-1])
+        out.append(
+            f"vllm.max_lora_rank: {v.max_lora_rank} is not a rank vLLM accepts "
+            f"({', '.join(map(str, VLLM_LORA_RANKS))}); use {up}"
+        )
+    if v.max_lora_rank < rank:
+        up = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+        out.append(
+            f"vllm.max_lora_rank: {v.max_lora_rank} is below actor.lora_rank {rank}; vLLM rejects "
+            f"the adapter (set max_lora_rank: {up}, or ${{actor.lora_rank}})"
+        )
+    if v.max_loras < keep:
+        out.append(
+            f"vllm.max_loras: {v.max_loras} is below rollout.lora_keep_versions {keep}; one batch may "
+            f"mix every kept version, each needing a GPU slot (set max_loras >= {keep})"
+        )
+    cpu = v.max_cpu_loras if v.max_cpu_loras is not None else max(v.max_loras, keep + 1)
+    if cpu < keep + 1:
+        out.append(
+            f"vllm.max_cpu_loras: {cpu} is below lora_keep_versions + 1 = {keep + 1}; the next "
+            "version is loaded before the oldest is unloaded (raise it, or leave it unset)"
+        )
+    if cpu < v.max_loras:
+        out.append(f"vllm.max_cpu_loras: {cpu} is below vllm.max_loras {v.max_loras}; vLLM requires max_cpu_loras >= max_loras")
+    out.extend(_check_entries("vllm.lora_modules", v.lora_modules))
+    return out
+
+
+def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
+    if cfg.rollout.engine != "sglang":
+        return []
+    s, rank, keep, out = cfg.sglang, cfg.actor.lora_rank, _keep(cfg), []
+    if not s.enable_lora:
+        out.append("sglang.enable_lora: false, but rollout.engine sglang serves LoRA adapters; set it to true")
+    if s.max_lora_rank < rank:
+        out.append(
+            f"sglang.max_lora_rank: {s.max_lora_rank} is below actor.lora_rank {rank}; SGLang's LoRA "
+            f"memory pool rejects the adapter (set max_lora_rank: {rank}, or ${{actor.lora_rank}})"
+        )
+    if s.max_loaded_loras < keep + 1:
+        out.append(
+            f"sglang.max_loaded_loras: {s.max_loaded_loras} is below lora_keep_versions + 1 = {keep + 1}; "
+            "the next version is loaded before the oldest is unloaded"
+        )
+    if s.max_loras_per_batch < keep:
+        out.append(
+            f"sglang.max_loras_per_batch: {s.max_loras_per_batch} is below rollout.lora_keep_versions "
+            f"{keep}; one batch may mix every kept version (set it >= {keep})"
+        )
+    if s.max_loaded_loras < s.max_loras_per_batch:
+        out.append(
+            f"sglang.max_loaded_loras: {s.max_loaded_loras} is below sglang.max_loras_per_batch "
+            f"{s.max_loras_per_batch}; SGLang requires max_loaded_loras >= max_loras_per_batch"
+        )
+    served = [m for m in s.lora_target_modules if m not in ("all", ALL_LINEAR)]
+    trained = hf_target_modules(cfg.actor)
+    if served and len(served) == len(s.lora_target_modules) and trained != ALL_LINEAR:
+        missing = [m for m in trained if m not in served]
+        if missing:
+            out.append(
+                f"sglang.lora_target_modules: {s.lora_target_modules} lacks {missing}, which the "
+                "adapter trains; add them, use [all], or leave it empty (inferred from the adapter)"
+            )
+    out.extend(_check_entries("sglang.lora_paths", s.lora_paths))
+    return out
+
+
+def _check_uri(field: str, uri: str, endpoint: str | None, needs_endpoint: bool) -> list[str]:
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in ("file", "s3") or not rest.strip("/"):
+        return [f"{field}: {uri!r} is not a file:// or s3:// URI; write file:///abs/dir or s3://bucket/prefix"]
+    if scheme == "s3" and needs_endpoint and not endpoint:
+        return [f"store.endpoint: not set, but {field} is {uri!r}; set store.endpoint: host:port of the S3 server"]
+    return []
+
+
+def check_run(cfg: LorabusConfig) -> list[str]:
+    out = []
+    if cfg.total_train_steps < 1:
+        out.append(f"total_train_steps: {cfg.total_train_steps} must be >= 1")
+    try:
+        token(cfg.run, "run")
+    except SubjectError as e:
+        out.append(f"{e} (it is built from experiment_name and trial_name by default)")
+    out.extend(_check_uri("store.uri", cfg.store.uri, cfg.store.endpoint, True))
+    out.extend(_check_uri("exporter.uri", cfg.exporter.uri, cfg.store.endpoint, True))
+    if not cfg.actor.path:
+        out.append("actor.path: empty; set the base model (HF id or local directory)")
+    if not cfg.train_dataset.path:
+        out.append("train_dataset.path: empty; set a JSONL file or builtin:<task> (e.g. builtin:arith)")
+    return out
+
+
+RULES = (
+    check_lora,
+    check_lora_name,
+    check_engine_matrix,
+    check_megatron,
+    check_target_modules,
+    check_offpolicyness,
+    check_vllm_slots,
+    check_sglang_slots,
+    check_run,
+)
+
+
+def validate(cfg: LorabusConfig) -> list[str]:
+    """Every problem with a (back-filled) config, from every rule; empty means usable."""
+    return [problem for rule in RULES for problem in rule(cfg)]
