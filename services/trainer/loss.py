@@ -1,0 +1,171 @@
+"""GRPO advantages and the decoupled PPO objective (AReaL), as pure tensor functions.
+
+Three policies appear in the loss:
+- pi_behave: the policy that generated a token (the rollout's logprobs, possibly several
+  versions old);
+- pi_prox: the trainer's policy at the start of this step (logprobs recomputed with no grad);
+- pi_theta: the policy being optimised.
+The PPO ratio is taken against pi_prox, so clipping bounds the update relative to the current
+version no matter how stale the sample is; staleness is corrected by the behaviour importance
+weight pi_prox / pi_behave, which is capped (mask or clamp) so that very stale tokens cannot
+dominate the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ADV_EPS = 1e-6
+"""added to the std so that a group of nearly equal rewards does not explode"""
+
+
+def shape_rewards(rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0) -> Tensor:
+    """AReaL's reward shaping: (r + bias) * scaling."""
+    return (rewards + bias) * scaling
+
+
+def _normalise(values: Tensor, use_std: bool) -> Tensor:
+    centred = values - values.mean()
+    if not use_std or values.numel() < 2:
+        # One sample: centred is 0 already; dividing by an undefined std would give NaN.
+        return centred
+    return centred / (values.std(correction=1) + ADV_EPS)
+
+
+def group_advantages(
+    groups: list[Tensor],
+    *,
+    group_adv_norm: bool = True,
+    adv_norm_std: bool = True,
+    reward_scaling: float = 1.0,
+    reward_bias: float = 0.0,
+) -> list[Tensor]:
+    """One advantage per completion. `groups[i]` holds the rewards of prompt i's completions.
+
+    With `group_adv_norm` the mean (and std, if `adv_norm_std`) are taken within each group
+    (GRPO); without it over the whole batch. A group whose rewards are all equal carries no
+    signal about which completion is better and gets advantage 0 everywhere.
+    """
+    if not groups:
+        raise ValueError("groups: need at least one group of rewards")
+    shaped = [shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias) for g in groups]
+    if group_adv_norm:
+        advs = [_normalise(g, adv_norm_std) for g in shaped]
+    else:
+        sizes = [g.numel() for g in shaped]
+        advs = list(_normalise(torch.cat(shaped), adv_norm_std).split(sizes))
+    return [a.float() for a in advs]
+
+
+@dataclass
+class LossStats:
+    """Sums over tokens, so micro-batches (and ranks) add up before taking means."""
+
+    tokens: float = 0.0
+    clipped: float = 0.0
+    """tokens where the clipped surrogate was the active (larger) term"""
+    masked: float = 0.0
+    """tokens dropped because pi_prox / pi_behave exceeded the cap (mode mask)"""
+    imp_weight_sum: float = 0.0
+    imp_weight_max: float = 0.0
+    staleness_sum: float = 0.0
+    ratio_sum: float = 0.0
+
+    def __add__(self, other: LossStats) -> LossStats:
+        merged = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        merged["imp_weight_max"] = max(self.imp_weight_max, other.imp_weight_max)
+        return LossStats(**merged)
+
+    def as_tensor(self) -> Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> LossStats:
+        return cls(**{f.name: float(v) for f, v in zip(fields(cls), t.tolist())})
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.tokens, 1.0)
+        kept = max(self.tokens - self.masked, 1.0)
+        return {
+            "tokens": self.tokens,
+            "clip_fraction": self.clipped / n,
+            "masked_fraction": self.masked / n,
+            "imp_weight_mean": self.imp_weight_sum / kept,
+            "imp_weight_max": self.imp_weight_max,
+            "ratio_mean": self.ratio_sum / n,
+            "mean_staleness": self.staleness_sum / n,
+        }
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behave_logprobs: Tensor,
+    advantages: Tensor,
+    loss_weights: Tensor,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    imp_weight_cap: float | None = 5.0,
+    imp_weight_mode: Literal["mask", "clamp"] = "mask",
+    use_decoupled_loss: bool = True,
+    staleness: Tensor | None = None,
+) -> tuple[Tensor, LossStats]:
+    """Token-level decoupled PPO loss.
+
+    All tensors have the same shape (e.g. [batch, tokens]). `loss_weights` is 0 on padding
+    and prompt tokens; on completion tokens it is the token's share of the batch loss
+    (1 / total completion tokens of the whole batch for token-level averaging), so summing
+    the returned loss over micro-batches gives the batch mean. `advantages` is broadcast per
+    token. Without `use_decoupled_loss` this is plain PPO against the behaviour policy
+    (pi_prox := pi_behave, no importance weight).
+    """
+    if imp_weight_mode not in ("mask", "clamp"):
+        raise ValueError(f"behav_imp_weight_mode: {imp_weight_mode!r} must be 'mask' or 'clamp'")
+    if eps_clip <= 0:
+        raise ValueError(f"eps_clip: {eps_clip} must be > 0")
+    mask = loss_weights > 0
+    prox = prox_logprobs if use_decoupled_loss else behave_logprobs
+    prox = prox.detach()
+    behave = behave_logprobs.detach()
+    advantages = advantages.detach()
+
+    ratio = torch.exp(logprobs - prox)
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * clipped_ratio
+    pg = torch.maximum(surrogate, surrogate_clipped)
+    clipped = (surrogate_clipped > surrogate) & mask
+
+    if use_decoupled_loss:
+        imp_weight = torch.exp(prox - behave)
+        if imp_weight_cap is None:
+            keep = mask
+        elif imp_weight_mode == "mask":
+            keep = mask & (imp_weight <= imp_weight_cap)
+        else:
+            keep = mask
+            imp_weight = imp_weight.clamp(max=imp_weight_cap)
+        imp_weight = torch.where(keep, imp_weight, torch.zeros_like(imp_weight))
+        pg = pg * imp_weight
+    else:
+        keep = mask
+        imp_weight = mask.to(pg.dtype)
+
+    loss = torch.where(mask, pg * loss_weights, torch.zeros_like(pg)).sum()
+    with torch.no_grad():
+        stats = LossStats(
+            tokens=float(mask.sum()),
+            clipped=float(clipped.sum()),
+            masked=float((mask & ~keep).sum()),
+            imp_weight_sum=float(imp_weight[keep].sum()),
+            imp_weight_max=float(imp_weight[keep].max()) if keep.any() else 0.0,
+            staleness_sum=float(staleness[mask].sum()) if staleness is not None else 0.0,
+            ratio_sum=float(ratio[mask].sum()),
+        )
+    return loss, stats
