@@ -1,0 +1,106 @@
+"""Wrapping the frozen base model with LoRA (peft) and reading the adapter back out.
+
+The base stays in the compute dtype (AReaL upcasts it to fp32, doubling its memory for
+weights that never change); with `autocast_adapter_dtype=False` peft creates the LoRA
+tensors in the base layer's dtype too, which keeps every FSDP2 parameter group uniform.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from proto.messages import LoraSpec
+from services.common.adapter_io import dtype_name, standardize_key
+from services.common.config_schema import ActorConfig
+
+ALL_LINEAR = "all-linear"
+
+
+def resolve_target_modules(target_modules: list[str]) -> str | list[str]:
+    """Config -> peft: an empty list or ["all-linear"] means every linear layer but lm_head."""
+    if not target_modules or target_modules == [ALL_LINEAR]:
+        return ALL_LINEAR
+    if ALL_LINEAR in target_modules:
+        raise ValueError(
+            f"actor.target_modules: {target_modules} mixes 'all-linear' with module names; "
+            "give either ['all-linear'] (or []) or a list of module names"
+        )
+    return list(target_modules)
+
+
+def lora_config(actor: ActorConfig) -> LoraConfig:
+    if actor.peft_type != "lora":
+        raise ValueError(f"actor.peft_type: {actor.peft_type!r} is not supported; use 'lora'")
+    if actor.lora_rank < 1:
+        raise ValueError(f"actor.lora_rank: {actor.lora_rank} must be >= 1")
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=actor.lora_rank,
+        lora_alpha=actor.lora_alpha,
+        target_modules=resolve_target_modules(actor.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+    )
+
+
+def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
+    """Freeze `base` and add a LoRA adapter; B is zero, so the wrapped model equals the base.
+
+    The LoRA A initialisation draws from torch's global RNG: seed it identically on every
+    rank before calling (ranks must start from the same adapter)."""
+    for p in base.parameters():
+        p.requires_grad_(False)
+    try:
+        model = get_peft_model(base, lora_config(actor), autocast_adapter_dtype=False)
+    except ValueError as exc:
+        raise ValueError(
+            f"actor.target_modules: {actor.target_modules} did not match the model ({exc})"
+        ) from exc
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard (FSDP2) -> the whole tensor (a collective: every rank must call)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else t
+
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every LoRA A/B weight, in a fixed (module) order."""
+    out = []
+    for name, p in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            out.append((name, p))
+    if not out:
+        raise ValueError("model has no LoRA parameters; wrap it with wrap_lora first")
+    return out
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the LoRA tensors, full (gathered under FSDP2) and on CPU, under PEFT-standard keys
+    (`base_model.model.<module>.lora_A.weight`, no adapter-name segment). Never the base."""
+    state: dict[str, torch.Tensor] = {}
+    for name, p in lora_parameters(model):
+        state[standardize_key(name)] = _full(p.detach()).cpu().clone()
+    return state
+
+
+def wrapped_module_names(model: nn.Module) -> list[str]:
+    """Leaf names of the modules that carry LoRA (e.g. q_proj, down_proj), sorted."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoraLayer)})
+
+
+def lora_spec(model: nn.Module, actor: ActorConfig, base_model: str | None = None) -> LoraSpec:
+    """What a receiver needs to rebuild the adapter: rank, alpha, the modules actually wrapped
+    (all-linear resolved to names), dtype and base model id."""
+    _, first = lora_parameters(model)[0]
+    return LoraSpec(
+        rank=actor.lora_rank,
+        alpha=float(actor.lora_alpha),
+        target_modules=wrapped_module_names(model),
+        dtype=dtype_name(first.dtype),
+        base_model=base_model if base_model is not None else actor.path,
+    )
