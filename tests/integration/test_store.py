@@ -18,7 +18,6 @@ from services.common.store import (
     open_store,
     store_for_uri,
 )
-from tests.fixtures.s3 import local_store, s3_server, s3_store, s3_store_config  # noqa: F401
 
 BAD_KEYS = ["", "/abs/key", "a//b", "a/", "a\\b", "../x", "a/../b", "a/./b", "a/\x00b"]
 
