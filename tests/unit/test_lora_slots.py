@@ -1,0 +1,141 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from services.rollout.lora_slots import LoraSlots, SlotLinear
+from services.rollout.versions import NoFreeSlot
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, SCALE = 4, 2.0
+
+
+def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def random_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
+            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, mod.in_features, generator=g) * 0.1
+            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(mod.out_features, RANK, generator=g) * 0.1
+    return out
+
+
+def merged_reference(base: nn.Module, adapter: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain copy of the base model with W = W0 + s B A written into it."""
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            key = f"base_model.model.{name}.lora_A.weight"
+            if key in adapter:
+                b = adapter[key.replace("lora_A", "lora_B")]
+                mod.weight += SCALE * b @ adapter[key]
+    return ref
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture
+def setup():
+    base = tiny_model()
+    pristine = copy.deepcopy(base)
+    adapters = {v: random_adapter(base, seed=100 + v) for v in range(3)}
+    slots = LoraSlots.install(base, adapters[0], slots=3)
+    return base, pristine, adapters, slots
+
+
+def test_install_replaces_every_target_linear(setup):
+    base, _, _, slots = setup
+    assert len(slots.layers) == 2 * len(TARGETS)
+    assert all(isinstance(base.get_submodule(p), SlotLinear) for p in slots.layers)
+    assert isinstance(base.lm_head, nn.Linear) and not isinstance(base.lm_head, SlotLinear)
+
+
+def test_mixed_batch_equals_per_version_reference(setup):
+    base, pristine, adapters, slots = setup
+    for v in range(3):
+        slots.load(v, adapters[v], SCALE)
+    slots.set_head(2)
+    ids = torch.randint(0, 97, (5, 7), generator=torch.Generator().manual_seed(1))
+    row_versions = [0, 0, 2, 1, 2]
+    with slots.route(row_versions):
+        got = logits(base, ids)
+    refs = {v: merged_reference(pristine, adapters[v]) for v in range(3)}
+    for row, v in enumerate(row_versions):
+        want = logits(refs[v], ids[row : row + 1])[0]
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5)
+    # outside `route` every row is on the head
+    torch.testing.assert_close(logits(base, ids), logits(refs[2], ids), atol=1e-5, rtol=1e-5)
+
+
+def test_many_head_swaps_do_not_drift():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    holder = nn.Sequential(layer)
+    w0 = layer.weight.detach().clone()
+    adapter = lambda seed: {  # noqa: E731
+        "0.lora_A.weight": torch.randn(RANK, 64, generator=torch.Generator().manual_seed(seed)),
+        "0.lora_B.weight": torch.randn(48, RANK, generator=torch.Generator().manual_seed(seed + 1)),
+    }
+    slots = LoraSlots.install(holder, adapter(0), slots=2)
+    final = None
+    for v in range(200):
+        if len(slots.versions()) == 2:
+            slots.unload(min(slots.versions()))
+        slots.load(v, adapter(v), SCALE)
+        slots.set_head(v)
+        final = v
+    a, b = adapter(final)["0.lora_A.weight"], adapter(final)["0.lora_B.weight"]
+    # the same single rounding as merging once from W0
+    want = torch.addmm(w0, (b * SCALE).to(torch.bfloat16), a.to(torch.bfloat16))
+    assert torch.equal(holder[0].weight, want)
+
+
+def test_unload_frees_the_slot_and_head_rules(setup):
+    base, pristine, adapters, slots = setup
+    for v in range(3):
+        slots.load(v, adapters[v], SCALE)
+    with pytest.raises(NoFreeSlot):
+        slots.load(3, adapters[0], SCALE)
+    slots.set_head(2)
+    with pytest.raises(ValueError, match="merged head"):
+        slots.unload(2)
+    freed = slots.table.slot_of(0)
+    slots.unload(0)
+    assert slots.versions() == [1, 2]
+    layer = next(iter(slots.layers.values()))
+    assert not layer.a[freed].any() and not layer.b[freed].any()
+    assert slots.load(3, adapters[0], SCALE) == freed
+    with pytest.raises(KeyError, match="not loaded"):
+        with slots.route([0]):
+            pass
+    # no head: the model is the pristine base again
+    slots.set_head(None)
+    ids = torch.randint(0, 97, (2, 5))
+    torch.testing.assert_close(logits(base, ids), logits(pristine, ids))
+
+
+def test_bad_adapters_are_rejected_with_the_module_named(setup):
+    base, _, adapters, slots = setup
+    bad = dict(adapters[1])
+    key = next(k for k in bad if k.endswith("lora_A.weight"))
+    bad[key] = torch.zeros(RANK + 1, bad[key].shape[1])
+    with pytest.raises(ValueError, match="do not fit rank"):
+        slots.load(1, bad, SCALE)
+    partial = {k: v for k, v in adapters[1].items() if "layers.0." in k}
+    with pytest.raises(ValueError, match="missing"):
+        slots.load(1, partial, SCALE)
+    assert slots.versions() == []  # nothing half-loaded
