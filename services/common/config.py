@@ -134,7 +134,7 @@ def config_from_dict(
     if problems:
         raise ConfigError(problems, source)
     resolved = _resolve(tree, source)
-    cfg = _to_struct(resolved, source)
+    cfg = _to_struct(resolved, tree, source)
     backfill(cfg)
     problems = validate(cfg)
     if problems:
@@ -198,7 +198,8 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`")
 _ENUM = re.compile(r"^Invalid enum value (?P<value>.+)$")
 
 
-def _to_struct(tree: dict[str, Any], source: str | None) -> LorabusConfig:
+def _to_struct(tree: dict[str, Any], raw: dict[str, Any], source: str | None) -> LorabusConfig:
+    """`tree` is resolved; `raw` is the same before resolution, to show where a value came from."""
     problems = []
     # One conversion per top-level field: msgspec stops at the first error, and a user should
     # see one type problem per section at once rather than one per run.
@@ -208,14 +209,14 @@ def _to_struct(tree: dict[str, Any], source: str | None) -> LorabusConfig:
                 msgspec.convert(tree[f.name], f.type, strict=False)
             except msgspec.ValidationError as e:
                 if not _UNKNOWN.match(str(e)):  # already reported, with suggestions
-                    problems.append(_explain(e, tree, prefix=f.name))
+                    problems.append(_explain(e, tree, raw, prefix=f.name))
     if problems:
         raise ConfigError(problems, source)
     try:
         # strict=False: `${oc.env:...}` always yields strings, so "8" must still become 8.
         return msgspec.convert(tree, LorabusConfig, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(_explain(e, tree, prefix=""), source) from None
+        raise ConfigError(_explain(e, tree, raw, prefix=""), source) from None
 
 
 def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
@@ -284,18 +285,25 @@ def _value_at(tree: Any, dotted: str) -> Any:
     return node
 
 
-def _explain(e: msgspec.ValidationError, tree: dict[str, Any], prefix: str) -> str:
+def _explain(e: msgspec.ValidationError, tree: dict[str, Any], raw: dict[str, Any], prefix: str) -> str:
     m = _MSGSPEC_AT.match(str(e))
     msg, rel = m.group("msg"), (m.group("path") or "")
     rel = rel.lstrip(".")
     path = ".".join(p for p in (prefix, rel) if p).replace(".[", "[")
     value = _value_at(tree, path)
+    origin = _value_at(raw, path)
+    came_from = f" (from {origin!r})" if isinstance(origin, str) and "${" in origin else ""
     if em := _EXPECTED.match(msg):
         want, got = em.group("want"), em.group("got")
         if want == "object":
-            return f"{path}: {value!r} has type {got}; it must be a section (a mapping of keys)"
-        hint = "; quote it in YAML" if want == "str" else ""
-        return f"{path}: {value!r} has type {got}, expected {want}{hint}"
+            return f"{path}: {value!r}{came_from} has type {got}; it must be a section (a mapping of keys)"
+        if value is None:
+            hint = "; give it a value (an empty `key=` or `key:` means null)"
+        elif want == "str":
+            hint = "; quote it in YAML"
+        else:
+            hint = ""
+        return f"{path}: {value!r}{came_from} has type {got}, expected {want}{hint}"
     if em := _ENUM.match(msg):
         choices = [a for a in typing.get_args(_type_at(_split_path(path))) if isinstance(a, str)]
         close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
