@@ -207,7 +207,11 @@ def test_every_channel_address_is_a_subject_builder():
                 kwargs["kind"] = address.rsplit(".", 1)[1]
             if set(sig) != set(kwargs):
                 continue
-            if fn(**kwargs) == concrete:
+            try:
+                built = fn(**kwargs)
+            except subjects.SubjectError:
+                continue
+            if built == concrete:
                 matches.append(name)
         assert len(matches) == 1, f"{channel_id}: {address} matches builders {matches}"
         covered.add(matches[0])
