@@ -472,7 +472,9 @@ def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
     if k < 0:
         out.append(f"rollout.max_head_offpolicyness: {k} must be >= 0 (0 = strictly on-policy)")
     keep = _keep(cfg)
-    if keep < max(k + 1, 1):
+    if keep < 1:
+        out.append(f"rollout.lora_keep_versions: {keep} must be >= 1 (the head version stays loaded)")
+    elif keep < k + 1:
         out.append(
             f"rollout.lora_keep_versions: {keep} is below max_head_offpolicyness + 1 = {k + 1}; "
             "every admissible version must stay loaded (raise it, or leave it unset)"
