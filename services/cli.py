@@ -36,8 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"lorabus: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from services.common.config import ConfigError
+
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as exc:
+        # a config mistake is the user's to fix: the message names the field, no traceback
+        print(f"lorabus {name}: invalid config\n{exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
