@@ -1,0 +1,44 @@
+"""The registry's Prometheus metrics (default registry, served by services.common.metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+HEAD_VERSION = Gauge("lorabus_registry_head_version", "Latest adapter version published (H)")
+GRANTS = Counter("lorabus_registry_grants_total", "Admission grants issued")
+DENIALS = Counter(
+    "lorabus_registry_denials_total", "Admission requests denied, by reason", ["reason"]
+)
+TRAJECTORIES = Counter(
+    "lorabus_registry_trajectories_total",
+    "Trajectory decisions (first decisions only; duplicates are not counted), by verdict",
+    ["verdict"],
+)
+STALENESS = Histogram(
+    "lorabus_registry_staleness",
+    "H - v (head minus the trajectory's oldest version) at decision time",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+)
+IN_FLIGHT = Gauge("lorabus_registry_in_flight", "Grants issued and not yet finished or expired")
+REPLICA_LOADED_VERSION = Gauge(
+    "lorabus_registry_replica_loaded_version",
+    "Newest adapter version each replica reports loaded (-1: none)",
+    ["replica"],
+)
+DECISION_SECONDS = Histogram(
+    "lorabus_registry_decision_seconds",
+    "From receiving a trajectory to its decision being persisted and published",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+LEDGER_WRITES = Counter(
+    "lorabus_registry_ledger_writes_total", "Ledger snapshots written to the KV bucket"
+)
+
+
+def observe_ledger(ledger) -> None:
+    """Gauges that mirror ledger state (set after every change)."""
+    if ledger.head is not None:
+        HEAD_VERSION.set(ledger.head)
+    IN_FLIGHT.set(ledger.running)
+    for replica, state in ledger.replicas.items():
+        REPLICA_LOADED_VERSION.labels(replica).set(max(state.loaded, default=-1))
