@@ -50,7 +50,9 @@ def check_schema_version(version: str) -> None:
     major, _, _ = version.partition(".")
     if not major.isdigit():
         raise DecodeError(
-            "schema-version", f"schema_version: {version!r} is not of the form MAJOR.MINOR"
+            "schema-version",
+            f"schema_version: {version!r} is not of the form MAJOR.MINOR; the sender must "
+            f"set it, e.g. {SCHEMA_VERSION!r}",
         )
     if int(major) != SUPPORTED_MAJOR:
         raise DecodeError(
@@ -70,7 +72,14 @@ def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BY
         raise DecodeError("validation", str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise DecodeError("decode", f"not valid JSON: {exc}") from exc
-    check_schema_version(envelope.schema_version or "missing")
+    if not envelope.schema_version:
+        raise DecodeError(
+            "schema-version",
+            f"schema_version: missing; every lorabus message carries one (this build speaks "
+            f"{SUPPORTED_MAJOR}.x): encode with proto.codec.encode or add "
+            f'"schema_version": "{SCHEMA_VERSION}"',
+        )
+    check_schema_version(envelope.schema_version)
     decoder = _decoders.get(type_)
     if decoder is None:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)

@@ -17,8 +17,12 @@ SCHEMA_VERSION = "1.0"
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 Version = Annotated[int, Meta(ge=0, description="adapter version N of `{lora_name}-v{N}`")]
-Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject-safe token")]
-Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+# `(?!\n)`: Python's `$` (msgspec) also matches before a final newline, ECMA's (JSON Schema
+# readers) does not; with it both accept exactly the same strings
+Name = Annotated[
+    str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")
+]
+Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$(?!\n)")]
 UnixTime = Annotated[float, Meta(ge=0, description="seconds since the epoch")]
 
 

@@ -10,9 +10,12 @@ import re
 
 PREFIX = "lorabus"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ADAPTER_READY = re.compile(rf"^{PREFIX}\.([A-Za-z0-9_-]+)\.adapter\.v(\d+)\.ready$")
-_EXPORT_DONE = re.compile(rf"^{PREFIX}\.([A-Za-z0-9_-]+)\.export\.v(\d+)\.done$")
-_ROLLOUT = re.compile(rf"^{PREFIX}\.([A-Za-z0-9_-]+)\.rollout\.([A-Za-z0-9_-]+)\.([a-z]+)$")
+# parsers accept exactly what the builders produce: tokens of 1-64, versions without leading zeros
+_TOK = r"([A-Za-z0-9_-]{1,64})"
+_VER = r"(0|[1-9][0-9]*)"
+_ADAPTER_READY = re.compile(rf"^{PREFIX}\.{_TOK}\.adapter\.v{_VER}\.ready$")
+_EXPORT_DONE = re.compile(rf"^{PREFIX}\.{_TOK}\.export\.v{_VER}\.done$")
+_ROLLOUT = re.compile(rf"^{PREFIX}\.{_TOK}\.rollout\.{_TOK}\.([a-z]+)$")
 
 
 class SubjectError(ValueError):
@@ -21,11 +24,18 @@ class SubjectError(ValueError):
 
 def token(value: str, what: str = "name") -> str:
     """Check one subject token; the error says which field and what is allowed."""
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise SubjectError(
             f"{what}: {value!r} is not a valid subject token; use 1-64 of [A-Za-z0-9_-]"
         )
     return value
+
+
+def _version(version: int) -> int:
+    # a float would add a '.' (a token separator) to the subject
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise SubjectError(f"version: {version!r} must be an integer >= 0")
+    return version
 
 
 def run_prefix(run: str) -> str:
@@ -34,9 +44,7 @@ def run_prefix(run: str) -> str:
 
 # adapter versions
 def adapter_ready(run: str, version: int) -> str:
-    if version < 0:
-        raise SubjectError(f"version: {version} must be >= 0")
-    return f"{run_prefix(run)}.adapter.v{version}.ready"
+    return f"{run_prefix(run)}.adapter.v{_version(version)}.ready"
 
 
 def adapter_ready_all(run: str) -> str:
@@ -44,7 +52,7 @@ def adapter_ready_all(run: str) -> str:
 
 
 def parse_adapter_ready(subject: str) -> tuple[str, int]:
-    m = _ADAPTER_READY.match(subject)
+    m = _ADAPTER_READY.fullmatch(subject)
     if not m:
         raise SubjectError(f"{subject!r} is not an adapter-ready subject")
     return m.group(1), int(m.group(2))
@@ -65,7 +73,7 @@ def rollout_report_all(run: str) -> str:
 
 
 def parse_rollout_report(subject: str) -> tuple[str, str, str]:
-    m = _ROLLOUT.match(subject)
+    m = _ROLLOUT.fullmatch(subject)
     if not m or m.group(3) not in ROLLOUT_KINDS:
         raise SubjectError(f"{subject!r} is not a rollout report subject")
     return m.group(1), m.group(2), m.group(3)
@@ -104,7 +112,7 @@ def decision_all(run: str) -> str:
 
 # exporter, evaluators, trainer, dead letters
 def export_done(run: str, version: int) -> str:
-    return f"{run_prefix(run)}.export.v{version}.done"
+    return f"{run_prefix(run)}.export.v{_version(version)}.done"
 
 
 def export_done_all(run: str) -> str:
@@ -112,7 +120,7 @@ def export_done_all(run: str) -> str:
 
 
 def parse_export_done(subject: str) -> tuple[str, int]:
-    m = _EXPORT_DONE.match(subject)
+    m = _EXPORT_DONE.fullmatch(subject)
     if not m:
         raise SubjectError(f"{subject!r} is not an export-done subject")
     return m.group(1), int(m.group(2))
