@@ -1,0 +1,153 @@
+"""The embedded engine: a transformers model in this process, our LoRA slots, our decode loop.
+
+One lock serialises every forward step, adapter load and head change. A batch takes it once
+per decode step, so a version can be loaded between two steps of a running generation; rows
+of that generation stay on the version they were pinned to (their slot is untouched, and the
+head change only moves them from "merged" to "corrected"), so their outputs do not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from proto.messages import LoraSpec
+from services.common import adapter_io
+from services.rollout.engines.base import GenRequest, GenResult
+from services.rollout.lora_slots import LoraSlots
+from services.rollout.sampling import Row, decode, mix32
+
+
+class EmbeddedEngine:
+    name = "embedded"
+
+    def __init__(self, model: torch.nn.Module, *, eos_ids: Sequence[int], pad_id: int, slots: int):
+        if slots < 2:
+            raise ValueError(f"slots: {slots} must be >= 2 (lora_keep_versions + 1)")
+        self.model = model.eval()
+        self.eos_ids = tuple(eos_ids)
+        self.pad_id = pad_id
+        self.n_slots = slots
+        self.slots: LoraSlots | None = None
+        self.steps = 0
+        """forward steps taken so far (for tests and metrics)"""
+        self._lock = threading.Lock()
+        self._active: Counter[int] = Counter()
+
+    @classmethod
+    def from_config(cls, cfg) -> EmbeddedEngine:
+        """Model and tokenizer from `actor.path`, on `rollout.device` in `rollout.dtype`."""
+        from services.common import models
+
+        tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
+        model = models.load_base_model(cfg.actor.path, cfg.rollout.dtype, cfg.rollout.device)
+        keep = cfg.rollout.lora_keep_versions or cfg.rollout.max_head_offpolicyness + 1
+        return cls(model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok), slots=keep + 1)
+
+    # --- versions ---
+    async def load_version(
+        self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec
+    ) -> None:
+        tensors = adapter_io.from_bytes(weights) if isinstance(weights, (bytes, bytearray)) else weights
+        await asyncio.to_thread(self._load, version, tensors, lora)
+
+    def _load(self, version: int, tensors: dict[str, torch.Tensor], lora: LoraSpec) -> None:
+        with self._lock:
+            if self.slots is None:
+                self.slots = LoraSlots.install(self.model, tensors, self.n_slots)
+            if lora.rank != self.slots.rank:
+                raise ValueError(
+                    f"lora.rank: v{version} has rank {lora.rank} but the slots hold rank "
+                    f"{self.slots.rank}; every version of one adapter must share its rank"
+                )
+            self.slots.load(version, tensors, lora.alpha / lora.rank)
+            if self.slots.head is None or version > self.slots.head:
+                self.slots.set_head(version)
+            if self.model.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+
+    async def unload_version(self, version: int) -> None:
+        await asyncio.to_thread(self._unload, version)
+
+    def _unload(self, version: int) -> None:
+        with self._lock:
+            if self.slots is None or version not in self.slots.versions():
+                raise KeyError(f"version {version} is not loaded (loaded: {self._versions()})")
+            if self._active[version]:
+                raise RuntimeError(
+                    f"version {version} is used by {self._active[version]} running generation(s); "
+                    "unload it after they finish"
+                )
+            if version == self.slots.head:
+                rest = [v for v in self.slots.versions() if v != version]
+                self.slots.set_head(max(rest) if rest else None)
+            self.slots.unload(version)
+
+    async def loaded_versions(self) -> list[int]:
+        return self._versions()
+
+    def _versions(self) -> list[int]:
+        return self.slots.versions() if self.slots else []
+
+    # --- generation ---
+    async def generate(self, requests: list[GenRequest], version: int) -> list[list[GenResult]]:
+        return await self.generate_mixed(requests, [version] * len(requests))
+
+    async def generate_mixed(
+        self, requests: Sequence[GenRequest], versions: Sequence[int]
+    ) -> list[list[GenResult]]:
+        """Like `generate`, with each request on its own version, all in one batch."""
+        if len(requests) != len(versions):
+            raise ValueError(f"versions: {len(versions)} given for {len(requests)} requests")
+        loaded = set(self._versions())
+        for v in versions:
+            if v not in loaded:
+                raise KeyError(f"version {v} is not loaded (loaded: {sorted(loaded)})")
+        # Rows grouped by version: each non-head version is one contiguous correction span.
+        rows: list[tuple[int, int, int, Row]] = []
+        for i, (req, v) in enumerate(zip(requests, versions)):
+            seed = req.seed if req.seed is not None else random.getrandbits(32)
+            stop = self.eos_ids + tuple(req.stop_token_ids)
+            for j in range(req.n):
+                row = Row(
+                    prompt=req.prompt_token_ids, max_new_tokens=req.max_new_tokens,
+                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    stop_ids=stop, seed=mix32(seed + mix32(j + 1)),
+                )
+                rows.append((v, i, j, row))
+        rows.sort(key=lambda r: r[0])
+        row_versions = [r[0] for r in rows]
+        self._active.update(versions)
+        try:
+            outputs = await asyncio.to_thread(
+                decode, self.model, [r[3] for r in rows], pad_id=self.pad_id,
+                step_context=lambda: self._step(row_versions),
+            )
+        finally:
+            self._active.subtract(versions)
+        results: list[list[GenResult | None]] = [[None] * req.n for req in requests]
+        for (_, i, j, _), out in zip(rows, outputs):
+            results[i][j] = GenResult(
+                token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason
+            )
+        return results  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _step(self, row_versions: list[int]) -> Iterator[None]:
+        with self._lock:
+            assert self.slots is not None
+            with self.slots.route(row_versions):
+                yield
+            self.steps += 1
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self.slots = None

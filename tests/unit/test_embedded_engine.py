@@ -1,0 +1,162 @@
+import asyncio
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from proto.messages import LoraSpec
+from services.common import adapter_io
+from services.rollout.engines.base import GenRequest
+from services.rollout.engines.embedded import EmbeddedEngine
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, EOS = 4, 8.0, 96
+SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
+
+
+def tiny_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=256,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def peft_adapter(base, seed: int):
+    """A trained-looking adapter (B != 0) made with peft; returns (peft model, bytes)."""
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(base), cfg).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.5)
+    state = {adapter_io.standardize_key(k): v for k, v in get_peft_model_state_dict(peft_model).items()}
+    return peft_model, adapter_io.to_bytes(state)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    base = tiny_model()
+    return base, [peft_adapter(base, seed=10 + v) for v in range(2)]
+
+
+def make_engine(base) -> EmbeddedEngine:
+    return EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=3)
+
+
+def assert_same(got, want):
+    """Same tokens and finish reasons; logprobs equal up to the float rounding of another
+    batch shape or of merged-vs-corrected weights."""
+    for group_a, group_b in zip(got, want, strict=True):
+        for a, b in zip(group_a, group_b, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+            )
+
+
+REQS = [
+    GenRequest(prompt_token_ids=[5, 6, 7, 8, 9], n=2, max_new_tokens=12, temperature=0.7, seed=1),
+    GenRequest(prompt_token_ids=[11, 12], n=1, max_new_tokens=9, temperature=1.3, top_p=0.9, seed=2),
+    GenRequest(prompt_token_ids=[40], n=1, max_new_tokens=12, temperature=1.0, top_k=7, seed=3),
+]
+
+
+async def test_deterministic_with_a_seed(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    first = await engine.generate(REQS, 0)
+    again = await engine.generate(REQS, 0)
+    assert first == again
+    assert [len(r) for r in first] == [2, 1, 1]
+    assert first[0][0].token_ids != first[0][1].token_ids  # the n completions differ
+    reseeded = await engine.generate([GenRequest(**{**_fields(REQS[0]), "seed": 99})], 0)
+    assert reseeded[0][0].token_ids != first[0][0].token_ids
+
+
+def _fields(req: GenRequest) -> dict:
+    return {f: getattr(req, f) for f in req.__struct_fields__}
+
+
+async def test_logprobs_equal_a_separate_forward(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    await engine.load_version(1, adapters[1][1], SPEC)
+    # version 0 is not the head: its rows run through the low-rank correction
+    for version in (0, 1):
+        results = await engine.generate(REQS, version)
+        reference = adapters[version][0]
+        for req, group in zip(REQS, results):
+            for res in group:
+                assert res.token_ids and len(res.logprobs) == len(res.token_ids)
+                ids = torch.tensor([req.prompt_token_ids + res.token_ids])
+                with torch.no_grad():
+                    logits = reference(input_ids=ids).logits[0].float()
+                p = len(req.prompt_token_ids)
+                logp = (logits[p - 1 : -1] / req.temperature).log_softmax(-1)
+                want = logp.gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
+                if res.finish_reason == "stop":
+                    assert res.token_ids[-1] == EOS
+                else:
+                    assert len(res.token_ids) == req.max_new_tokens
+
+
+async def test_mixed_batch_equals_separate_batches(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    await engine.load_version(1, adapters[1][1], SPEC)
+    mixed = await engine.generate_mixed(REQS, [1, 0, 1])
+    for i, version in enumerate([1, 0, 1]):
+        alone = (await engine.generate([REQS[i]], version))[0]
+        assert_same([mixed[i]], [alone])
+
+
+async def test_version_loaded_mid_generation_keeps_in_flight_outputs(parts):
+    base, adapters = parts
+    long = [GenRequest(prompt_token_ids=[3, 4, 5], n=3, max_new_tokens=60, seed=7)]
+    undisturbed_engine = make_engine(base)
+    await undisturbed_engine.load_version(0, adapters[0][1], SPEC)
+    want = await undisturbed_engine.generate(long, 0)
+
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    running = asyncio.create_task(engine.generate(long, 0))
+    while engine.steps < 3:
+        await asyncio.sleep(0.001)
+    await engine.load_version(1, adapters[1][1], SPEC)
+    loaded_at = engine.steps
+    assert not running.done(), "v1 should have been loaded while v0 was generating"
+    got = await running
+    assert loaded_at < engine.steps
+    # v0 went from merged to corrected mid-way: same tokens, logprobs up to float rounding
+    assert_same(got, want)
+    assert engine.slots.head == 1
+    start = engine.steps
+    task = asyncio.create_task(engine.generate(long, 0))
+    while engine.steps < start + 3:
+        await asyncio.sleep(0.001)
+    with pytest.raises(RuntimeError, match="running generation"):
+        await engine.unload_version(0)
+    await task
+    await engine.unload_version(0)
+    assert await engine.loaded_versions() == [1]
+
+
+async def test_bad_requests_and_versions_are_refused(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    with pytest.raises(KeyError, match="version 5 is not loaded"):
+        await engine.generate(REQS, 5)
+    with pytest.raises(ValueError, match="rank"):
+        await engine.load_version(1, adapters[1][1], LoraSpec(rank=8, alpha=8.0, target_modules=TARGETS, base_model="tiny"))
+    with pytest.raises(ValueError, match="top_p"):
+        GenRequest(prompt_token_ids=[1], top_p=0.0)
