@@ -1,0 +1,157 @@
+"""The exporter service: every `adapter.v<N>.ready` becomes `<exporter.uri>/v<N>/`, announced
+by `export.v<N>.done`.
+
+It reads the ADAPTERS stream through its own durable consumer (`exporter`), so it exports
+every version even when it starts late or restarts. A redelivered event is harmless: the
+directory is rewritten only when its weights differ, and ExportDone is published only when
+the EXPORTS stream does not already hold the same one (plus `Nats-Msg-Id` dedup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats.js.errors
+
+from proto import codec, subjects
+from proto.messages import AdapterReady, ExportDone, ObjectPayload
+from services.common import streams
+from services.common.bus import Bus, MsgMeta
+from services.common.config_schema import LorabusConfig
+from services.common.store import store_for_uri
+from services.exporter import metrics
+from services.exporter.megatron_to_hf import ModelShape
+from services.exporter.peft_dir import (
+    FILES,
+    PeftFiles,
+    existing_sha256,
+    load_model_shape,
+    peft_files,
+    version_uri,
+    write_export,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "exporter"
+DURABLE = "exporter"
+ACK_WAIT_S = 120.0
+"""a large MoE adapter takes a while to fetch and convert; redelivery before that is waste"""
+
+
+@contextlib.contextmanager
+def _stage(name: str):
+    try:
+        yield
+    except Exception:
+        metrics.FAILURES.labels(name).inc()
+        raise
+
+
+class Exporter:
+    def __init__(self, cfg: LorabusConfig, bus: Bus):
+        self.cfg = cfg
+        self.bus = bus
+        self._shape: ModelShape | None = None
+        self._last_version = -1
+
+    def model_shape(self) -> ModelShape:
+        # The payload is one file with global expert indices: the EP-gathered view (ep_size 1).
+        if self._shape is None:
+            self._shape = load_model_shape(self.cfg.actor.path)
+        return self._shape
+
+    async def handle(self, event: AdapterReady, meta: MsgMeta) -> None:
+        if event.run != self.cfg.run:
+            log.warning("%s: event of run %r on run %r's stream; ignored", meta.subject,
+                        event.run, self.cfg.run)  # fmt: skip
+            return
+        payload = event.object_payload()
+        if payload is None:
+            # An XCCL-only version has no durable copy to export; retrying would not create one.
+            metrics.FAILURES.labels("no-object-payload").inc()
+            log.error("v%d: no object payload (xccl only); not exported", event.version)
+            return
+        started = time.perf_counter()
+        files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
+        with _stage("write"):
+            wrote = await asyncio.to_thread(self._write_if_changed, event.version, files)
+        done = ExportDone(
+            run=event.run,
+            lora_name=event.lora_name,
+            version=event.version,
+            uri=version_uri(self.cfg.exporter.uri, event.version),
+            files=list(FILES),
+            bytes=len(files.weights),
+            sha256=files.sha256,
+            exported_at=time.time(),
+        )
+        with _stage("publish"):
+            published = await self._publish_once(done)
+        if wrote:
+            metrics.EXPORTS.inc()
+            metrics.EXPORT_SECONDS.observe(time.perf_counter() - started)
+        if event.version > self._last_version:
+            self._last_version = event.version
+            metrics.LAST_VERSION.set(event.version)
+        log.info("v%d -> %s (%d bytes%s%s)", event.version, done.uri, done.bytes,
+                 "" if wrote else ", already written", "" if published else ", already announced")  # fmt: skip
+
+    def _fetch_and_convert(self, payload: ObjectPayload, event: AdapterReady) -> PeftFiles:
+        with _stage("fetch"):
+            store = store_for_uri(payload.uri, self.cfg.store)
+            data = store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes)
+        with _stage("convert"):
+            return peft_files(data, payload.layout, event.lora, self.model_shape)
+
+    def _write_if_changed(self, version: int, files: PeftFiles) -> bool:
+        uri, store_cfg = self.cfg.exporter.uri, self.cfg.store
+        existing = existing_sha256(uri, version, store_cfg)
+        if existing == files.sha256:
+            return False
+        if existing is not None:
+            log.warning("v%d: export exists with other weights (sha256 %s); overwriting",
+                        version, existing[:12])  # fmt: skip
+        write_export(uri, version, files, store_cfg)
+        return True
+
+    async def _publish_once(self, done: ExportDone) -> bool:
+        subject = subjects.export_done(done.run, done.version)
+        try:
+            last = await self.bus.js.get_last_msg(streams.EXPORTS(done.run), subject)
+        except nats.js.errors.NotFoundError:
+            last = None
+        if last is not None and last.data:
+            previous = codec.decode(last.data, ExportDone)
+            if (previous.uri, previous.sha256) == (done.uri, done.sha256):
+                return False
+        await self.bus.publish(subject, done, msg_id=f"export-v{done.version}")
+        return True
+
+
+async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set (or the consumer dies, which is raised)."""
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service=SERVICE)
+    try:
+        await bus.ensure_streams()
+        exporter = Exporter(cfg, bus)
+        consumer = await bus.consume(
+            streams.ADAPTERS(cfg.run),
+            DURABLE,
+            AdapterReady,
+            exporter.handle,
+            filter_subject=subjects.adapter_ready_all(cfg.run),
+            batch=4,
+            ack_wait_s=ACK_WAIT_S,
+        )
+        log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if consumer.done() and not consumer.cancelled() and consumer.exception():
+            raise consumer.exception()
+    finally:
+        await bus.close()
