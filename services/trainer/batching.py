@@ -1,0 +1,180 @@
+"""Trajectories -> padded micro-batches, as pure functions (no model, no process group).
+
+Every rank holds the whole batch and runs the same deterministic plan, so the ranks agree on
+how many micro-batches there are without talking to each other: FSDP2's collectives hang if
+one rank runs a forward the others do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from proto.messages import Trajectory
+from services.common.config_schema import PPOConfig
+from services.trainer.loss import group_advantages
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion with its prompt, ready to be scored by the trainer's model."""
+
+    input_ids: list[int]
+    """prompt + completion tokens"""
+    prompt_len: int
+    behave_logprobs: list[float]
+    versions: list[int]
+    advantage: float
+    token_weight: float = 0.0
+    """this sample's per-token share of its minibatch's loss (0 for padding samples)"""
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+
+def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
+    """Flatten groups into samples carrying their GRPO advantage. Completions with no token
+    still count for their group's mean and std but produce no sample."""
+    if not groups:
+        raise ValueError("groups: a train step needs at least one trajectory")
+    rewards = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64) for g in groups]
+    advantages = group_advantages(
+        rewards,
+        group_adv_norm=ppo.group_adv_norm,
+        adv_norm_std=ppo.adv_norm_std,
+        reward_scaling=ppo.reward_scaling,
+        reward_bias=ppo.reward_bias,
+    )
+    samples = []
+    for group, adv in zip(groups, advantages):
+        if not group.prompt_token_ids:
+            raise ValueError(f"trajectory {group.trajectory_id}: prompt_token_ids is empty")
+        for completion, a in zip(group.completions, adv.tolist()):
+            if not completion.token_ids:
+                continue
+            samples.append(
+                Sample(
+                    input_ids=list(group.prompt_token_ids) + list(completion.token_ids),
+                    prompt_len=len(group.prompt_token_ids),
+                    behave_logprobs=list(completion.logprobs),
+                    versions=list(completion.versions),
+                    advantage=a,
+                )
+            )
+    return samples
+
+
+def split_minibatches(samples: list[Sample], n: int, *, token_level: bool = True) -> list[list[Sample]]:
+    """`n` contiguous minibatches (one optimiser step each), with loss weights that make each
+    minibatch's loss a mean: over its completion tokens (token-level), or over its sequences
+    of per-sequence token means."""
+    if n < 1:
+        raise ValueError(f"actor.ppo.ppo_n_minibatches: {n} must be >= 1")
+    if len(samples) < n:
+        raise ValueError(
+            f"actor.ppo.ppo_n_minibatches: {n} exceeds the {len(samples)} non-empty completions "
+            "of this batch; lower it or raise rollout.consumer_batch_size"
+        )
+    size, extra = divmod(len(samples), n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        mb = samples[start:stop]
+        start = stop
+        total = sum(s.completion_len for s in mb)
+        if token_level:
+            out.append([replace(s, token_weight=1.0 / total) for s in mb])
+        else:
+            out.append([replace(s, token_weight=1.0 / (len(mb) * s.completion_len)) for s in mb])
+    return out
+
+
+def _pack(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Greedy in order: a micro-batch grows while its padded size stays within max_tokens
+    (a single over-long sample gets a micro-batch of its own)."""
+    packs: list[list[Sample]] = []
+    current: list[Sample] = []
+    longest = 0
+    for s in samples:
+        new_longest = max(longest, len(s.input_ids))
+        if current and new_longest * (len(current) + 1) > max_tokens:
+            packs.append(current)
+            current, new_longest = [], len(s.input_ids)
+        current.append(s)
+        longest = new_longest
+    if current:
+        packs.append(current)
+    return packs
+
+
+def plan_micro_batches(
+    minibatch: list[Sample], rank: int, world_size: int, max_tokens: int
+) -> list[list[Sample]]:
+    """This rank's micro-batches of `minibatch`: samples are dealt round-robin to ranks, then
+    packed; every rank gets the same number of micro-batches, a rank short of work gets
+    zero-weight copies of a sample so its forward/backward still joins the collectives."""
+    if max_tokens < 1:
+        raise ValueError(f"actor.mb_spec_max_tokens: {max_tokens} must be >= 1")
+    shards = [minibatch[r::world_size] for r in range(world_size)]
+    counts = [len(_pack(shard, max_tokens)) for shard in shards]
+    mine = _pack(shards[rank], max_tokens)
+    filler = replace(minibatch[0], token_weight=0.0)
+    while len(mine) < max(counts):
+        mine.append([filler])
+    return mine
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors. Per-token tensors cover the target columns `first_target`..L-1
+    (the first completion token of the shortest prompt onwards): logits are only needed
+    there, which `logits_to_keep` exploits."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    targets: Tensor
+    loss_weights: Tensor
+    behave_logprobs: Tensor
+    versions: Tensor
+    advantages: Tensor
+
+    @property
+    def logits_to_keep(self) -> int:
+        return self.targets.shape[1] + 1
+
+
+def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
+    if not samples:
+        raise ValueError("collate: empty micro-batch")
+    length = max(len(s.input_ids) for s in samples)
+    first_target = min(s.prompt_len for s in samples)
+    if first_target < 1:
+        raise ValueError("collate: every sample needs at least one prompt token")
+    b, width = len(samples), length - first_target
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    weights = torch.zeros((b, width))
+    behave = torch.zeros((b, width))
+    versions = torch.zeros((b, width), dtype=torch.long)
+    advantages = torch.zeros((b, width))
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[i, :n] = torch.tensor(s.input_ids)
+        attention_mask[i, :n] = 1
+        lo, hi = s.prompt_len - first_target, n - first_target
+        weights[i, lo:hi] = s.token_weight
+        behave[i, lo:hi] = torch.tensor(s.behave_logprobs)
+        versions[i, lo:hi] = torch.tensor(s.versions)
+        advantages[i, lo:hi] = s.advantage
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        targets=input_ids[:, first_target:],
+        loss_weights=weights,
+        behave_logprobs=behave,
+        versions=versions,
+        advantages=advantages,
+    )

@@ -1,0 +1,18 @@
+"""Trainer engines: each owns the model, the optimizer and the train step for one backend."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.common.config_schema import LorabusConfig
+
+
+def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
+    """The engine for `actor.backend`; `base` overrides loading `actor.path` (tests, benchmarks)."""
+    if cfg.actor.backend == "fsdp2":
+        from services.trainer.engines.fsdp2 import FSDP2Engine
+
+        return FSDP2Engine(cfg, base, pad_id=pad_id)
+    raise ValueError(
+        f"actor.backend: {cfg.actor.backend!r} has no engine in this build; use 'fsdp2'"
+    )

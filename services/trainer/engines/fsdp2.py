@@ -1,0 +1,282 @@
+"""The FSDP2 engine: torch `fully_shard` over a peft LoRA model, one train step per batch.
+
+One process (no torchrun) runs unsharded and needs no process group: sharding one rank buys
+nothing, and `init_process_group` would need a rendezvous port for no reason. Under torchrun
+(WORLD_SIZE > 1) each decoder layer and then the root are sharded with `fully_shard` (gloo
+on CPU, NCCL on GPU); ranks work on disjoint slices of the batch and FSDP averages their
+gradients, which the loss compensates for so that the update equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from proto.messages import LoraSpec, Trajectory
+from services.common.config_schema import LorabusConfig
+from services.trainer import batching
+from services.trainer.loss import LossStats, decoupled_ppo_loss
+from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto`: this rank's GPU when CUDA is present, else CPU."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size); joins the torchrun group when launched with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a (peft-wrapped) HF causal LM: FSDP2's sharding units."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(inner, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(inner).__name__}: no `model.layers` to shard; the fsdp2 engine supports "
+            "HF decoder-only models (Llama/Qwen/Mistral layout)"
+        )
+    return list(layers)
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.optim.Optimizer:
+    opt = cfg.actor.optimizer
+    if opt.lr <= 0:
+        raise ValueError(f"actor.optimizer.lr: {opt.lr} must be > 0")
+    if opt.type == "adamw":
+        return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                 weight_decay=opt.weight_decay)
+    if opt.type == "adam":
+        return torch.optim.Adam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                weight_decay=opt.weight_decay)
+    if opt.type == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    raise ValueError(f"actor.optimizer.type: {opt.type!r} must be adamw, adam or sgd")
+
+
+@dataclass
+class StepStats:
+    step: int
+    """optimiser-step counter after this train step (0-based index of the step just done)"""
+    loss: float
+    reward_mean: float
+    groups: int
+    tokens: int
+    grad_norm: float
+    lr: float
+    step_seconds: float
+    loss_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.loss_stats.get("mean_staleness", 0.0)
+
+
+def _scalar(t: torch.Tensor) -> float:
+    full = getattr(t, "full_tensor", None)
+    return float(full() if full is not None else t)
+
+
+class FSDP2Engine:
+    """Owns the model, optimizer and the step counter; knows nothing about the bus."""
+
+    def __init__(self, cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
+        self.cfg = cfg
+        self.actor = cfg.actor
+        self.device = resolve_device(self.actor.device)
+        self.rank, self.world_size = init_distributed(self.device)
+        self.pad_id = pad_id
+        self.temperature = 1.0 if cfg.gconfig.greedy else cfg.gconfig.temperature
+        if self.temperature <= 0:
+            raise ValueError(
+                f"gconfig.temperature: {self.temperature} must be > 0 (use gconfig.greedy for "
+                "greedy decoding)"
+            )
+        # Every rank must build the identical base and LoRA init; the seed makes it so.
+        torch.manual_seed(self.actor.seed)
+        if base is None:
+            from services.common.models import load_base_model
+
+            base = load_base_model(self.actor.path, self.actor.dtype, str(self.device))
+        base = base.to(self.device)
+        base.config.use_cache = False
+        self.model = wrap_lora(base, self.actor)
+        self.lora = lora_spec(self.model, self.actor)
+        if self.world_size > 1:
+            self._shard()
+        self.model.train()
+        self.params = [p for _, p in lora_parameters(self.model)]
+        self.optimizer = make_optimizer(self.params, cfg)
+        warmup = self.actor.optimizer.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.step = 0
+
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in decoder_layers(self.model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    # --- forward -------------------------------------------------------------------------
+
+    def logprobs(self, mb: batching.MicroBatch) -> torch.Tensor:
+        """log pi(target) for the micro-batch's target columns, with the rollout's sampling
+        temperature applied to the logits."""
+        out = self.model(
+            input_ids=mb.input_ids.to(self.device),
+            attention_mask=mb.attention_mask.to(self.device),
+            logits_to_keep=mb.logits_to_keep,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1].float() / self.temperature
+        targets = mb.targets.to(self.device).unsqueeze(-1)
+        return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
+        """One train step on `groups` (every rank passes the same batch): proximal logprobs
+        with no grad, then `ppo_n_minibatches` optimiser updates. `head_version` is the
+        version being trained (for staleness = head_version - token version)."""
+        t0 = time.perf_counter()
+        ppo = self.actor.ppo
+        samples = batching.to_samples(groups, ppo)
+        if not samples:
+            raise ValueError("train_step: every completion in the batch is empty")
+        minibatches = batching.split_minibatches(
+            samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss
+        )
+        plans = [
+            [batching.collate(mb, self.pad_id) for mb in batching.plan_micro_batches(
+                minibatch, self.rank, self.world_size, self.actor.mb_spec_max_tokens)]
+            for minibatch in minibatches
+        ]
+        with torch.no_grad():
+            prox = [[self.logprobs(mb) for mb in plan] for plan in plans]
+
+        # FSDP2 averages gradients over ranks; the loss weights already divide by the whole
+        # batch's token count, so undo the average.
+        scale = float(self.world_size)
+        stats = LossStats()
+        loss_total = 0.0
+        grad_norm = 0.0
+        for plan, plan_prox in zip(plans, prox):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb, mb_prox in zip(plan, plan_prox):
+                lp = self.logprobs(mb)
+                weights = mb.loss_weights.to(self.device)
+                loss, mb_stats = decoupled_ppo_loss(
+                    lp,
+                    mb_prox,
+                    mb.behave_logprobs.to(self.device),
+                    mb.advantages.to(self.device),
+                    weights,
+                    eps_clip=ppo.eps_clip,
+                    eps_clip_higher=ppo.eps_clip_higher,
+                    imp_weight_cap=ppo.behav_imp_weight_cap,
+                    imp_weight_mode=ppo.behav_imp_weight_mode,
+                    use_decoupled_loss=ppo.use_decoupled_loss,
+                    staleness=(head_version - mb.versions).clamp(min=0).to(self.device).float(),
+                )
+                (loss * scale).backward()
+                loss_total += loss.item()
+                stats = stats + mb_stats
+            grad_norm = _scalar(
+                torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping)
+            )
+            self.optimizer.step()
+        self.scheduler.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.step += 1
+
+        if self.world_size > 1:
+            packed = torch.cat([stats.as_tensor(), torch.tensor([loss_total], dtype=torch.float64)])
+            dist.all_reduce(packed)
+            peak = torch.tensor([stats.imp_weight_max], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            stats = LossStats.from_tensor(packed[:-1])
+            stats.imp_weight_max = float(peak)
+            loss_total = float(packed[-1])
+        rewards = [c.reward for g in groups for c in g.completions]
+        return StepStats(
+            step=self.step - 1,
+            loss=loss_total / len(plans),
+            reward_mean=sum(rewards) / len(rewards),
+            groups=len(groups),
+            tokens=int(stats.tokens),
+            grad_norm=grad_norm,
+            lr=lr,
+            step_seconds=time.perf_counter() - t0,
+            loss_stats=stats.summary(),
+        )
+
+    # --- adapter and checkpoint state ----------------------------------------------------
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The full adapter on CPU (a collective under FSDP2: call on every rank)."""
+        return adapter_state(self.model)
+
+    def lora_spec(self) -> LoraSpec:
+        return self.lora
+
+    def optimizer_state(self) -> dict:
+        """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            self.model, self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict | None, step: int) -> None:
+        """Restore from a checkpoint (every rank passes the full tensors)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        from services.common.adapter_io import standardize_key
+
+        names = {standardize_key(name): name for name, _ in lora_parameters(self.model)}
+        missing = sorted(set(names) - set(adapter))
+        unexpected = sorted(set(adapter) - set(names))
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint adapter does not fit this model (missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}); was actor.lora_rank/target_modules changed? start a fresh "
+                "actor.checkpoint_dir"
+            )
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, {names[k]: v for k, v in adapter.items()}, options=options)
+        if optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
+        self.step = step
+        for _ in range(step):  # the LR schedule is a pure function of the step
+            self.scheduler.step()
