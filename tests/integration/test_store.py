@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import pytest
 
@@ -59,6 +60,8 @@ def test_put_file_get_file_multipart(store, tmp_path):
     ref = store.put_file("run/big.bin", src)
     assert ref.bytes == PART_SIZE + 1
     assert ref.sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
+    if isinstance(store, S3Store):  # a multipart ETag ends in -<number of parts>
+        assert store._client.stat_object(store.bucket, "store/run/big.bin").etag.endswith("-2")
     dest = tmp_path / "out" / "big.bin"
     got = store.get_file(ref.uri, dest, sha256=ref.sha256, size=ref.bytes)
     assert got == ref
@@ -191,6 +194,10 @@ def test_local_partial_write_never_visible(local_store, tmp_path):
     putter = threading.Thread(target=lambda: result.setdefault("ref", local_store.put_file("k/v", fifo)))
     putter.start()
     assert half_written.wait(10)
+    deadline = time.monotonic() + 10  # the put has opened its temp file and is inside the copy
+    while not (local_store.root / "k").is_dir() or not any((local_store.root / "k").iterdir()):
+        assert time.monotonic() < deadline, "put_file never created its temp file"
+        time.sleep(0.01)
     seen["exists"] = local_store.exists("k/v")
     seen["list"] = local_store.list()
     seen["files"] = sorted(p.name for p in (local_store.root / "k").iterdir())
