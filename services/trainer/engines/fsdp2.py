@@ -121,6 +121,7 @@ class FSDP2Engine:
             base = load_base_model(self.actor.path, self.actor.dtype, str(self.device))
         base = base.to(self.device)
         base.config.use_cache = False
+        self.vocab_size = base.get_input_embeddings().num_embeddings
         self.model = wrap_lora(base, self.actor)
         self.lora = lora_spec(self.model, self.actor)
         if self.world_size > 1:

@@ -1,0 +1,282 @@
+"""The trainer service: accepted trajectories in, adapter versions out.
+
+Rank 0 alone talks to NATS and the object store; under torchrun it broadcasts each batch to
+the other ranks, which run `worker_loop`. Per step:
+
+    pull B accepted groups -> train_step -> gather adapter -> checkpoint (if due)
+      -> upload + announce v<N+1> -> TrainerStep -> ack the B messages
+
+The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
+the restarted trainer: accepted trajectories are never lost. The checkpoint comes before the
+announcement, so with `checkpoint_every: 1` every announced version can be restored exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import nats.errors
+import torch.distributed as dist
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from proto import codec, subjects
+from proto.messages import TrainerStep, Trajectory
+from services.common import adapter_io, streams
+from services.common.config_schema import LorabusConfig
+from services.trainer import checkpoint, metrics
+from services.trainer.batching import to_samples
+from services.trainer.publish import parse_adapter_version, publish_adapter
+
+log = logging.getLogger(__name__)
+
+DURABLE = "trainer"
+ACK_WAIT_S = 30.0
+"""redelivery delay after a crash; held messages are kept alive with in-progress acks"""
+FETCH_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Work:
+    """What rank 0 broadcasts to the other ranks for one step (None = stop)."""
+
+    groups: list[Trajectory]
+    version: int
+    """the head version being trained (staleness is measured against it)"""
+    save_checkpoint: bool
+
+
+def broadcast_work(work: Work | None, rank: int) -> Work | None:
+    box = [work if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def checkpoint_due(cfg: LorabusConfig, step: int) -> bool:
+    every = cfg.actor.checkpoint_every
+    return every > 0 and step % every == 0
+
+
+class AcceptedQueue:
+    """The durable pull consumer on the ACCEPTED stream, with acks deferred until the batch
+    has been trained and published (`Bus.consume` acks per message, too early for us)."""
+
+    def __init__(self, bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str]):
+        self.bus, self.cfg, self.vocab_size = bus, cfg, vocab_size
+        self.skip_ids = skip_ids
+        self.held: list = []
+        self.psub = None
+
+    async def open(self) -> None:
+        run = self.cfg.run
+        config = ConsumerConfig(
+            durable_name=DURABLE,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ACK_WAIT_S,
+            max_deliver=-1,
+            max_ack_pending=max(4 * self.cfg.rollout.consumer_batch_size, 64),
+        )
+        await self.bus.js.add_consumer(streams.ACCEPTED(run), config)
+        self.psub = await self.bus.js.pull_subscribe_bind(durable=DURABLE, stream=streams.ACCEPTED(run))
+
+    def _problem(self, traj: Trajectory) -> str | None:
+        if traj.run != self.cfg.run:
+            return f"run: {traj.run!r} is not this trainer's run {self.cfg.run!r}"
+        for c in traj.completions:
+            if any(t >= self.vocab_size for t in c.token_ids) or any(
+                t >= self.vocab_size for t in traj.prompt_token_ids
+            ):
+                return f"token id >= the model's vocab size {self.vocab_size}"
+        try:
+            to_samples([traj], self.cfg.actor.ppo)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    async def next_batch(self, size: int, stop: asyncio.Event) -> list[Trajectory] | None:
+        """Block until `size` usable groups are held (None if `stop` is set first)."""
+        groups: list[Trajectory] = []
+        while len(groups) < size:
+            if stop.is_set():
+                return None
+            try:
+                msgs = await self.psub.fetch(size - len(groups), timeout=FETCH_TIMEOUT_S)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    traj = codec.decode(msg.data, Trajectory)
+                except codec.DecodeError as exc:
+                    await self._reject(msg, exc.reason, str(exc))
+                    continue
+                if traj.trajectory_id in self.skip_ids:
+                    log.info("trajectory %s was trained before the restart; acking", traj.trajectory_id)
+                    await msg.ack()
+                    continue
+                problem = self._problem(traj)
+                if problem is not None:
+                    await self._reject(msg, "validation", f"trajectory {traj.trajectory_id}: {problem}")
+                    continue
+                self.held.append(msg)
+                groups.append(traj)
+        return groups
+
+    async def _reject(self, msg, reason: str, error: str) -> None:
+        log.warning("dead-lettering a message on %s: %s", msg.subject, error)
+        await self.bus.dead_letter(msg.subject, reason, error, msg.data)
+        await msg.term()
+
+    async def keep_alive(self) -> None:
+        """Tell the server the held messages are still being worked on (a step may outlast
+        ack_wait); runs until cancelled."""
+        while True:
+            await asyncio.sleep(ACK_WAIT_S / 3)
+            for msg in list(self.held):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    async def ack_held(self) -> None:
+        for msg in self.held:
+            await msg.ack()
+        self.held = []
+
+
+def _highest_stored_version(store, run: str) -> int | None:
+    versions = [v for key in store.list(f"{run}/adapters/") if (v := parse_adapter_version(run, key)) is not None]
+    return max(versions, default=None)
+
+
+def resume_plan(ckpt: checkpoint.Checkpoint | None, highest_stored: int | None) -> tuple[int, bool]:
+    """(version to (re)announce now, whether it carries the checkpoint's bytes unchanged).
+
+    Fresh start: v0. Resume: the checkpoint's version, re-announced idempotently (the crash
+    may have come between upload and publish). If versions past the checkpoint were already
+    uploaded (checkpoint_every > 1), their weights are gone: the restored weights become a
+    new version above them, so no version number ever names two different adapters."""
+    if ckpt is None:
+        return 0, False
+    if highest_stored is not None and highest_stored > ckpt.version:
+        return highest_stored + 1, False
+    return ckpt.version, True
+
+
+async def serve(
+    cfg: LorabusConfig, engine, bus, store, stop: asyncio.Event,
+    ckpt: checkpoint.Checkpoint | None,
+) -> int:
+    """Rank 0's loop, after `restore`; returns the last published version."""
+    run, lora_name = cfg.run, cfg.gconfig.lora_name
+    ckpt_dir = cfg.actor.checkpoint_dir
+    highest = await asyncio.to_thread(_highest_stored_version, store, run)
+    version, unchanged = resume_plan(ckpt, highest)
+    trained_ids: list[str] = []
+    if ckpt is not None:
+        log.info("resuming from %s step %d (v%d)", ckpt_dir, ckpt.step, ckpt.version)
+        weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(ckpt.adapter)
+        trained_ids = ckpt.trained_ids
+    else:
+        weights = adapter_io.to_bytes(engine.adapter_state())
+    event = await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
+                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step)
+    log.info("v%d %s", version, "announced" if event else "was already announced")
+    metrics.VERSION.set(version)
+
+    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(trained_ids))
+    await queue.open()
+    keep_alive = asyncio.create_task(queue.keep_alive())
+    try:
+        while engine.step < cfg.total_train_steps:
+            groups = await queue.next_batch(cfg.rollout.consumer_batch_size, stop)
+            if groups is None:
+                break
+            step_index = engine.step
+            save = checkpoint_due(cfg, step_index + 1)
+            work = Work(groups=groups, version=version, save_checkpoint=save)
+            if engine.world_size > 1:
+                await asyncio.to_thread(broadcast_work, work, 0)
+            stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
+            version += 1
+            t0 = time.perf_counter()
+            weights = adapter_io.to_bytes(adapter)
+            ids = [g.trajectory_id for g in groups]
+            if save:
+                await asyncio.to_thread(checkpoint.save, ckpt_dir, checkpoint.Checkpoint(
+                    step=engine.step, version=version, adapter_bytes=weights, optimizer=optim,
+                    rng=checkpoint.rng_state(), trained_ids=ids))
+            await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
+                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step)
+            metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
+            await bus.publish(subjects.trainer_step(run), TrainerStep(
+                run=run, step=step_index, version=version, loss=stats.loss,
+                reward_mean=stats.reward_mean, groups=stats.groups, tokens=stats.tokens,
+                step_seconds=stats.step_seconds, mean_staleness=stats.mean_staleness,
+                finished_at=time.time()), msg_id=f"trainer-step-{step_index}")
+            await queue.ack_held()
+            record(stats, version)
+            log.info("step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs", step_index, version,
+                     stats.loss, stats.reward_mean, stats.tokens, stats.step_seconds)
+    finally:
+        keep_alive.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keep_alive
+    return version
+
+
+def run_step(engine, work: Work):
+    """The collective part of a step, identical on every rank."""
+    stats = engine.train_step(work.groups, head_version=work.version)
+    adapter = engine.adapter_state()
+    optim = engine.optimizer_state() if work.save_checkpoint else None
+    return stats, adapter, optim
+
+
+def record(stats, version: int) -> None:
+    metrics.STEP_SECONDS.observe(stats.step_seconds)
+    metrics.TOKENS_PER_SECOND.set(stats.tokens / max(stats.step_seconds, 1e-9))
+    metrics.VERSION.set(version)
+    metrics.LOSS.set(stats.loss)
+    metrics.REWARD_MEAN.set(stats.reward_mean)
+    metrics.STEPS.inc()
+
+
+def worker_loop(engine) -> None:
+    """Ranks > 0: follow rank 0's broadcasts until it says stop."""
+    while True:
+        work = broadcast_work(None, engine.rank)
+        if work is None:
+            return
+        run_step(engine, work)
+
+
+def restore(engine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
+    """Every rank loads the newest checkpoint itself (same host, same directory)."""
+    ckpt = checkpoint.load_latest(cfg.actor.checkpoint_dir)
+    if ckpt is not None:
+        engine.load_state(ckpt.adapter, ckpt.optimizer or None, ckpt.step)
+        checkpoint.restore_rng(ckpt.rng)
+    return ckpt
+
+
+async def run_rank0(cfg: LorabusConfig, engine, ckpt: checkpoint.Checkpoint | None) -> int:
+    from services.common.bus import Bus
+    from services.common.store import open_store
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service="trainer")
+    try:
+        await bus.ensure_streams()
+        store = open_store(cfg.store)
+        return await serve(cfg, engine, bus, store, stop, ckpt)
+    finally:
+        if engine.world_size > 1:
+            await asyncio.to_thread(broadcast_work, None, 0)
+        await bus.close()
