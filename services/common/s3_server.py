@@ -128,8 +128,14 @@ def start_weed_s3(
     *,
     host: str = "127.0.0.1",
     startup_timeout_s: float = 60.0,
+    die_with_parent: bool = False,
 ) -> S3Server:
-    """Start `weed mini` with an S3 endpoint on `host`, return once a PUT succeeds."""
+    """Start `weed mini` with an S3 endpoint on `host`, return once a PUT succeeds.
+
+    `die_with_parent` (Linux): the kernel sends weed SIGTERM when the thread that started it
+    exits, so a killed test run leaves no 750 MB server behind. Only for callers that start it
+    from a thread living as long as the server (the main thread of pytest).
+    """
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     admin = _new_identity("admin", ("Admin", "Read", "List", "Tagging", "Write"))
@@ -165,6 +171,7 @@ def start_weed_s3(
             stdin=subprocess.DEVNULL,
             cwd=data_dir,
             start_new_session=True,
+            preexec_fn=_terminate_with_parent if die_with_parent else None,
         )
     server = S3Server(
         endpoint=f"{host}:{ports['s3.port']}",
@@ -180,6 +187,14 @@ def start_weed_s3(
         server.stop()
         raise
     return server
+
+
+def _terminate_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_until_writable(server: S3Server, timeout_s: float) -> None:
