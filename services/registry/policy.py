@@ -73,7 +73,7 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
     """B: groups per trainer step"""
     max_concurrent_rollouts: int
     lease_seconds: float
-    seen_limit: int = 1024
+    seen_limit: int = 256
     """trajectory ids remembered for idempotent duplicates (see the module docstring)"""
     retry_after_s: float = 0.25
 
@@ -94,12 +94,21 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
     def from_config(cls, cfg) -> PolicyConfig:
         """From a `LorabusConfig` (its `rollout` section)."""
         r = cfg.rollout
+        max_concurrent = r.max_concurrent_rollouts or r.consumer_batch_size
         return cls(
             max_head_offpolicyness=r.max_head_offpolicyness,
             consumer_batch_size=r.consumer_batch_size,
-            max_concurrent_rollouts=r.max_concurrent_rollouts or r.consumer_batch_size,
+            max_concurrent_rollouts=max_concurrent,
             lease_seconds=r.lease_seconds,
+            seen_limit=seen_limit_for(max_concurrent),
         )
+
+
+def seen_limit_for(max_concurrent: int) -> int:
+    """Duplicates come from redelivery after a crash (at most the un-acked in-flight messages)
+    and from rollouts resending recent work, so a few times the concurrency is plenty; the
+    ledger is rewritten on every change, so remembering more costs on every write."""
+    return max(256, 8 * max_concurrent)
 
 
 # --- the ledger ------------------------------------------------------------------------------

@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 LEDGER_KEY = "ledger"
 WORKERS = 8
 """concurrent admission servers and trajectory consumers (what group commit can coalesce)"""
-TRAJECTORY_BATCH = 16
+PULL_BATCH = 1
+"""nats-py's `fetch(n)` in its long-poll path waits for all n messages until its timeout (1 s
+in the bus), so any n > 1 adds up to a second of latency to a trickle of messages; workers
+give the concurrency instead"""
 SERVICE = "registry"
 
 
@@ -184,15 +187,18 @@ class RegistryService:
         metrics.observe_ledger(led)
         consume = self.bus.consume
         self._tasks += [
-            await consume(streams.ADAPTERS(self.run), "registry-adapters", AdapterReady, self._on_adapter),
-            await consume(streams.REPORTS(self.run), "registry-reports", RolloutReport, self._on_report),
-            await consume(streams.EXPORTS(self.run), "registry-exports", ExportDone, self._on_export),
+            await consume(streams.ADAPTERS(self.run), "registry-adapters", AdapterReady,
+                          self._on_adapter, batch=PULL_BATCH),
+            await consume(streams.REPORTS(self.run), "registry-reports", RolloutReport,
+                          self._on_report, batch=PULL_BATCH),
+            await consume(streams.EXPORTS(self.run), "registry-exports", ExportDone,
+                          self._on_export, batch=PULL_BATCH),
         ]  # fmt: skip
         for _ in range(self.workers):
             self._tasks.append(
                 await consume(
                     streams.TRAJECTORIES(self.run), "registry-trajectories", Trajectory,
-                    self._on_trajectory, batch=TRAJECTORY_BATCH,
+                    self._on_trajectory, batch=PULL_BATCH,
                 )  # fmt: skip
             )
             self._subs.append(
