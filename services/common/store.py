@@ -351,6 +351,7 @@ class S3Store:
     def _call(self, what: str, fn: Callable, *args, **kwargs):
         """Run one minio call, turning its errors into StoreErrors that name `what`."""
         from minio.error import MinioException, S3Error
+        from urllib3.exceptions import HTTPError as TransportError
 
         try:
             return fn(*args, **kwargs)
@@ -360,14 +361,8 @@ class S3Store:
             raise StoreError(f"{what}: S3 error {exc.code}: {exc.message}") from None
         except MinioException as exc:
             raise StoreError(f"{what}: S3 request failed: {exc}") from None
-        except OSError as exc:  # urllib3 connection errors are OSErrors (or wrap them)
+        except (TransportError, OSError) as exc:  # refused, reset, timed out after retries
             raise StoreError(f"{what}: cannot reach S3 endpoint {self.endpoint}: {exc}") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("urllib3"):
-                raise StoreError(
-                    f"{what}: cannot reach S3 endpoint {self.endpoint}: {exc}"
-                ) from None
-            raise
 
     def _ensure_bucket(self, region: str | None) -> None:
         what = f"s3://{self.bucket}"
