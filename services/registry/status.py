@@ -86,6 +86,7 @@ async def fetch_status(cfg, timeout: float = STATUS_TIMEOUT_S) -> RegistryStatus
 def main(argv: list[str]) -> int:
     import nats.errors
 
+    from services.common.bus import BusError
     from services.common.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(
@@ -108,6 +109,9 @@ def main(argv: list[str]) -> int:
             f"within {STATUS_TIMEOUT_S}s; is `lorabus registry --config {args.config}` running?",
             file=sys.stderr,
         )
+        return 1
+    except BusError as exc:
+        print(f"lorabus registry status: {exc}", file=sys.stderr)
         return 1
     print(msgspec.json.format(msgspec.json.encode(status)).decode() if args.json else render(status))
     return 0
