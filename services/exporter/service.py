@@ -57,6 +57,8 @@ class Exporter:
         self.bus = bus
         self._shape: ModelShape | None = None
         self._last_version = -1
+        self.busy = asyncio.Lock()
+        """held while an event is handled; shutdown takes it so no export is cut in half"""
 
     def model_shape(self) -> ModelShape:
         # The payload is one file with global expert indices: the EP-gathered view (ep_size 1).
@@ -65,6 +67,10 @@ class Exporter:
         return self._shape
 
     async def handle(self, event: AdapterReady, meta: MsgMeta) -> None:
+        async with self.busy:
+            await self._handle(event, meta)
+
+    async def _handle(self, event: AdapterReady, meta: MsgMeta) -> None:
         if event.run != self.cfg.run:
             log.warning("%s: event of run %r on run %r's stream; ignored", meta.subject,
                         event.run, self.cfg.run)  # fmt: skip
@@ -144,7 +150,7 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
             AdapterReady,
             exporter.handle,
             filter_subject=subjects.adapter_ready_all(cfg.run),
-            batch=4,
+            batch=1,  # a fetched message not yet handled at shutdown waits ack_wait to return
             ack_wait_s=ACK_WAIT_S,
         )
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
@@ -153,5 +159,8 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         stopper.cancel()
         if consumer.done() and not consumer.cancelled() and consumer.exception():
             raise consumer.exception()
+        async with exporter.busy:  # let a running export finish (and ack) before closing
+            await bus.close()
     finally:
-        await bus.close()
+        if not bus.nc.is_closed:
+            await bus.close()
