@@ -1,0 +1,337 @@
+"""`deploy/nats/nats.conf` against a real nats-server: each service's credential can do its
+job through the real `Bus` and nothing more.
+
+One server and one registry process (logged in as `registry`) per module; every test uses
+its own run id so that streams and durables never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import nats
+import nats.errors
+import pytest
+
+from proto import codec, subjects
+from proto import messages as m
+from services.common import streams
+from services.common.bus import Bus
+from services.common.config_schema import BusConfig
+from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config, users
+
+pytestmark = pytest.mark.timeout(120)
+
+ROLLOUT = "vllm-0"  # the replica id of the `rollout-vllm-0` user
+
+
+@pytest.fixture(scope="module")
+def passwords() -> dict[str, str]:
+    return {var: f"pw-{uuid.uuid4().hex[:12]}" for var in password_vars()}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, passwords):
+    with pytest.MonkeyPatch.context() as mp:
+        for var, value in passwords.items():
+            mp.setenv(var, value)
+        srv = start_with_deploy_config(tmp_path_factory.mktemp("nats-auth"), passwords)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def run() -> str:
+    return f"auth{uuid.uuid4().hex[:8]}"
+
+
+def bus_config(server, passwords, user: str) -> BusConfig:
+    return BusConfig(url=server.url, user=user, password=passwords[users()[user]],
+                     connect_timeout_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, server, passwords, run):
+    """The real registry process with the `registry` credential (it creates the streams)."""
+    tmp = tmp_path_factory.mktemp("registry")
+    config = tmp / "registry.yaml"
+    config.write_text(
+        f"""
+experiment_name: {run}
+trial_name: t
+run: {run}
+bus: {{url: "{server.url}", user: registry, password_env: NATS_REGISTRY_PASSWORD}}
+metrics: {{host: 127.0.0.1, port: 0}}
+actor: {{path: examples/tiny/model}}
+train_dataset: {{path: "builtin:arith"}}
+rollout: {{max_head_offpolicyness: 1, consumer_batch_size: 2}}
+"""
+    )
+    log = open(tmp / "registry.log", "wb")
+    env = dict(os.environ, NATS_REGISTRY_PASSWORD=passwords["NATS_REGISTRY_PASSWORD"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.registry", "--config", str(config)],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    yield proc, tmp / "registry.log"
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+async def connect(server, passwords, user: str, run: str, service: str) -> Bus:
+    return await Bus.connect(bus_config(server, passwords, user), run=run, service=service)
+
+
+async def raw_connect(server, passwords, user: str):
+    """A plain nats-py connection that records the server's async errors (permission
+    violations arrive there, not as exceptions of the publish call)."""
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(
+        servers=[server.url], user=user, password=passwords[users()[user]], error_cb=on_error,
+        allow_reconnect=False,
+    )
+    return nc, errors
+
+
+async def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def streams_ready(server, passwords, run, registry) -> None:
+    """Wait until the registry process has created the run's streams."""
+    proc, log = registry
+    bus = await connect(server, passwords, "trainer", run, "trainer")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"registry exited:\n{log.read_text()[-3000:]}"
+            try:
+                await bus.js.stream_info(streams.DEADLETTER(run))
+                return
+            except Exception:
+                assert time.monotonic() < deadline, f"no streams:\n{log.read_text()[-3000:]}"
+                await asyncio.sleep(0.2)
+    finally:
+        await bus.close()
+
+
+def adapter_event(run: str, version: int) -> m.AdapterReady:
+    return m.AdapterReady(
+        run=run, lora_name="tiny_lora", version=version, trainer_step=max(version - 1, 0),
+        created_at=time.time(),
+        lora=m.LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj"], base_model="tiny"),
+        payloads=[m.ObjectPayload(uri=f"s3://lorabus/{run}/adapters/v{version}/adapter_model.safetensors",
+                                  bytes=10, sha256="0" * 64)],
+    )
+
+
+def trajectory(run: str, replica: str, version: int) -> m.Trajectory:
+    now = time.time()
+    return m.Trajectory(
+        run=run, trajectory_id=f"t-{uuid.uuid4().hex[:8]}", grant_id="g", replica=replica,
+        prompt_id="p0", prompt_token_ids=[1, 2],
+        completions=[m.Completion(token_ids=[3], logprobs=[-0.5], versions=[version], reward=1.0)],
+        started_at=now, finished_at=now,
+    )
+
+
+async def stream_count(bus: Bus, stream: str) -> int:
+    return (await bus.js.stream_info(stream)).state.messages
+
+
+async def subject_count(bus: Bus, stream: str, subject: str) -> int:
+    """Messages stored under one subject (STREAM.INFO with a filter: every service may ask)."""
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+def test_config_declares_every_service_user():
+    assert set(users()) >= {"registry", "trainer", "exporter", "rollout-vllm-0",
+                            "rollout-sglang-0", "evaluator", "watcher"}
+    # every password is an environment variable, never a literal in the file
+    assert len(password_vars()) == len(users())
+
+
+async def test_trainer_publishes_adapter_event_to_jetstream(server, passwords, run, registry):
+    await streams_ready(server, passwords, run, registry)
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    try:
+        seq = await trainer.publish(subjects.adapter_ready(run, 0), adapter_event(run, 0),
+                                    msg_id=f"{run}-v0")
+        assert seq >= 1
+        step = m.TrainerStep(run=run, step=0, version=1, loss=0.1, reward_mean=0.5, groups=2,
+                             tokens=10, step_seconds=0.2, finished_at=time.time())
+        assert await trainer.publish(subjects.trainer_step(run), step) >= 1
+        assert await subject_count(trainer, streams.ADAPTERS(run), subjects.adapter_ready(run, 0)) == 1
+    finally:
+        await trainer.close()
+
+
+async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords, run, registry):
+    await streams_ready(server, passwords, run, registry)
+    nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
+    try:
+        subject = subjects.adapter_ready(run, 99)
+        with pytest.raises(nats.errors.TimeoutError):  # dropped by the server: no PubAck
+            await nc.jetstream().publish(subject, codec.encode(adapter_event(run, 99)), timeout=1.0)
+        await wait_for(lambda: errors, what="a permissions violation")
+        assert any("permissions violation for publish" in e.lower() and subject.lower() in e.lower() for e in errors), errors
+    finally:
+        await nc.close()
+    admin = await connect(server, passwords, "trainer", run, "check")
+    try:
+        assert await subject_count(admin, streams.ADAPTERS(run), subjects.adapter_ready(run, 99)) == 0
+    finally:
+        await admin.close()
+
+
+async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admission(
+    server, passwords, run, registry
+):
+    await streams_ready(server, passwords, run, registry)
+    bus = await connect(server, passwords, "rollout-vllm-0", run, f"rollout-{ROLLOUT}")
+    try:
+        assert await bus.publish(subjects.trajectory(run, ROLLOUT), trajectory(run, ROLLOUT, 0)) >= 1
+        beat = m.ReplicaHeartbeat(run=run, replica=ROLLOUT, engine="vllm", loaded_versions=[0],
+                                  in_flight=0, sent_at=time.time())
+        assert await bus.publish(subjects.rollout_report(run, ROLLOUT, "heartbeat"), beat) >= 1
+        # the real registry answers (grant or deny): request and reply both pass the permissions
+        reply = await bus.request(
+            subjects.admission(run),
+            m.AdmissionRequest(run=run, replica=ROLLOUT, request_id="r1", loaded_versions=[0]),
+            m.AdmissionReply, timeout=10.0,
+        )
+        assert reply.request_id == "r1"
+        # the durable adapter consumer a rollout runs: create, fetch, ack
+        seen: list[int] = []
+
+        async def on_adapter(msg: m.AdapterReady, _meta) -> None:
+            seen.append(msg.version)
+
+        trainer = await connect(server, passwords, "trainer", run, "trainer")
+        await trainer.publish(subjects.adapter_ready(run, 1), adapter_event(run, 1), msg_id=f"{run}-v1")
+        await trainer.close()
+        await bus.consume(streams.ADAPTERS(run), f"rollout-{ROLLOUT}", m.AdapterReady, on_adapter)
+        await wait_for(lambda: 1 in seen, what="the rollout to consume adapter v1")
+    finally:
+        await bus.close()
+
+
+async def test_rollout_is_refused_another_replicas_subjects(server, passwords, run, registry):
+    await streams_ready(server, passwords, run, registry)
+    nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
+    try:
+        others = [subjects.trajectory(run, "sglang-0"),
+                  subjects.rollout_report(run, "sglang-0", "loaded"),
+                  subjects.accepted(run), subjects.decision(run, ROLLOUT)]
+        for subject in others:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        await wait_for(lambda: len(errors) >= len(others), what="one violation per subject")
+        for subject in others:
+            assert any(subject.lower() in e.lower() for e in errors), (subject, errors)
+        # and it may not change the run's streams
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(f"$JS.API.STREAM.DELETE.{streams.ADAPTERS(run)}", b"", timeout=1.0)
+    finally:
+        await nc.close()
+
+
+async def test_watcher_is_refused_publishing_anything_but_receives_events(
+    server, passwords, run, registry
+):
+    await streams_ready(server, passwords, run, registry)
+    nc, errors = await raw_connect(server, passwords, "watcher")
+    try:
+        received: list[str] = []
+
+        async def on_msg(msg) -> None:
+            received.append(msg.subject)
+
+        await nc.subscribe(subjects.adapter_ready_all(run), cb=on_msg)
+        await nc.flush()
+        attempts = [subjects.eval_result(run, "mine"), subjects.adapter_ready(run, 5),
+                    subjects.trajectory(run, ROLLOUT), subjects.admission(run), "$JS.API.INFO",
+                    "_INBOX.anything", "other.subject"]
+        for subject in attempts:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        await wait_for(lambda: len(errors) >= len(attempts), what="one violation per publish")
+        for subject in attempts:
+            assert any("publish" in e.lower() and subject.lower() in e.lower() for e in errors), (subject, errors)
+        # subscribing to what it may not read is refused too
+        await nc.subscribe(subjects.trajectory_all(run), cb=on_msg)
+        await wait_for(lambda: any("subscription" in e.lower() for e in errors),
+                       what="a subscription violation")
+
+        trainer = await connect(server, passwords, "trainer", run, "trainer")
+        await trainer.publish(subjects.adapter_ready(run, 2), adapter_event(run, 2), msg_id=f"{run}-v2")
+        await trainer.close()
+        await wait_for(lambda: subjects.adapter_ready(run, 2) in received, what="the live event")
+    finally:
+        await nc.close()
+
+
+async def test_evaluator_reads_exports_and_publishes_only_eval_results(
+    server, passwords, run, registry
+):
+    await streams_ready(server, passwords, run, registry)
+    exporter = await connect(server, passwords, "exporter", run, "exporter")
+    done = m.ExportDone(run=run, lora_name="tiny_lora", version=0, uri=f"s3://lorabus/{run}/export/v0",
+                        files=["adapter_config.json", "adapter_model.safetensors"], bytes=10,
+                        sha256="0" * 64, exported_at=time.time())
+    try:
+        await exporter.publish(subjects.export_done(run, 0), done, msg_id=f"{run}-export-v0")
+    finally:
+        await exporter.close()
+
+    evaluator = await connect(server, passwords, "evaluator", run, "heldout")
+    try:
+        scored: list[int] = []
+
+        async def on_export(msg: m.ExportDone, _meta) -> None:
+            result = m.EvalResult(run=run, evaluator="heldout", version=msg.version, metric="acc",
+                                  score=0.5, n=4, evaluated_at=time.time())
+            await evaluator.publish(subjects.eval_result(run, "heldout"), result)
+            scored.append(msg.version)
+
+        await evaluator.consume(streams.EXPORTS(run), "eval-heldout", m.ExportDone, on_export)
+        await wait_for(lambda: scored == [0], what="the evaluator to score v0")
+        assert await stream_count(evaluator, streams.EVALS(run)) == 1
+    finally:
+        await evaluator.close()
+
+    nc, errors = await raw_connect(server, passwords, "evaluator")
+    try:
+        for subject in (subjects.adapter_ready(run, 7), subjects.export_done(run, 7),
+                        subjects.trainer_step(run)):
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        await wait_for(lambda: len(errors) >= 3, what="three violations")
+    finally:
+        await nc.close()
+
+
+async def test_wrong_password_is_refused(server, passwords):
+    with pytest.raises(Exception) as info:
+        await nats.connect(servers=[server.url], user="trainer", password="wrong",
+                           allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    assert "authorization" in str(info.value).lower() or isinstance(
+        info.value, (nats.errors.NoServersError, nats.errors.AuthorizationError)
+    )
