@@ -419,7 +419,7 @@ def test_error_message_names_source_file(tmp_path):
 @pytest.mark.parametrize(
     "name,backend,engine,mode",
     [
-        ("tiny.draft.yaml", "fsdp2", "embedded", "disk"),
+        ("tiny.yaml", "fsdp2", "embedded", "disk"),
         ("areal_gsm8k_fsdp2_sglang.yaml", "fsdp2", "sglang", "disk"),
         ("areal_gsm8k_megatron_vllm.yaml", "megatron", "vllm", "xccl"),
         ("areal_qwen3moe_megatron_vllm.yaml", "megatron", "vllm", "xccl"),
@@ -439,8 +439,8 @@ def test_examples_load_and_validate(name, backend, engine, mode, monkeypatch):
         assert cfg.sglang.lora_paths == [f"{v0}=/adapters/{v0}"]
 
 
-def test_tiny_draft_is_the_embedded_task():
-    cfg = load_config(EXAMPLES / "tiny.draft.yaml")
+def test_tiny_is_the_embedded_task():
+    cfg = load_config(EXAMPLES / "tiny.yaml")
     assert cfg.actor.path == "examples/tiny/model"
     assert cfg.train_dataset.path == "builtin:arith"
     assert cfg.store.uri.startswith("file://")
