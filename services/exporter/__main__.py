@@ -1,5 +1,7 @@
-"""`python -m services.exporter --config FILE [key=value ...]` (also `lorabus exporter`):
-write every adapter version of the run as a PEFT directory under `exporter.uri`."""
+"""Write every adapter version of the run as a PEFT directory under `exporter.uri`.
+
+`python -m services.exporter --config FILE [key=value ...]`, or `lorabus exporter ...`.
+"""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from proto import codec, subjects
-from proto.messages import AdapterReady, ExportDone, LoraSpec, ObjectPayload
+from proto.messages import AdapterReady, DeadLetter, ExportDone, LoraSpec, ObjectPayload
 from services.common import adapter_io, streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig, StoreConfig
@@ -164,12 +164,8 @@ def fetch_dir(done: ExportDone, store_cfg: StoreConfig, dest: Path) -> Path:
     return dest
 
 
-async def test_exporter_writes_loadable_versions(tmp_path, nats_url, store_cfg):
-    run = f"exp{uuid.uuid4().hex[:8]}"
-    torch.manual_seed(0)
-    base_dir = tmp_path / "base"
-    base = Qwen3ForCausalLM(MODEL).eval()
-    base.save_pretrained(base_dir)
+def start_exporter(tmp_path: Path, nats_url: str, store_cfg: StoreConfig, run: str,
+                   base_dir: Path) -> tuple[ExporterProcess, str]:
     export_uri = (f"file://{tmp_path}/export" if store_cfg.uri.startswith("file://")
                   else store_cfg.uri.rsplit("/", 1)[0] + "/export")
     config = tmp_path / "exporter.yaml"
@@ -187,6 +183,16 @@ exporter: {{uri: "{export_uri}"}}
 """)
     proc = ExporterProcess(config, tmp_path / "exporter.log")
     proc.start()
+    return proc, export_uri
+
+
+async def test_exporter_writes_loadable_versions(tmp_path, nats_url, store_cfg):
+    run = f"exp{uuid.uuid4().hex[:8]}"
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    base = Qwen3ForCausalLM(MODEL).eval()
+    base.save_pretrained(base_dir)
+    proc, export_uri = start_exporter(tmp_path, nats_url, store_cfg, run, base_dir)
     bus = await Bus.connect(BusConfig(url=nats_url), run=run, service="tester")
     await bus.ensure_streams()
     store = open_store(store_cfg)
@@ -245,6 +251,60 @@ exporter: {{uri: "{export_uri}"}}
         assert metric(m, "lorabus_exporter_last_version") == 3.0
         assert metric(m, "lorabus_exporter_export_seconds_count") == 1.0
         assert metric(m, 'lorabus_exporter_failures_total{stage="convert"}') == 0.0
+    finally:
+        proc.stop()
+        await bus.close()
+
+
+async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_url):
+    run = f"exp{uuid.uuid4().hex[:8]}"
+    store_cfg = StoreConfig(uri=f"file://{tmp_path}/store")
+    base_dir = tmp_path / "base"
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(MODEL).eval()
+    base.save_pretrained(base_dir)
+    proc, export_uri = start_exporter(tmp_path, nats_url, store_cfg, run, base_dir)
+    bus = await Bus.connect(BusConfig(url=nats_url), run=run, service="tester")
+    await bus.ensure_streams()
+    store = open_store(store_cfg)
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model=str(base_dir))
+
+    async def publish(version, data: bytes, layout="hf-peft", sha256=None):
+        ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
+        event = AdapterReady(
+            run=run, lora_name="default_lora", version=version, trainer_step=version,
+            created_at=time.time(), lora=spec,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha256 or ref.sha256, layout=layout)])
+        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=f"adapter-v{version}")
+
+    try:
+        good = hf_tensors(source_model(base, seed=2))
+        await publish(0, adapter_io.to_bytes(good), sha256="0" * 64)  # swapped/corrupted object
+        wrong = {"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 47),
+                 "decoder.layers.0.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(32, RANK)}
+        await publish(1, adapter_io.to_bytes(wrong), layout="megatron-bridge")
+        await publish(2, adapter_io.to_bytes(good))
+        done, _ = await wait_export(bus, proc, 2)  # not held up by the failing two
+        assert done.sha256 == adapter_io.sha256(adapter_io.to_bytes(good))
+
+        stream = streams.DEADLETTER(run)
+        deadline = time.monotonic() + 60
+        while (await bus.js.stream_info(stream)).state.messages < 2:
+            assert proc.alive() and time.monotonic() < deadline, proc.log_text()[-4000:]
+            await asyncio.sleep(0.2)
+        letters = [codec.decode((await bus.js.get_msg(stream, seq)).data, DeadLetter) for seq in (1, 2)]
+        errors = {subjects.parse_adapter_ready(d.subject)[1]: d for d in letters}
+        assert all(d.reason == "handler" and d.service == "exporter" for d in letters)
+        assert "sha256" in errors[0].error
+        assert "linear_fc2.adapter.linear_in.weight: shape [4, 47] does not match [r, 48]" in errors[1].error
+        for v in (0, 1):
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await bus.js.get_last_msg(streams.EXPORTS(run), subjects.export_done(run, v))
+
+        m = proc.metrics()
+        assert metric(m, 'lorabus_exporter_failures_total{stage="fetch"}') == 5.0  # max_deliver
+        assert metric(m, 'lorabus_exporter_failures_total{stage="convert"}') == 5.0
+        assert metric(m, "lorabus_exporter_exports_total") == 1.0
     finally:
         proc.stop()
         await bus.close()
