@@ -147,8 +147,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, cfg: BusConfig, *, run: str, service: str) -> Bus:
-        """Connect, retrying with backoff for up to `cfg.connect_timeout_s` (a service may
-        start before the server); afterwards nats-py reconnects on its own."""
+        """Connect, retrying for up to `cfg.connect_timeout_s` (a service may start before
+        the server); afterwards nats-py reconnects on its own, every RECONNECT_WAIT_S."""
         subjects.token(run, "run")
         subjects.token(service, "service")
         options = _connect_options(cfg)
@@ -164,14 +164,15 @@ class Bus:
             # Connection refused while reconnecting is expected noise during a restart.
             log.debug("bus: %s: %s", type(exc).__name__, exc)
 
-        deadline = time.monotonic() + cfg.connect_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                nc = await nats.connect(
+        nc = Client()
+        try:
+            # nats-py retries the first connect too (every RECONNECT_WAIT_S, forever with
+            # max_reconnect_attempts=-1): bound the whole attempt by connect_timeout_s.
+            await asyncio.wait_for(
+                nc.connect(
                     servers=[cfg.url],
                     name=f"lorabus-{run}-{service}",
-                    connect_timeout=max(1, int(cfg.connect_timeout_s)),
+                    connect_timeout=cfg.connect_timeout_s,
                     allow_reconnect=True,
                     max_reconnect_attempts=cfg.max_reconnect_attempts,
                     reconnect_time_wait=RECONNECT_WAIT_S,
@@ -179,17 +180,17 @@ class Bus:
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
                     **options,
-                )
-                break
-            except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise BusError(
-                        f"bus.url: cannot reach NATS at {cfg.url} within "
-                        f"{cfg.connect_timeout_s}s ({type(exc).__name__}: {exc}); is "
-                        "nats-server running (`lorabus up` starts one)?"
-                    ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                ),
+                timeout=cfg.connect_timeout_s,
+            )
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            cause = nc.last_error or exc
+            await nc.close()
+            raise BusError(
+                f"bus.url: cannot connect to NATS at {cfg.url} within {cfg.connect_timeout_s}s "
+                f"({type(cause).__name__}: {cause}); is nats-server running (`lorabus up` "
+                "starts one), and are bus.user/password/creds_file right?"
+            ) from exc
         return cls(nc, run, service)
 
     @property
