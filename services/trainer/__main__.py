@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         service.worker_loop(engine)
         return 0
     port = start_metrics_server(cfg.metrics)
-    log.info("metrics on :%d; %d LoRA tensors over %s, world size %d", port,
-             len(engine.lora_spec().target_modules), engine.device, engine.world_size)
+    log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, engine.lora.rank,
+             ",".join(engine.lora.target_modules), engine.device, engine.world_size)
     asyncio.run(service.run_rank0(cfg, engine, ckpt))
     return 0
 
