@@ -27,7 +27,7 @@ class DataError(ValueError):
     pass
 
 
-class Prompt(Struct, frozen=True, kw_only=True):
+class Prompt(Struct, frozen=True):
     prompt_id: str
     text: str
     answer: str

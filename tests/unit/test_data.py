@@ -169,3 +169,7 @@ def test_epoch_order_is_a_seeded_permutation_per_epoch():
     assert e0 == epoch_order(prompts, 0, seed=1, shuffle=True)
     assert e0 != e1 and e0 != prompts
     assert epoch_order(prompts, 3, seed=1, shuffle=False) == prompts
+
+
+def test_prompt_takes_positional_or_keyword_fields():
+    assert Prompt("id", "1+1=", "2") == Prompt(prompt_id="id", text="1+1=", answer="2")

@@ -112,3 +112,22 @@ def test_shipped_model_is_partly_competent_on_held_out_prompts(model, tok):
                 correct += arith_reward(p.text, text, p.answer)
     assert formatted / len(prompts) > 0.9
     assert 0.05 < correct / len(prompts) < 0.9
+
+
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(model, tok):
+    """Rollouts and evaluators batch prompts of different lengths with left padding; the tiny
+    model must give each row the completion it gets unbatched."""
+    texts = ["7+5=", "63-28=", "99+99="]
+    encoded = [encode_prompt(tok, t) for t in texts]
+    width = max(map(len, encoded))
+    ids = torch.full((len(texts), width), pad_token_id(tok))
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):] = torch.tensor(e)
+        mask[i, width - len(e):] = 1
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        batched = model.generate(input_ids=ids, attention_mask=mask, **kw)[:, width:].tolist()
+        for e, row in zip(encoded, batched):
+            alone = model.generate(input_ids=torch.tensor([e]), attention_mask=torch.ones(1, len(e), dtype=torch.long), **kw)
+            assert decode_completion(tok, alone[0, len(e):].tolist()) == decode_completion(tok, row)
