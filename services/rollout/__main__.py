@@ -1,0 +1,98 @@
+"""`python -m services.rollout --config FILE --replica ID [key=value ...]` (and `lorabus rollout`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+log = logging.getLogger("services.rollout")
+
+ENGINES = ("embedded", "vllm", "sglang")
+
+
+def build_engine(name: str, cfg):
+    """The one dispatch point for engines; server engines arrive as their modules land."""
+    if name == "embedded":
+        from services.rollout.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine.from_config(cfg)
+    try:
+        module = __import__(f"services.rollout.engines.{name}", fromlist=["from_config"])
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"--engine {name}: services/rollout/engines/{name}.py is not available ({exc})")
+    return module.from_config(cfg)
+
+
+def fetcher(cfg):
+    from services.common.store import store_for_uri
+
+    def fetch(ev) -> bytes:
+        obj = ev.object_payload()
+        return store_for_uri(obj.uri, cfg.store).get_bytes(obj.uri, sha256=obj.sha256, size=obj.bytes)
+
+    return fetch
+
+
+async def serve(cfg, replica: str, engine_name: str) -> int:
+    from services.common import models
+    from services.common.bus import Bus
+    from services.common.data import load_prompts
+    from services.common.metrics import start_metrics_server
+    from services.common.rewards import load_reward_fn
+    from services.rollout.service import RolloutService
+
+    port = start_metrics_server(cfg.metrics)
+    log.info("rollout %s: metrics on port %d", replica, port)
+    tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
+    engine = build_engine(engine_name, cfg)
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service=f"rollout-{replica}"[:64])
+    await bus.ensure_streams()
+    service = RolloutService(
+        cfg, replica, engine, bus, fetch=fetcher(cfg),
+        encode=lambda text: models.encode_prompt(tok, text),
+        decode_text=lambda ids: models.decode_completion(tok, ids),
+        reward_fn=load_reward_fn(cfg.train_dataset.reward_fn),
+        prompts=load_prompts(cfg.train_dataset), engine_name=engine_name,
+        admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.run(stop)
+    finally:
+        await engine.close()
+        await bus.close()
+    log.info("rollout %s: stopped", replica)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lorabus rollout", description="rollout service")
+    ap.add_argument("--config", required=True, help="lorabus YAML config")
+    ap.add_argument("--replica", required=True, help="replica id ([A-Za-z0-9_-], unique per run)")
+    ap.add_argument("--engine", choices=ENGINES, default=None,
+                    help="defaults to rollout.engine of the config (embedded)")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from proto import subjects
+    from services.common.config import ConfigError, load_config
+    from services.common.logs import setup_logging
+
+    try:
+        cfg = load_config(args.config, overrides=args.overrides)
+        subjects.token(args.replica, "--replica")
+    except (ConfigError, subjects.SubjectError) as exc:
+        print(f"lorabus rollout: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(f"rollout-{args.replica}")
+    return asyncio.run(serve(cfg, args.replica, args.engine or cfg.rollout.engine))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
