@@ -14,7 +14,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 import msgspec
 import nats
@@ -44,6 +44,7 @@ T = TypeVar("T")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 DEAD_LETTER_RAW_BYTES = 64 * 1024
+DEAD_LETTER_REASONS: tuple[str, ...] = get_args(get_type_hints(DeadLetter)["reason"])
 DEAD_LETTER_ERROR_CHARS = 2000
 RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
@@ -53,7 +54,7 @@ FETCH_TIMEOUT_S = 1.0
 
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
-    "Messages this process put on or took off the bus",
+    "Messages this process published, and deliveries it received (redeliveries count again)",
     ["service", "direction"],
 )
 DEAD_LETTERS = Counter(
@@ -206,6 +207,9 @@ class Bus:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.nc.is_closed:
             return
+        if not self.nc.is_connected:  # draining needs the server; don't wait for a reconnect
+            await self.nc.close()
+            return
         try:
             await self.nc.drain()
         except (nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
@@ -291,6 +295,8 @@ class Bus:
         self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None
     ) -> int:
         """Record a message this service could not use on `deadletter.<service>`."""
+        if reason not in DEAD_LETTER_REASONS:
+            raise BusError(f"dead_letter reason: {reason!r} is not one of {DEAD_LETTER_REASONS}")
         letter = DeadLetter(
             run=self.run,
             service=self.service,
@@ -435,9 +441,13 @@ class Bus:
                         msgs = await psub.fetch(batch, timeout=FETCH_TIMEOUT_S)
                     except nats.errors.TimeoutError:
                         continue
-                    except _TRANSIENT + (nats.js.errors.APIError,) as exc:
+                    except _TRANSIENT as exc:  # server restarting: nats-py reconnects
                         log.debug("bus: fetch on %s/%s: %r", stream, durable, exc)
                         await asyncio.sleep(RECONNECT_WAIT_S)
+                        continue
+                    except nats.js.errors.APIError as exc:  # e.g. the durable was deleted
+                        log.warning("bus: fetch on %s/%s failed: %s", stream, durable, exc)
+                        await asyncio.sleep(RECONNECT_WAIT_S * 4)
                         continue
                     for nats_msg in msgs:
                         await self._handle_delivery(
