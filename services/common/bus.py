@@ -154,8 +154,11 @@ class Bus:
         subjects.token(service, "service")
         options = _connect_options(cfg)
 
+        nc = Client()
+
         async def on_disconnect() -> None:
-            log.warning("bus: disconnected from %s", cfg.url)
+            if not (nc.is_closed or nc.is_draining):  # our own close() is not news
+                log.warning("bus: disconnected from %s", cfg.url)
 
         async def on_reconnect() -> None:
             RECONNECTS.labels(service).inc()
@@ -165,7 +168,6 @@ class Bus:
             # Connection refused while reconnecting is expected noise during a restart.
             log.debug("bus: %s: %s", type(exc).__name__, exc)
 
-        nc = Client()
         try:
             # nats-py retries the first connect too (every RECONNECT_WAIT_S, forever with
             # max_reconnect_attempts=-1): bound the whole attempt by connect_timeout_s.
