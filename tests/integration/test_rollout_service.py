@@ -1,0 +1,194 @@
+"""A rollout replica against a real nats-server and a local object store."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from proto import subjects
+from proto.messages import (
+    AdapterFailed,
+    AdapterLoaded,
+    AdapterReady,
+    AdapterUnloaded,
+    AdmissionGrant,
+    AdmissionRequest,
+    LoraSpec,
+    ObjectPayload,
+    ReplicaHeartbeat,
+    RolloutReport,
+    Trajectory,
+)
+from services.common import adapter_io
+from services.common.bus import Bus
+from services.common.config_schema import (
+    BusConfig,
+    DatasetConfig,
+    GenerationConfig,
+    LorabusConfig,
+    RolloutConfig,
+    StoreConfig,
+)
+from services.common.data import Prompt
+from services.common.store import LocalStore
+from services.rollout.__main__ import fetcher
+from services.rollout.engines.embedded import EmbeddedEngine
+from services.rollout.service import RolloutService
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, EOS, KEEP = 4, 8.0, 96, 2
+SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
+
+
+def tiny_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=256,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def peft_version(base, seed: int):
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
+    model = get_peft_model(copy.deepcopy(base), cfg).eval()
+    state = {adapter_io.standardize_key(k): v for k, v in get_peft_model_state_dict(model).items()}
+    return model, adapter_io.to_bytes(state)
+
+
+def encode(text: str) -> list[int]:
+    return [1 + ord(c) % 90 for c in text]
+
+
+class Recorder:
+    def __init__(self):
+        self.reports: list = []
+        self.trajectories: list[Trajectory] = []
+
+    async def on_report(self, msg, meta):
+        self.reports.append(msg)
+
+    async def on_trajectory(self, msg, meta):
+        self.trajectories.append(msg)
+
+    def of(self, kind, replica, **match):
+        return [r for r in self.reports if isinstance(r, kind) and r.replica == replica
+                and all(getattr(r, k) == v for k, v in match.items())]
+
+
+async def until(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def base():
+    return tiny_model()
+
+
+async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
+    run = f"rt{uuid.uuid4().hex[:8]}"
+    cfg = LorabusConfig(
+        run=run, seed=3, bus=BusConfig(url=nats_url), store=StoreConfig(uri=f"file://{tmp_path}/store"),
+        gconfig=GenerationConfig(n_samples=2, max_new_tokens=6, temperature=1.0),
+        rollout=RolloutConfig(lora_name="tiny", lora_keep_versions=KEEP, batch_groups=2, heartbeat_s=0.2),
+        train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
+    )
+    store = LocalStore(tmp_path / "store")
+    bus = await Bus.connect(cfg.bus, run=run, service="test")
+    await bus.ensure_streams()
+    rec = Recorder()
+    await bus.subscribe(subjects.rollout_report_all(run), RolloutReport, rec.on_report)
+    await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
+
+    async def admission(req: AdmissionRequest):
+        return AdmissionGrant(request_id=req.request_id, grant_id=uuid.uuid4().hex,
+                              version=max(req.loaded_versions), lease_expires_at=time.time() + 60)
+
+    await bus.serve(subjects.admission(run), AdmissionRequest, admission)
+
+    versions = {v: peft_version(base, seed=20 + v) for v in range(3)}
+
+    async def publish(version: int, data: bytes, sha: str | None = None):
+        ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
+        ev = AdapterReady(
+            run=run, lora_name="tiny", version=version, trainer_step=version, created_at=time.time(),
+            lora=SPEC, payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
+        )
+        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}-{sha}")
+
+    prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
+
+    def replica(name: str):
+        engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+        return engine, RolloutService(
+            cfg, name, engine, bus, fetch=fetcher(cfg), encode=encode,
+            decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
+            reward_fn=lambda prompt, completion, answer: float(completion.startswith(answer)),
+            prompts=prompts, load_attempts=2, retry_base_s=0.05,
+        )
+
+    await publish(0, versions[0][1])
+    engine, service = replica("r1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await until(lambda: rec.of(AdapterLoaded, "r1", version=0), what="v0 loaded")
+        await until(lambda: any(t.replica == "r1" for t in rec.trajectories), what="a trajectory")
+        await until(lambda: rec.of(ReplicaHeartbeat, "r1"), what="a heartbeat")
+
+        # trajectories carry the version and logprobs of a separate forward of base + v0
+        traj = next(t for t in rec.trajectories if t.replica == "r1")
+        assert traj.prompt_id in {p.prompt_id for p in prompts}
+        assert len(traj.completions) == 2
+        for c in traj.completions:
+            assert c.versions == [0] * len(c.token_ids)
+            ids = torch.tensor([traj.prompt_token_ids + c.token_ids])
+            with torch.no_grad():
+                logits = versions[0][0](input_ids=ids).logits[0]
+            p = len(traj.prompt_token_ids)
+            want = logits[p - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+
+        await publish(1, versions[1][1])
+        await until(lambda: rec.of(AdapterLoaded, "r1", version=1), what="v1 loaded")
+        await until(lambda: any(t.oldest_version() == 1 for t in rec.trajectories), what="a v1 trajectory")
+        await publish(2, versions[2][1])
+        await until(lambda: rec.of(AdapterUnloaded, "r1", version=0), what="v0 unloaded")
+        assert await engine.loaded_versions() == [1, 2]
+
+        # a late replica starts from the head and skips what is outside the window
+        engine2, service2 = replica("r2")
+        stop2 = asyncio.Event()
+        task2 = asyncio.create_task(service2.run(stop2))
+        await until(lambda: rec.of(AdapterLoaded, "r2"), what="r2 loaded something")
+        assert rec.of(AdapterLoaded, "r2")[0].version == 2
+        await until(lambda: rec.of(AdapterLoaded, "r2", version=1), what="r2 loaded v1")
+        await asyncio.sleep(0.3)
+        assert not rec.of(AdapterLoaded, "r2", version=0)
+        stop2.set()
+        await asyncio.wait_for(task2, 30)
+
+        # a corrupt object: reported with will_retry, never loaded
+        await publish(3, versions[0][1], sha="0" * 64)
+        await until(lambda: rec.of(AdapterFailed, "r1", version=3), what="v3 failed")
+        failed = rec.of(AdapterFailed, "r1", version=3)[0]
+        assert failed.will_retry and failed.attempt == 1 and "sha" in failed.reason.lower()
+        await until(lambda: rec.of(AdapterFailed, "r1", version=3, will_retry=False), what="final failure")
+        assert 3 not in await engine.loaded_versions()
+        assert not rec.of(AdapterLoaded, "r1", version=3)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await bus.close()
