@@ -47,6 +47,7 @@ import torch
 from msgspec import Struct
 
 from services.common.adapter_io import parse_peft_key, peft_key
+from services.common.config import MEGATRON_TO_HF
 
 
 class ModelShape(Struct, frozen=True, kw_only=True):
@@ -131,12 +132,8 @@ class ConversionError(ValueError):
     pass
 
 
-MEGATRON_TO_HF_TARGETS: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
+MEGATRON_TO_HF_TARGETS = MEGATRON_TO_HF
+"""one table for config validation and conversion: `services.common.config` owns it"""
 HF_TARGETS = tuple(name for names in MEGATRON_TO_HF_TARGETS.values() for name in names)
 
 
