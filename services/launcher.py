@@ -145,15 +145,16 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list:
     async def on_eval(msg: m.EvalResult, _meta) -> None:
         progress.evals[msg.version] = msg.score
 
-    async def on_loaded(msg: m.AdapterLoaded, _meta) -> None:
-        progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
+    async def on_report(msg: m.RolloutReport, _meta) -> None:
+        if isinstance(msg, m.AdapterLoaded):
+            progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
 
     await bus.subscribe(subjects.adapter_ready_all(run), m.AdapterReady, on_ready)
     await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)
     await bus.subscribe(subjects.decision_all(run), m.TrajectoryDecision, on_decision)
     await bus.subscribe(subjects.export_done_all(run), m.ExportDone, on_export)
     await bus.subscribe(subjects.eval_result_all(run), m.EvalResult, on_eval)
-    await bus.subscribe(subjects.rollout_report(run, "*", "loaded"), m.AdapterLoaded, on_loaded)
+    await bus.subscribe(subjects.rollout_report_all(run), m.RolloutReport, on_report)
     return [bus]
 
 

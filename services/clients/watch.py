@@ -73,11 +73,10 @@ def _summary(msg) -> str:
 
 async def watch(cfg, as_json: bool, include_trajectories: bool,
                 out: Callable[[str], None] = print, stop: asyncio.Event | None = None) -> None:
-    import nats
+    from services.common.bus import Bus
 
-    from services.common.bus import connect_options
-
-    nc = await nats.connect(**connect_options(cfg.bus, name="lorabus-watch"))
+    bus = await Bus.connect(cfg.bus, run=cfg.run, service="watch")
+    nc = bus.nc  # raw core subscription: show every message, even ones this build can't decode
 
     async def on_msg(msg) -> None:
         if not include_trajectories and ".trajectory." in msg.subject:
@@ -91,7 +90,7 @@ async def watch(cfg, as_json: bool, include_trajectories: bool,
     for sig in (2, 15):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await nc.drain()
+    await bus.close()
 
 
 def main(argv: list[str] | None = None) -> int:

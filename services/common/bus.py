@@ -50,6 +50,8 @@ RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
 FETCH_TIMEOUT_S = 1.0
+BURST_WAIT_S = 0.005
+"""how long a consumer waits for more of a burst once one message has arrived"""
 """long-poll length of one pull; bounds how long `close()` waits for a consumer to notice"""
 
 MESSAGES = Counter(
@@ -440,7 +442,16 @@ class Bus:
             try:
                 while True:
                     try:
-                        msgs = await psub.fetch(batch, timeout=FETCH_TIMEOUT_S)
+                        # nats-py's fetch(n > 1) on an empty stream lingers until its
+                        # timeout collecting a full batch, so a trickle of messages would
+                        # wait up to FETCH_TIMEOUT_S each: long-poll for one, then take
+                        # whatever burst is already there with a short second pull.
+                        msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
+                        if batch > 1:
+                            try:
+                                msgs += await psub.fetch(batch - 1, timeout=BURST_WAIT_S)
+                            except nats.errors.TimeoutError:
+                                pass
                     except nats.errors.TimeoutError:
                         continue
                     except _TRANSIENT as exc:  # server restarting: nats-py reconnects
