@@ -131,6 +131,16 @@ class LoraSlots:
             layer = SlotLinear(base, slots, rank, self.routing)
             setattr(parent, child, layer)
             self.layers[path] = layer
+        # Views built once: a swap is then a handful of fused multi-tensor (`_foreach_*`)
+        # calls plus one addmm per module, instead of thousands of small Python-side ops.
+        r, layers = rank, list(self.layers.values())
+        self._a_first = [[l.a[s, :r] for l in layers] for s in range(slots)]
+        self._b_first = [[l.b[s, :, :r] for l in layers] for s in range(slots)]
+        self._a_second = [l.a[:, r:] for l in layers]
+        self._b_second = [l.b[:, :, r:] for l in layers]
+        self._a_head_src = [[l.a[s, :r].expand_as(l.a[:, r:]) for l in layers] for s in range(slots)]
+        self._b_head_src = [[l.b[s, :, :r].expand_as(l.b[:, :, r:]) for l in layers] for s in range(slots)]
+        self._merge = [(l.w0, l.weight.data) for l in layers]
 
     @classmethod
     def install(cls, model: nn.Module, tensors: dict[str, torch.Tensor], slots: int) -> LoraSlots:
@@ -166,13 +176,11 @@ class LoraSlots:
                 )
         slot = self.table.assign(version)
         try:
-            for path, (a, b) in mods.items():
-                layer = self.layers[path]
-                layer.a[slot, :r].copy_(a, non_blocking=True)
-                dst = layer.b[slot, :, :r]
-                dst.copy_(b, non_blocking=True)
-                dst.mul_(scale)
-                self._write_head_half(layer, slot)
+            paths = list(self.layers)
+            torch._foreach_copy_(self._a_first[slot], [mods[p][0] for p in paths], non_blocking=True)
+            torch._foreach_copy_(self._b_first[slot], [mods[p][1] for p in paths], non_blocking=True)
+            torch._foreach_mul_(self._b_first[slot], scale)
+            self._refresh_head_halves()
         except BaseException:
             self.table.release(version)
             raise
@@ -194,31 +202,24 @@ class LoraSlots:
         """Merge `version` into every weight (from the pristine W0) and refresh the head half
         of every slot's correction pair."""
         head_slot = None if version is None else self.table.slot_of(version)
-        r = self.rank
-        for layer in self.layers.values():
-            if head_slot is None:
-                layer.weight.data.copy_(layer.w0)
-            else:
-                torch.addmm(
-                    layer.w0, layer.b[head_slot, :, :r], layer.a[head_slot, :r],
-                    out=layer.weight.data,
-                )
+        if head_slot is None:
+            torch._foreach_copy_([w for _, w in self._merge], [w0 for w0, _ in self._merge])
+        else:
+            for (w0, w), a, b in zip(self._merge, self._a_first[head_slot], self._b_first[head_slot]):
+                torch.addmm(w0, b, a, out=w)
         self.head = version
-        for layer in self.layers.values():
-            self._write_head_half(layer, None)
+        self._refresh_head_halves()
 
-    def _write_head_half(self, layer: SlotLinear, slot: int | None) -> None:
-        """Second half of a slot's pair: the head's A and -s_h B_h (zeros without a head)."""
-        r = self.rank
-        index = slice(None) if slot is None else slice(slot, slot + 1)
+    def _refresh_head_halves(self) -> None:
+        """Second half of every slot's pair: the head's A and -s_h B_h (zeros without a head)."""
         if self.head is None:
-            layer.a[index, r:].zero_()
-            layer.b[index, :, r:].zero_()
+            torch._foreach_zero_(self._a_second)
+            torch._foreach_zero_(self._b_second)
             return
         h = self.table.slot_of(self.head)
-        a_h, b_h = layer.a[h, :r], layer.b[h, :, :r]
-        layer.a[index, r:].copy_(a_h.expand_as(layer.a[index, r:]))
-        layer.b[index, :, r:].copy_(b_h.neg().expand_as(layer.b[index, :, r:]))
+        torch._foreach_copy_(self._a_second, self._a_head_src[h])
+        torch._foreach_copy_(self._b_second, self._b_head_src[h])
+        torch._foreach_neg_(self._b_second)
 
     # --- per forward ---
     @contextlib.contextmanager
