@@ -1,0 +1,234 @@
+"""`deploy/docker-compose.yml`: valid for Compose v2, and every lorabus service in it starts
+a real entry point with config keys that exist and a config that loads."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from services.cli import COMMANDS
+from services.common.config import load_config
+from tests.deploy.compose import COMPOSE_FILE, DEPLOY, ENV_EXAMPLE, REPO, compose, read_env_file, rendered
+from tests.deploy.natsauth import users
+
+ALL_PROFILES = ("vllm", "sglang", "tools", "eval")
+GPU_SERVICES = {"trainer", "vllm-0", "sglang-0", "evaluator"}
+SLIM_SERVICES = {"registry", "exporter", "watch"}
+
+
+@pytest.fixture(scope="module")
+def project() -> dict:
+    return rendered(ALL_PROFILES)
+
+
+def lorabus_services(project: dict) -> dict[str, dict]:
+    """Services running our images (ENTRYPOINT lorabus): those built from this checkout."""
+    return {name: svc for name, svc in project["services"].items() if "build" in svc}
+
+
+def split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
+    """`[cmd, --flag, value, ..., key=value, ...]` -> (cmd, flags, overrides)."""
+    flags = [a for a in command[1:] if a.startswith("--")]
+    overrides = [a for a in command[1:] if re.fullmatch(r"[a-z_][a-z0-9_.]*=.*", a)]
+    return command[0], flags, overrides
+
+
+@pytest.mark.parametrize("profiles", [(), ("sglang",), ALL_PROFILES])
+def test_compose_file_validates(profiles):
+    result = compose("config", "-q", profiles=profiles)
+    assert result.returncode == 0, result.stderr
+
+
+def test_default_profile_is_vllm(project):
+    services = compose("config", "--services").stdout.split()
+    assert {"nats", "minio", "minio-init", "registry", "trainer", "exporter", "vllm-0",
+            "rollout-vllm-0", "prometheus", "grafana"} <= set(services)
+    assert "sglang-0" not in services
+    sglang = compose("config", "--services", profiles=("sglang",)).stdout.split()
+    assert {"sglang-0", "rollout-sglang-0"} <= set(sglang) and "vllm-0" not in sglang
+
+
+def test_validator_rejects_a_broken_file(tmp_path):
+    """The validator is not a rubber stamp: an unknown key and a dangling depends_on fail."""
+    text = COMPOSE_FILE.read_text()
+    bad_key = tmp_path / "bad-key.yml"
+    bad_key.write_text(text.replace("    shm_size: 8gb\n", "    shm_size: 8gb\n    gpus_please: 1\n"))
+    result = compose("config", "-q", file=bad_key)
+    assert result.returncode != 0 and "gpus_please" in result.stderr
+    dangling = tmp_path / "dangling.yml"
+    dangling.write_text(text.replace("registry: {condition: service_healthy}",
+                                     "regsitry: {condition: service_healthy}", 1))
+    result = compose("config", "-q", file=dangling)
+    assert result.returncode != 0 and "regsitry" in result.stderr
+
+
+def test_missing_password_is_an_error(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text("\n".join(line for line in ENV_EXAMPLE.read_text().splitlines()
+                             if not line.startswith("NATS_TRAINER_PASSWORD=")))
+    result = compose("config", "-q", env_file=env)
+    assert result.returncode != 0 and "NATS_TRAINER_PASSWORD" in result.stderr
+
+
+def test_every_command_is_a_real_entry_point(project):
+    checked = 0
+    for name, svc in lorabus_services(project).items():
+        assert svc.get("entrypoint") in (None, []), f"{name}: our images' entrypoint is lorabus"
+        commands = [svc["command"]]
+        health = (svc.get("healthcheck") or {}).get("test") or []
+        if health[:2] == ["CMD", "lorabus"]:
+            commands.append(health[2:])
+        for command in commands:
+            sub, flags, _ = split_command(command)
+            assert sub in COMMANDS, f"{name}: `lorabus {sub}` is not a command of services.cli"
+            module = COMMANDS[sub][0]
+            argv = [sys.executable, "-m", module.removesuffix(".__main__")]
+            if sub == "registry" and command[1:2] == ["status"]:
+                argv.append("status")
+            tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+            assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), module
+            help_text = subprocess.run(argv + ["--help"], cwd=REPO, capture_output=True, text=True,
+                                       timeout=120)
+            assert help_text.returncode == 0, f"{name}: {' '.join(argv)} --help: {help_text.stderr}"
+            for flag in flags:
+                assert flag in help_text.stdout, f"{name}: `lorabus {sub}` has no {flag} option"
+            checked += 1
+    assert checked >= 7
+
+
+def test_overrides_and_config_load_for_every_service(project, monkeypatch):
+    """Each service's `key=value` overrides name real config keys, and deploy/lorabus.yaml
+    loads with them under exactly the environment compose gives that service."""
+    config_text = (DEPLOY / "lorabus.yaml").read_text()
+    env_refs = set(re.findall(r"\$\{oc\.env:([A-Z0-9_]+)", config_text))
+    nats_users = users()
+    for name, svc in lorabus_services(project).items():
+        _, _, overrides = split_command(svc["command"])
+        env = svc.get("environment") or {}
+        missing = env_refs - set(env)
+        assert not missing, f"{name}: compose does not pass {sorted(missing)} used by lorabus.yaml"
+        with monkeypatch.context() as mp:
+            for key in list(__import__("os").environ):
+                if key.startswith(("LORABUS_", "NATS_", "MINIO_")):
+                    mp.delenv(key)
+            for key, value in env.items():
+                mp.setenv(key, value or "")
+            cfg = load_config(DEPLOY / "lorabus.yaml", overrides=overrides)
+        assert cfg.bus.user in nats_users, f"{name}: bus.user {cfg.bus.user!r} is not in nats.conf"
+        assert cfg.bus.password_env == nats_users[cfg.bus.user], name
+        assert cfg.bus.password_env in env, f"{name}: {cfg.bus.password_env} not in its environment"
+        # a service sees its own NATS password and no other
+        others = {v for v in nats_users.values() if v != cfg.bus.password_env}
+        assert not others & set(env), f"{name}: gets other services' passwords {others & set(env)}"
+        assert cfg.store.uri.startswith("s3://") and cfg.store.endpoint == "minio:9000"
+
+
+def test_metrics_ports_are_distinct_and_scraped(project):
+    ports = {}
+    for name, svc in lorabus_services(project).items():
+        for arg in svc["command"]:
+            if arg.startswith("metrics.port="):
+                ports[name] = int(arg.split("=", 1)[1])
+    assert len(set(ports.values())) == len(ports)
+    scrape = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    for name, port in ports.items():
+        assert f"{name}:{port}" in scrape, f"prometheus.yml does not scrape {name}:{port}"
+        health = project["services"][name]["healthcheck"]["test"]
+        if "METRICS_PORT" in " ".join(health):
+            assert project["services"][name]["environment"]["METRICS_PORT"] == str(port), name
+
+
+def test_gpus_only_where_needed_and_slim_images_elsewhere(project):
+    for name, svc in project["services"].items():
+        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices")
+        if name in GPU_SERVICES:
+            assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+        else:
+            assert not devices, f"{name} reserves a GPU it does not need"
+        if name in SLIM_SERVICES:
+            assert svc["build"]["dockerfile"] == "deploy/Dockerfile.slim", name
+
+
+def test_start_up_order(project):
+    services = project["services"]
+    for name, svc in lorabus_services(project).items():
+        deps = svc.get("depends_on") or {}
+        assert deps.get("nats", {}).get("condition") == "service_healthy", name
+        if name not in {"registry", "watch"}:
+            assert deps.get("registry", {}).get("condition") == "service_healthy", name
+        if name != "watch":
+            assert deps.get("minio-init", {}).get("condition") == "service_completed_successfully", name
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if cond["condition"] == "service_healthy":
+                assert services[dep].get("healthcheck", {}).get("test"), f"{dep} has no healthcheck"
+
+
+def test_inference_servers_preload_v0_under_the_configured_name(project):
+    env = read_env_file()
+    name = f"{env['LORABUS_LORA_NAME']}-v0"
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in project["services"]["rollout-vllm-0"]["environment"].items():
+            mp.setenv(key, value or "")
+        # what `--engine vllm` does to the config
+        cfg = load_config(DEPLOY / "lorabus.yaml", overrides=["rollout.engine=vllm"])
+    assert cfg.vllm.lora_modules == [f"{name}=/adapters/{name}"]
+    vllm = project["services"]["vllm-0"]
+    script = vllm["command"][0].replace("$$", "$")
+    assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    for flag in ("--enable-lora", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
+                 '--lora-modules "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"'):
+        assert flag in script, flag
+    assert vllm["environment"]["LORABUS_LORA_NAME"] == env["LORABUS_LORA_NAME"]
+    sglang = project["services"]["sglang-0"]["command"][0].replace("$$", "$")
+    assert "sglang.launch_server" in sglang and "--enable-lora" in sglang
+    assert '--lora-paths "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"' in sglang
+    # sidecar and server see the adapters volume at the same path
+    for sidecar, server in (("rollout-vllm-0", "vllm-0"), ("rollout-sglang-0", "sglang-0")):
+        mounts = lambda s: {(v["source"], v["target"]) for v in project["services"][s]["volumes"]
+                            if v["type"] == "volume"}
+        assert ("adapters", "/adapters") in mounts(sidecar) & mounts(server)
+
+
+def test_env_example_sets_every_variable_the_file_uses():
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    documented = set(read_env_file())
+    assert used - documented == set(), f"add to .env.example: {sorted(used - documented)}"
+
+
+def test_slim_image_installs_only_declared_dependencies():
+    text = (DEPLOY / "Dockerfile.slim").read_text()
+    installed = {re.split(r"[<>=\[]", spec)[0].lower() for spec in re.findall(r'"([A-Za-z0-9_.-]+[<>=][^"]*)"', text)}
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=\[ ]", d)[0].lower() for d in deps}
+    assert installed and installed <= declared, installed - declared
+    assert "torch" in installed and "transformers" not in installed and "peft" not in installed
+
+
+BLOCKER = """
+import importlib, importlib.abc, sys
+blocked = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in blocked:
+            raise ImportError(f"{name} is not in the slim image")
+sys.meta_path.insert(0, Block())
+for module in sys.argv[2:]:
+    importlib.import_module(module)
+"""
+
+
+@pytest.mark.parametrize("blocked,modules", [
+    ("torch,safetensors,transformers,peft", ["services.registry.__main__", "services.registry.service",
+                                             "services.registry.status", "services.clients.watch"]),
+    ("transformers,peft,accelerate", ["services.exporter.__main__", "services.exporter.service"]),
+])
+def test_slim_services_import_without_the_gpu_stack(blocked, modules):
+    result = subprocess.run([sys.executable, "-c", BLOCKER, blocked, *modules], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
