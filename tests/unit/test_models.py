@@ -131,3 +131,51 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(model, tok
         for e, row in zip(encoded, batched):
             alone = model.generate(input_ids=torch.tensor([e]), attention_mask=torch.ones(1, len(e), dtype=torch.long), **kw)
             assert decode_completion(tok, alone[0, len(e):].tolist()) == decode_completion(tok, row)
+
+
+VLLM_PYTHON = MODEL_DIR.parents[2] / ".cache" / "vllm-venv" / "bin" / "python"
+_VLLM_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+def main():
+    model_dir, texts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=64, enforce_eager=True, seed=0)
+    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=6))
+    print("RESULT " + json.dumps([[o.prompt_token_ids, o.outputs[0].text, o.outputs[0].finish_reason]
+                                  for o in outs]))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_serves_the_tiny_model_like_transformers(model, tok, tmp_path):
+    """vLLM (CPU build, its own transformers) loads the directory as is, adds the same bos,
+    stops on eos and decodes greedily to the same answers (~60 s)."""
+    import os
+    import subprocess
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM virtualenv at {VLLM_PYTHON}; build it with `make vllm-env`")
+    prompts = arith_split("valid")[:16]
+    script = tmp_path / "vllm_greedy.py"
+    script.write_text(_VLLM_SCRIPT)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(script), str(MODEL_DIR), json.dumps([p.text for p in prompts])],
+        capture_output=True, text=True, timeout=400, env=env,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    results = json.loads(line.removeprefix("RESULT "))
+    with torch.no_grad():
+        for p, (prompt_ids, text, finish) in zip(prompts, results):
+            ids = encode_prompt(tok, p.text)
+            assert prompt_ids == ids
+            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=tok.eos_token_id)
+            assert text == decode_completion(tok, out[0, len(ids):].tolist())
+            assert finish == "stop"
