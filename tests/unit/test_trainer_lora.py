@@ -79,3 +79,66 @@ def test_saved_adapter_reloads_with_peft_and_gives_same_logits(tmp_path):
 def test_unmatched_target_modules_name_the_field():
     with pytest.raises(ValueError, match="actor.target_modules"):
         wrap_lora(tiny_qwen2(), ActorConfig(lora_rank=2, target_modules=["nonexistent_proj"]))
+
+
+# --- pure trainer logic next to LoRA: batching plan, checkpoint files, resume decisions ----
+
+def _sample(n_prompt: int, n_completion: int, adv: float = 1.0):
+    from services.trainer.batching import Sample
+
+    return Sample(input_ids=list(range(1, n_prompt + n_completion + 1)), prompt_len=n_prompt,
+                  behave_logprobs=[-1.0] * n_completion, versions=[0] * n_completion,
+                  advantage=adv)
+
+
+def test_micro_batch_plan_is_equal_length_on_every_rank():
+    from services.trainer.batching import collate, plan_micro_batches, split_minibatches
+
+    (mb,) = split_minibatches([_sample(3, 5), _sample(2, 2), _sample(4, 1)], 1)
+    assert sum(s.token_weight * s.completion_len for s in mb) == pytest.approx(1.0)
+    plans = [plan_micro_batches(mb, r, 2, max_tokens=8) for r in range(2)]
+    assert len(plans[0]) == len(plans[1]) == 2  # rank 0: 8 + 5 tokens; rank 1: one of 4
+    assert plans[1][1][0].token_weight == 0.0  # filler keeps rank 1 in the collectives
+    batch = collate(plans[0][0])
+    # targets start at the first completion token of the shortest prompt (3 here)
+    assert batch.targets.shape == (1, 5) and batch.loss_weights.count_nonzero() == 5
+    assert batch.logits_to_keep == 6
+
+
+def test_checkpoint_round_trip_and_prune(tmp_path):
+    from services.trainer import checkpoint
+
+    weights = adapter_io.to_bytes({"base_model.model.x.lora_A.weight": torch.ones(2, 2)})
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, checkpoint.Checkpoint(
+            step=step, version=step, adapter_bytes=weights, optimizer={"state": {}, "k": step},
+            rng=checkpoint.rng_state(), trained_ids=[f"t{step}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    (tmp_path / ".tmp-step-00000004-1").mkdir()  # a crash mid-save leaves no usable state
+    latest = checkpoint.load_latest(tmp_path)
+    assert (latest.step, latest.version, latest.trained_ids) == (3, 3, ["t3"])
+    assert latest.adapter_bytes == weights and latest.optimizer["k"] == 3
+    (tmp_path / "step-00000003" / adapter_io.WEIGHTS_NAME).write_bytes(b"damaged")
+    with pytest.raises(RuntimeError, match="sha256"):
+        checkpoint.load_latest(tmp_path)
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_resume_plan():
+    from services.trainer import checkpoint
+    from services.trainer.service import resume_plan
+
+    ck = checkpoint.Checkpoint(step=3, version=3, adapter_bytes=b"", optimizer={})
+    assert resume_plan(None, None) == (0, False)  # fresh: announce v0
+    assert resume_plan(ck, 2) == (3, True)  # crash between checkpoint and upload: re-announce
+    assert resume_plan(ck, 3) == (3, True)  # crash after upload: idempotent re-announce
+    assert resume_plan(ck, 5) == (6, False)  # v4, v5 are lost weights: never reuse their numbers
+
+
+def test_adapter_key_parsing():
+    from services.trainer.publish import adapter_key, parse_adapter_version
+
+    assert adapter_key("run1", 7) == "run1/adapters/v7/adapter_model.safetensors"
+    assert parse_adapter_version("run1", adapter_key("run1", 12)) == 12
+    assert parse_adapter_version("run1", "run1/adapters/v1/adapter_config.json") is None
+    assert parse_adapter_version("run1", "run10/adapters/v1/adapter_model.safetensors") is None
