@@ -158,6 +158,19 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list:
     return [bus]
 
 
+async def accepted_unconsumed(bus, run: str) -> int | None:
+    """Accepted trajectories the trainer has not (yet) acknowledged: nothing accepted is lost,
+    it is either trained on or still here for the next run."""
+    from services.common import streams
+    from services.trainer.service import DURABLE
+
+    try:
+        info = await bus.js.consumer_info(streams.ACCEPTED(run), DURABLE)
+    except Exception:  # no trainer consumer yet (the run stopped before it started)
+        return None
+    return info.num_pending + info.num_ack_pending
+
+
 def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: float) -> dict:
     per_version = {}
     for step in progress.steps:
@@ -176,6 +189,8 @@ def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: floa
         "max_accepted_staleness": progress.max_accepted_staleness,
         "max_head_offpolicyness": cfg.rollout.max_head_offpolicyness,
         "exported": dict(sorted(progress.exported.items())),
+        "trained_groups": sum(step.groups for step in progress.steps),
+        "loaded": dict(sorted(progress.loaded.items())),
     }
 
 
@@ -279,12 +294,14 @@ async def run_up(args: argparse.Namespace) -> int:
     finally:
         print(progress.line(started), flush=True)
         stop_children(children)
+        unconsumed = await accepted_unconsumed(buses[0], cfg.run)
         for bus in buses:
             await bus.close()
         if nats is not None:
             nats.stop()
     result = summary(cfg, progress, run_dir, time.monotonic() - started)
     result["restarts"] = restarts
+    result["accepted_unconsumed"] = unconsumed
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
     print_summary(result)
     return exit_code
