@@ -1,0 +1,214 @@
+"""What the vLLM and SGLang engines share: HTTP calls with retries, and adapter directories.
+
+Both servers read an adapter from a directory, so the sidecar writes each version into its own
+directory (`<adapter_dir>/<lora_name>-v<N>/`) and tells the server the path as the server sees
+it (`server_adapter_dir`, for a shared volume mounted elsewhere). A directory is removed only
+after every replica has unloaded that version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+import httpx
+import torch
+
+from proto.messages import LoraSpec, adapter_name
+from services.common import adapter_io
+
+T = TypeVar("T")
+
+# 5xx from a proxy or a server that is starting or overloaded; a 500 is an engine failure
+# (vLLM: "Call to add_lora method failed ..."), which the same request would only repeat.
+TRANSIENT_STATUS = frozenset({502, 503, 504})
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error, or could not be reached. `status` is the HTTP status
+    (None: no answer); `message` is the server's own error text."""
+
+    def __init__(self, url: str, status: int | None, message: str):
+        self.url = url
+        self.status = status
+        self.message = message
+        where = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"{url}: {where}: {message}")
+
+
+class AdapterError(RuntimeError):
+    """A version cannot be loaded, unloaded or used (the message says which and why)."""
+
+
+class VersionNotLoaded(AdapterError):
+    """The server does not serve this version (never loaded, evicted, or the server restarted);
+    the service re-loads it if it is still admissible."""
+
+    def __init__(self, version: int, url: str, message: str):
+        self.version = version
+        self.url = url
+        super().__init__(f"v{version} is not loaded on {url}: {message}")
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's error text: vLLM `{"error": {"message"}}`, SGLang `{"error_message"}` or
+    `{"error": {"message"}}`, FastAPI `{"detail"}`, else the body itself."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+        for key in ("error_message", "message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return response.text.strip()
+
+
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    *,
+    attempts: int,
+    backoff_s: float,
+    retry_if: Callable[[BaseException], bool],
+) -> T:
+    """`call()` up to `attempts` times, sleeping backoff_s, 2*backoff_s, ... between tries."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except Exception as exc:
+            if attempt == attempts or not retry_if(exc):
+                raise
+            await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
+
+
+def is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, ServerError) and (exc.status is None or exc.status in TRANSIENT_STATUS)
+
+
+class Http:
+    """One `httpx.AsyncClient` for every replica, with retries on transient failures only."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        attempts: int = 3,
+        backoff_s: float = 0.2,
+        client: httpx.AsyncClient | None = None,
+    ):
+        if attempts < 1:
+            raise ValueError(f"attempts: {attempts} must be >= 1")
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+
+    async def request(self, method: str, url: str, body: Any = None, *, retry: bool = True) -> httpx.Response:
+        """The response of a 2xx answer; `ServerError` otherwise (after retries if transient)."""
+
+        async def once() -> httpx.Response:
+            try:
+                response = await self.client.request(method, url, json=body)
+            except httpx.HTTPError as exc:
+                raise ServerError(url, None, f"{type(exc).__name__}: {exc}") from exc
+            if response.is_success:
+                return response
+            raise ServerError(url, response.status_code, error_message(response))
+
+        if not retry:
+            return await once()
+        return await with_retries(
+            once, attempts=self.attempts, backoff_s=self.backoff_s, retry_if=is_transient
+        )
+
+    async def post(self, url: str, body: Any, *, retry: bool = True) -> httpx.Response:
+        return await self.request("POST", url, body, retry=retry)
+
+    async def get(self, url: str, *, retry: bool = True) -> httpx.Response:
+        return await self.request("GET", url, retry=retry)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def normalize_urls(urls: list[str], field: str = "rollout.server_urls") -> list[str]:
+    out = [u.rstrip("/") for u in urls]
+    if not out:
+        raise ValueError(f"{field}: empty; give every server replica's base URL (http://host:port)")
+    for u in out:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"{field}: {u!r} is not an http(s):// URL; write e.g. http://127.0.0.1:8000")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{field}: {out} lists a replica twice; each replica is loaded individually")
+    return out
+
+
+# --- adapter directories ---------------------------------------------------------------------
+
+
+class AdapterDirs:
+    """Where version N's PEFT directory lives, for the sidecar and for the server."""
+
+    def __init__(self, lora_name: str, adapter_dir: str | Path, server_adapter_dir: str | None = None):
+        self.lora_name = lora_name
+        self.local_root = Path(adapter_dir)
+        # The server may run elsewhere (a container, another host): its path is text, not ours.
+        self.server_root = str(server_adapter_dir or Path(adapter_dir).resolve()).rstrip("/")
+
+    def name(self, version: int) -> str:
+        return adapter_name(self.lora_name, version)
+
+    def local(self, version: int) -> Path:
+        return self.local_root / self.name(version)
+
+    def server(self, version: int) -> str:
+        return str(PurePosixPath(self.server_root) / self.name(version))
+
+    def write(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> str:
+        """Write version N's directory and return the path the server reads. A directory that
+        already holds different weights is an error: a name is never reused for other weights
+        (vLLM keys its prefix cache by name and path)."""
+        data = weights if isinstance(weights, (bytes, bytearray)) else adapter_io.to_bytes(weights)
+        target = self.local(version)
+        existing = target / adapter_io.WEIGHTS_NAME
+        if existing.exists():
+            if _sha256_file(existing) != adapter_io.sha256(bytes(data)):
+                raise AdapterError(
+                    f"v{version}: {target} already holds different weights under the name "
+                    f"{self.name(version)!r}; a version name is never reused for other weights "
+                    "(publish a new version, or clear rollout.adapter_dir of an old run)"
+                )
+        adapter_io.write_peft_dir(target, bytes(data), lora)
+        return self.server(version)
+
+    def remove(self, version: int) -> None:
+        shutil.rmtree(self.local(version), ignore_errors=True)
+
+    def same_server_path(self, a: str | None, b: str) -> bool:
+        """Whether two server-side paths name the same directory; relative ones (possible
+        only without server_adapter_dir, i.e. one filesystem) resolve against our cwd."""
+        if a is None:
+            return False
+        norm = lambda p: str(Path(p).resolve()) if not PurePosixPath(p).is_absolute() else str(PurePosixPath(p))
+        return norm(a.rstrip("/")) == norm(b.rstrip("/"))
+
+    def exists(self, version: int) -> bool:
+        return (self.local(version) / adapter_io.WEIGHTS_NAME).exists()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

