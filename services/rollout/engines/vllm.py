@@ -241,3 +241,8 @@ def parse_completion(answer: dict, n: int, url: str) -> list[GenResult]:
         )
     return out
 
+
+
+def from_config(cfg, urls: Sequence[str] | None = None) -> VllmEngine:
+    """What `lorabus rollout --engine vllm` builds (`rollout.server_urls` unless `urls`)."""
+    return VllmEngine.from_config(cfg, urls)
