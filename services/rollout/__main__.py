@@ -74,11 +74,20 @@ async def serve(cfg, replica: str, engine_name: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lorabus rollout", description="rollout service")
     ap.add_argument("--config", required=True, help="lorabus YAML config")
-    ap.add_argument("--replica", required=True, help="replica id ([A-Za-z0-9_-], unique per run)")
+    ap.add_argument("--replica", help="replica id ([A-Za-z0-9_-], unique per run); required to serve")
     ap.add_argument("--engine", choices=ENGINES, default=None,
                     help="defaults to rollout.engine of the config (embedded)")
+    ap.add_argument("--server-url", action="append", default=[], metavar="URL",
+                    help="vllm/sglang: a server replica's base URL (repeat for each data-parallel "
+                         "replica); replaces rollout.server_urls")
+    ap.add_argument("--print-server-cmd", action="store_true",
+                    help="print the vLLM/SGLang server command line the config asks for, and exit")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.engine:
+        args.overrides = [f"rollout.engine={args.engine}", *args.overrides]
+    if args.server_url:
+        args.overrides = [*args.overrides, f"rollout.server_urls=[{','.join(args.server_url)}]"]
 
     from proto import subjects
     from services.common.config import ConfigError, load_config
@@ -86,8 +95,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, overrides=args.overrides)
+        if args.print_server_cmd:
+            from services.rollout.server_cmd import server_command, server_env, shell_line
+
+            print(shell_line(server_command(cfg), server_env(cfg)))
+            return 0
+        if args.replica is None:
+            print("lorabus rollout: --replica is required to serve (e.g. --replica r0)", file=sys.stderr)
+            return 2
         subjects.token(args.replica, "--replica")
-    except (ConfigError, subjects.SubjectError) as exc:
+    except (ConfigError, subjects.SubjectError, ValueError) as exc:
         print(f"lorabus rollout: {exc}", file=sys.stderr)
         return 2
     setup_logging(f"rollout-{args.replica}")
