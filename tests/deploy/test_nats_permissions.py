@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,7 +107,7 @@ async def raw_connect(server, passwords, user: str):
     return nc, errors
 
 
-async def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
+async def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -335,3 +336,77 @@ async def test_wrong_password_is_refused(server, passwords):
     assert "authorization" in str(info.value).lower() or isinstance(
         info.value, (nats.errors.NoServersError, nats.errors.AuthorizationError)
     )
+
+
+async def test_operator_runs_lorabus_watch_and_registry_status_but_publishes_no_event(
+    server, passwords, run, registry, tmp_path
+):
+    """`lorabus watch` (a `lorabus.<run>.>` subscription) and `lorabus registry status` work
+    with the operator credential; the operator cannot publish run events."""
+    from services.clients.watch import watch
+    from services.common.config import load_config
+    from services.registry.status import fetch_status
+
+    await streams_ready(server, passwords, run, registry)
+    config = tmp_path / "operator.yaml"
+    config.write_text(f"""
+experiment_name: {run}
+trial_name: t
+run: {run}
+bus: {{url: "{server.url}", user: operator, password: "{passwords['NATS_OPERATOR_PASSWORD']}"}}
+actor: {{path: examples/tiny/model}}
+train_dataset: {{path: "builtin:arith"}}
+""")
+    cfg = load_config(config)
+    status = await fetch_status(cfg, timeout=10.0)
+    assert status.ledger is not None
+
+    lines: list[str] = []
+    stop = asyncio.Event()
+    watching = asyncio.create_task(watch(cfg, False, False, out=lines.append, stop=stop))
+    await asyncio.sleep(0.5)  # subscription in place
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    await trainer.publish(subjects.adapter_ready(run, 6), adapter_event(run, 6), msg_id=f"{run}-v6")
+    await trainer.close()
+    try:
+        await wait_for(lambda: any("tiny_lora-v6" in line for line in lines), what="watch output")
+    finally:
+        stop.set()
+        await asyncio.wait_for(watching, 10)
+
+    nc, errors = await raw_connect(server, passwords, "operator")
+    try:
+        await nc.publish(subjects.adapter_ready(run, 8), b"{}")
+        await nc.flush()
+        await wait_for(lambda: errors, what="a permissions violation")
+    finally:
+        await nc.close()
+
+
+async def test_object_store_credentials_never_travel_in_events(s3_store, monkeypatch):
+    """A real S3 upload's reference, put in a real AdapterReady, carries neither key; the
+    wire contract has no field for credentials; URIs with userinfo are refused."""
+    from services.common.store import StoreError, parse_s3_uri
+
+    access = os.environ["LORABUS_S3_ACCESS_KEY"]
+    secret = os.environ["LORABUS_S3_SECRET_KEY"]
+    ref = s3_store.put_bytes("run/adapters/v1/adapter_model.safetensors", b"weights")
+    event = m.AdapterReady(
+        run="r", lora_name="l", version=1, trainer_step=0, created_at=time.time(),
+        lora=m.LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj"], base_model="tiny"),
+        payloads=[m.ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
+    )
+    wire = codec.encode(event)
+    assert access.encode() not in wire and secret.encode() not in wire
+    assert "@" not in ref.uri.split("//", 1)[1].split("/", 1)[0]
+
+    import msgspec
+
+    forbidden = re.compile(r"(secret|password|passwd|credential|access_key|api_key|auth|^token$)", re.I)
+    nested = (m.LoraSpec, m.TensorSpec, m.ObjectPayload, m.XcclPayload, m.Completion)
+    for struct in m.TOP_LEVEL + nested:
+        for f in msgspec.structs.fields(struct):
+            assert not forbidden.search(f.name), f"{struct.__name__}.{f.name} looks like a credential"
+
+    with pytest.raises(StoreError):
+        parse_s3_uri(f"s3://{access}:{secret}@bucket/key")
