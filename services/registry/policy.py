@@ -469,6 +469,31 @@ def _bad_values(t: Trajectory) -> str | None:
     return None
 
 
+class DecisionInput(Struct, array_like=True, frozen=True):
+    """Everything `decide` needs from a trajectory: a few ids and versions instead of the
+    token lists, so the service can journal it (and replay it after a crash) cheaply."""
+
+    run: str
+    trajectory_id: str
+    grant_id: str
+    replica: str
+    oldest: int
+    newest: int
+    bad_values: str | None = None
+
+
+def decision_input(trajectory: Trajectory) -> DecisionInput:
+    return DecisionInput(
+        trajectory.run,
+        trajectory.trajectory_id,
+        trajectory.grant_id,
+        trajectory.replica,
+        trajectory.oldest_version(),
+        max(max(c.versions) for c in trajectory.completions if c.versions),
+        _bad_values(trajectory),
+    )
+
+
 def decide(
     ledger: Ledger, trajectory: Trajectory, now: float, cfg: PolicyConfig
 ) -> TrajectoryDecision:
@@ -481,29 +506,38 @@ def decide(
     first = seen_decision(ledger, trajectory.trajectory_id)
     if first is not None:
         return first
+    return decide_input(ledger, decision_input(trajectory), now, cfg)
+
+
+def decide_input(
+    ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
+) -> TrajectoryDecision:
+    """`decide` on the extracted `DecisionInput` (same rules, same result)."""
+    first = seen_decision(ledger, t.trajectory_id)
+    if first is not None:
+        return first
     head = ledger.head if ledger.head is not None else 0
-    oldest = trajectory.oldest_version()
-    newest = max(max(c.versions) for c in trajectory.completions if c.versions)
-    grant = ledger.grants.get(trajectory.grant_id)
+    oldest, newest = t.oldest, t.newest
+    grant = ledger.grants.get(t.grant_id)
     k = cfg.max_head_offpolicyness
     consume = True
-    if trajectory.run != ledger.run:
-        reason = f"{REJECT_WRONG_RUN}: trajectory is for run {trajectory.run!r}"
+    if t.run != ledger.run:
+        reason = f"{REJECT_WRONG_RUN}: trajectory is for run {t.run!r}"
         consume = False
     elif grant is None:
         reason = (
-            f"{REJECT_UNKNOWN_GRANT}: grant {trajectory.grant_id!r} was never issued, was "
+            f"{REJECT_UNKNOWN_GRANT}: grant {t.grant_id!r} was never issued, was "
             "already used, or its lease expired"
         )
         consume = False
-    elif grant.replica != trajectory.replica:
+    elif grant.replica != t.replica:
         reason = (
-            f"{REJECT_REPLICA_MISMATCH}: grant {trajectory.grant_id!r} belongs to replica "
-            f"{grant.replica!r}, not {trajectory.replica!r}"
+            f"{REJECT_REPLICA_MISMATCH}: grant {t.grant_id!r} belongs to replica "
+            f"{grant.replica!r}, not {t.replica!r}"
         )
         consume = False
     elif grant.expires_at <= now:
-        reason = f"{REJECT_LEASE_EXPIRED}: grant {trajectory.grant_id!r} expired at {grant.expires_at}"
+        reason = f"{REJECT_LEASE_EXPIRED}: grant {t.grant_id!r} expired at {grant.expires_at}"
     elif oldest < grant.version:
         reason = (
             f"{REJECT_OLDER_THAN_GRANT}: tokens from v{oldest}, but the grant was for "
@@ -511,14 +545,14 @@ def decide(
         )
     elif newest > head:
         reason = f"{REJECT_NEWER_THAN_HEAD}: tokens from v{newest}, but the head is v{head}"
-    elif (bad := _bad_values(trajectory)) is not None:
-        reason = f"{REJECT_BAD_VALUES}: {bad}"
+    elif t.bad_values is not None:
+        reason = f"{REJECT_BAD_VALUES}: {t.bad_values}"
     elif head - oldest > k:
         reason = f"{REJECT_STALE}: head v{head} - oldest v{oldest} = {head - oldest} > k = {k}"
     else:
         reason = ""
     if consume:
-        _drop_grant(ledger, trajectory.grant_id)
+        _drop_grant(ledger, t.grant_id)
     if not reason:
         verdict: Verdict = "accepted"
         ledger.accepted += 1
@@ -526,12 +560,12 @@ def decide(
         code = code_of(reason)
         verdict = "rejected-stale" if code == REJECT_STALE else "rejected-invalid"
         ledger.rejected[code] = ledger.rejected.get(code, 0) + 1
-    ledger.seen[trajectory.trajectory_id] = SeenDecision(
-        verdict, reason, trajectory.grant_id, trajectory.replica, head, oldest, now
+    ledger.seen[t.trajectory_id] = SeenDecision(
+        verdict, reason, t.grant_id, t.replica, head, oldest, now
     )
     while len(ledger.seen) > cfg.seen_limit:
         del ledger.seen[next(iter(ledger.seen))]
-    return seen_decision(ledger, trajectory.trajectory_id)
+    return seen_decision(ledger, t.trajectory_id)
 
 
 def new_ledger(run: str) -> Ledger:

@@ -1,19 +1,30 @@
 """The registry's bus service: feeds events into `policy`, persists the ledger, answers.
 
 One rule keeps it crash-safe: nothing leaves the registry (an ack, a grant, a decision, an
-accepted trajectory) before the ledger state it was derived from is in the KV bucket. A kill -9
-at any point therefore loses only work that was never acknowledged, which JetStream redelivers
-(or the rollout re-requests, getting its grant back by request_id).
+accepted trajectory) before the ledger state it was derived from is stored. A kill -9 at any
+point therefore loses only work that was never acknowledged, which JetStream redelivers (or
+the rollout re-requests, getting its grant back by request_id).
 
-Throughput comes from group commit, not from weakening that rule: several workers handle
-admissions and trajectories concurrently on one event loop, the policy mutates the in-memory
-ledger synchronously, and one KV write carries every change made while the previous write was
-in flight. Each waiter is released once a snapshot containing its change is stored. The cost is
-that one snapshot (the whole ledger) is written per group, so the ledger is kept small (bounded
-seen-ids, grants bounded by max_concurrent_rollouts).
+Throughput comes from batching every step around that rule, not from weakening it:
 
-Writes are compare-and-set on the KV revision: a second registry for the same run (split brain)
-makes the first one's next write fail, and it stops instead of overwriting the other.
+- Persistence (`persistence.Journal`): a group commit writes one small journal entry (the
+  policy inputs applied since the last write, ~100 bytes each) instead of the whole ledger,
+  and a full snapshot every `SNAPSHOT_EVERY` entries, which also compacts the journal
+  (Nats-Rollup). A restart replays at most that many entries. The trade-off: the stored form
+  is only meaningful together with this policy code (a replay re-runs the decisions), so a
+  policy change that alters decisions for the same inputs must come with a snapshot format
+  bump; the snapshot records the config the following entries were decided under.
+- Admissions: one subscription whose callback decides synchronously and queues the reply on
+  the journal's outbox; the writer sends every queued reply right after the write that covers
+  it. Denials promise nothing and leave at once.
+- Trajectories: one pull loop keeps a pull request of `PULL_BATCH` open (the server delivers
+  as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
+  for one commit, republishes the accepted ones' original bytes with async JetStream
+  publishes (all PubAcks gathered), publishes the decisions, then acks each message.
+  This uses `bus.js`/`bus.nc` directly because `Bus.consume` hands over one message at a time.
+
+Writes are compare-and-set on the stream sequence: a second registry for the same run makes
+the first one's next write fail, and it stops instead of interleaving with the other.
 """
 
 from __future__ import annotations
@@ -23,14 +34,16 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+import nats.errors
 import nats.js.errors
-from nats.js.kv import KeyValue
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import codec, subjects
 from proto.messages import (
     AdapterReady,
     AdmissionGrant,
-    AdmissionReply,
     AdmissionRequest,
     ExportDone,
     RolloutReport,
@@ -38,179 +51,162 @@ from proto.messages import (
 )
 from services.common import streams
 from services.registry import metrics, policy
+from services.registry.persistence import (
+    AdapterOp,
+    AdmitOp,
+    DecideOp,
+    ExpireOp,
+    ExportOp,
+    Journal,
+    LedgerConflict,
+    ReportOp,
+)
 from services.registry.policy import Ledger, PolicyConfig
 from services.registry.status import RegistryStatus, StatusRequest
 
+__all__ = ["LedgerConflict", "RegistryService"]
+
 log = logging.getLogger(__name__)
 
-LEDGER_KEY = "ledger"
-WORKERS = 8
-"""concurrent admission servers and trajectory consumers (what group commit can coalesce)"""
-PULL_BATCH = 1
-"""nats-py's `fetch(n)` in its long-poll path waits for all n messages until its timeout (1 s
-in the bus), so any n > 1 adds up to a second of latency to a trickle of messages; workers
-give the concurrency instead"""
 SERVICE = "registry"
+PULL_BATCH = 256
+"""messages one open pull request may deliver; a burst is whatever has arrived of it"""
+PULL_EXPIRES_S = 2.0
+"""lifetime of one pull request on the server; a new one is sent when it ends"""
+TRAJECTORY_DURABLE = "registry-trajectories"
+ACK_WAIT_S = 30.0
+MAX_DELIVER = 5
+PUBLISH_TIMEOUT_S = 10.0
 
 
-class LedgerConflict(RuntimeError):
-    """Another writer changed the ledger: a second registry is running for this run."""
+class Puller:
+    """A durable pull consumer read in bursts: keeps one pull request of `batch` messages open
+    and hands out everything that has arrived since the last call (at least one message)."""
 
+    def __init__(self, bus, stream: str, durable: str, batch: int):
+        self.bus, self.stream, self.durable, self.batch = bus, stream, durable, batch
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._inbox = bus.nc.new_inbox()
+        self._buf: list[Msg] = []
+        self._ready = asyncio.Event()
+        self._credit = 0
+        self._last_pull = 0.0
+        self._sub = None
 
-class LedgerStore:
-    """The in-memory ledger plus its KV copy, written by group commit."""
+    async def start(self) -> None:
+        self._sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg)
 
-    def __init__(self, kv: KeyValue, ledger: Ledger, revision: int):
-        self.kv = kv
-        self.ledger = ledger
-        self.revision = revision
-        self._changed = 0  # generation of the in-memory ledger
-        self._saved = 0  # generation of the last stored snapshot
-        self._writer: asyncio.Task | None = None
-        self._done = asyncio.Condition()
-        self._error: BaseException | None = None
-        self.fatal: BaseException | None = None
-        self._unconfirmed: bytes | None = None
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
 
-    @classmethod
-    async def open(cls, kv: KeyValue, run: str) -> LedgerStore:
-        try:
-            entry = await kv.get(LEDGER_KEY)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return cls(kv, policy.new_ledger(run), 0)
-        ledger = policy.decode_ledger(entry.value)
-        if ledger.run != run:
-            raise ValueError(
-                f"ledger: bucket holds the ledger of run {ledger.run!r}, not {run!r}; "
-                "each run needs its own bucket (streams.ledger_bucket)"
-            )
-        return cls(kv, ledger, entry.revision)
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self._credit -= 1
+            self._buf.append(msg)
+            self._ready.set()
+        elif status != "100":  # 408 expired, 409 e.g. max-ack-pending or leader change
+            self._credit = 0
+            self._ready.set()  # let `burst` send the next pull
 
-    def touch(self) -> None:
-        """Mark the in-memory ledger changed (call right after a policy function changed it)."""
-        self._changed += 1
+    async def _pull(self) -> None:
+        request = {"batch": self.batch, "expires": int(PULL_EXPIRES_S * 1e9)}
+        await self.bus.nc.publish(self._next, msgspec.json.encode(request), reply=self._inbox)
+        self._credit = self.batch
+        self._last_pull = time.monotonic()
 
-    async def commit(self) -> None:
-        """Return once every change made before this call is stored."""
-        target = self._changed
-        if self._saved >= target:
-            return
-        if self.fatal is not None:
-            raise self.fatal
-        if self._writer is None:
-            self._error = None
-            self._writer = asyncio.create_task(self._write_pending(), name="ledger-writer")
-        async with self._done:
-            await self._done.wait_for(lambda: self._saved >= target or self._writer is None)
-        if self._saved < target:
-            raise self._error or RuntimeError("ledger: write stopped")
-
-    async def _write_pending(self) -> None:
-        try:
-            while self._saved < self._changed:
-                generation = self._changed
-                data = policy.encode_ledger(self.ledger)  # a consistent snapshot: no await yet
-                self.revision = await self._put(data)
-                self._saved = generation
-                metrics.LEDGER_WRITES.inc()
-                async with self._done:
-                    self._done.notify_all()
-        except Exception as exc:  # handed to the waiters; nobody awaits this task
-            self._error = exc
-            if isinstance(exc, LedgerConflict):
-                self.fatal = exc
-            else:
-                log.warning("registry: ledger write failed: %r", exc)
-        finally:
-            self._writer = None
-            async with self._done:
-                self._done.notify_all()
-
-    async def _put(self, data: bytes) -> int:
-        previous = self._unconfirmed  # set when the last write failed without an answer
-        try:
-            return await self._cas(data)
-        except nats.js.errors.KeyWrongLastSequenceError as exc:
-            # A previous write may have been stored with its reply lost: then the stored value
-            # is that attempt and we adopt its revision; anything else is another writer.
-            entry = await self.kv.get(LEDGER_KEY)
-            if previous is None or entry.value != previous:
-                raise LedgerConflict(
-                    f"ledger: revision {entry.revision} was written by someone else (expected "
-                    f"{self.revision}); is a second registry running for this run? Stopping."
-                ) from exc
-            self.revision = entry.revision
-            return await self._cas(data)
-
-    async def _cas(self, data: bytes) -> int:
-        self._unconfirmed = data
-        if self.revision == 0:
-            revision = await self.kv.create(LEDGER_KEY, data)
-        else:
-            revision = await self.kv.update(LEDGER_KEY, data, last=self.revision)
-        self._unconfirmed = None
-        return revision
+    async def burst(self) -> list[Msg]:
+        while True:
+            if self._buf:
+                msgs, self._buf = self._buf, []
+                self._ready.clear()
+                if self._credit <= self.batch // 2:
+                    await self._pull()  # refill early so the next burst does not wait a round trip
+                return msgs
+            stale = time.monotonic() - self._last_pull > PULL_EXPIRES_S + 1.0
+            if self._credit <= 0 or stale:  # also covers a request lost in a server restart
+                try:
+                    await self._pull()
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                        nats.errors.OutboundBufferLimitError):  # fmt: skip
+                    await asyncio.sleep(0.5)
+                    continue
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), PULL_EXPIRES_S + 1.0)
+            except asyncio.TimeoutError:
+                pass
 
 
 class RegistryService:
-    def __init__(
-        self,
-        bus,
-        cfg: PolicyConfig,
-        *,
-        clock: Callable[[], float] = time.time,
-        workers: int = WORKERS,
-    ):
+    def __init__(self, bus, cfg: PolicyConfig, *, clock: Callable[[], float] = time.time,
+                 snapshot_every: int | None = None):  # fmt: skip
         self.bus = bus
         self.run = bus.run
         self.cfg = cfg
         self.clock = clock
-        self.workers = workers
-        self.store: LedgerStore | None = None
+        self.snapshot_every = snapshot_every
+        self.journal: Journal | None = None
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
         self._subs = []
+        self._puller: Puller | None = None
+        self._accepted = subjects.accepted(self.run)
+        self._encode = msgspec.json.Encoder().encode
 
     @property
     def ledger(self) -> Ledger:
-        return self.store.ledger
+        return self.journal.ledger
 
     async def start(self) -> None:
-        kv = await self.bus.key_value(streams.ledger_bucket(self.run))
-        self.store = await LedgerStore.open(kv, self.run)
+        kw = {} if self.snapshot_every is None else {"snapshot_every": self.snapshot_every}
+        self.journal = await Journal.open(
+            self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw
+        )
         led = self.ledger
         log.info(
-            "registry: ledger loaded (revision %d): head %s, accepted %d, running %d, k=%d B=%d",
-            self.store.revision, led.head, led.accepted, led.running,
+            "registry: ledger loaded (revision %d, %d journal entries replayed): head %s, "
+            "accepted %d, running %d, k=%d B=%d",
+            self.journal.revision, self.journal.replayed, led.head, led.accepted, led.running,
             self.cfg.max_head_offpolicyness, self.cfg.consumer_batch_size,
         )  # fmt: skip
         metrics.observe_ledger(led)
         consume = self.bus.consume
         self._tasks += [
             await consume(streams.ADAPTERS(self.run), "registry-adapters", AdapterReady,
-                          self._on_adapter, batch=PULL_BATCH),
+                          self._on_adapter, batch=16),
             await consume(streams.REPORTS(self.run), "registry-reports", RolloutReport,
-                          self._on_report, batch=PULL_BATCH),
+                          self._on_report, batch=64),
             await consume(streams.EXPORTS(self.run), "registry-exports", ExportDone,
-                          self._on_export, batch=PULL_BATCH),
+                          self._on_export, batch=16),
         ]  # fmt: skip
-        for _ in range(self.workers):
-            self._tasks.append(
-                await consume(
-                    streams.TRAJECTORIES(self.run), "registry-trajectories", Trajectory,
-                    self._on_trajectory, batch=PULL_BATCH,
-                )  # fmt: skip
+        stream = streams.TRAJECTORIES(self.run)
+        await self._ensure_trajectory_consumer(stream)
+        self._puller = Puller(self.bus, stream, TRAJECTORY_DURABLE, PULL_BATCH)
+        await self._puller.start()
+        self._tasks.append(asyncio.create_task(self._trajectory_loop(), name="registry-trajectories"))
+        self._subs.append(
+            await self.bus.nc.subscribe(
+                subjects.admission(self.run), queue="registry", cb=self._on_admission
             )
-            self._subs.append(
-                await self.bus.serve(
-                    subjects.admission(self.run), AdmissionRequest, self._on_admission,
-                    queue="registry",
-                )  # fmt: skip
-            )
+        )
         self._subs.append(
             await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status)
         )
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
+
+    async def _ensure_trajectory_consumer(self, stream: str) -> None:
+        # The same definition `Bus.consume` gives a durable, so either can own it.
+        config = ConsumerConfig(
+            durable_name=TRAJECTORY_DURABLE, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER,
+            max_ack_pending=max(PULL_BATCH, 1000),
+        )  # fmt: skip
+        await self.bus.js.add_consumer(stream, config)
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -221,16 +217,23 @@ class RegistryService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._puller is not None:
+            await self._puller.stop()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.failed.done():
+            self.failed.set_exception(exc)
 
     async def _commit(self) -> None:
         try:
-            await self.store.commit()
-        except LedgerConflict as exc:
-            if not self.failed.done():
-                self.failed.set_exception(exc)
+            await self.journal.commit()
+        except Exception as exc:
+            # The journal stops on a conflict or a write it could not make: its memory may
+            # hold changes that are not stored, so the process must restart from the store.
+            self._fail(exc)
             raise
 
-    # --- handlers ----------------------------------------------------------------------
+    # --- rare events (one at a time through Bus.consume) ------------------------------------
 
     async def _refuse(self, meta, error: str, msg) -> None:
         await self.bus.dead_letter(
@@ -239,9 +242,8 @@ class RegistryService:
         )  # fmt: skip
 
     async def _on_adapter(self, event: AdapterReady, meta) -> None:
-        applied = policy.on_adapter_ready(self.ledger, event, self.cfg)
+        applied = self.journal.apply(AdapterOp(event))
         if applied.changed:
-            self.store.touch()
             await self._commit()
             metrics.observe_ledger(self.ledger)
             log.info("registry: head is now v%d", self.ledger.head)
@@ -249,64 +251,154 @@ class RegistryService:
             await self._refuse(meta, applied.error, event)
 
     async def _on_report(self, report: RolloutReport, meta) -> None:
-        applied = policy.on_report(self.ledger, report)
+        applied = self.journal.apply(ReportOp(report))
         if applied.changed:
-            self.store.touch()
             await self._commit()
             metrics.observe_ledger(self.ledger)
         if applied.error:
             await self._refuse(meta, applied.error, report)
 
     async def _on_export(self, event: ExportDone, meta) -> None:
-        applied = policy.on_export_done(self.ledger, event)
+        applied = self.journal.apply(ExportOp(event))
         if applied.changed:
-            self.store.touch()
             await self._commit()
         if applied.error:
             await self._refuse(meta, applied.error, event)
 
-    async def _on_admission(self, request: AdmissionRequest) -> AdmissionReply:
-        issued_before = self.ledger.next_grant
-        reply = policy.admit(self.ledger, request, self.clock(), self.cfg)
-        if isinstance(reply, AdmissionGrant):
-            if self.ledger.next_grant != issued_before:
-                self.store.touch()
-                metrics.GRANTS.inc()
-            # also covers a retried request whose grant is not stored yet
-            await self._commit()
-            metrics.IN_FLIGHT.set(self.ledger.running)
-        else:
-            # Denial counters ride along with the next write: a deny promises nothing.
-            metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
-        return reply
+    # --- admissions -------------------------------------------------------------------------
 
-    async def _on_trajectory(self, trajectory: Trajectory, meta) -> None:
-        started = time.perf_counter()
-        first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
-        if first is None:
-            decision = policy.decide(self.ledger, trajectory, self.clock(), self.cfg)
-            self.store.touch()
-            metrics.TRAJECTORIES.labels(decision.verdict).inc()
-            if decision.oldest_version is not None:
-                metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
+    async def _on_admission(self, msg: Msg) -> None:
+        try:
+            request = codec.decode(msg.data, AdmissionRequest)
+        except codec.DecodeError as exc:
+            await self._dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
+            return
+        try:
+            reply = self.journal.apply(AdmitOp(request, self.clock()))
+        except Exception as exc:
+            log.exception("registry: admission failed")
+            await self._dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
+            return
+        if not msg.reply:
+            return
+        if isinstance(reply, AdmissionGrant):
+            metrics.GRANTS.inc()  # a retried request's grant counts again: it is sent again
+            # also covers a retried request whose grant is still in flight to the store
+            self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
-            decision = first
-        await self._commit()
-        # A redelivery may come from a crash between the commit and this publish, so it is
-        # sent again; the msg_id makes JetStream drop it if the first one did get through.
-        if decision.verdict == "accepted" and (first is None or meta.num_delivered > 1):
-            await self.bus.publish(
-                subjects.accepted(self.run), trajectory, msg_id=trajectory.trajectory_id
+            metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
+            await self.bus.nc.publish(msg.reply, self._encode(reply))
+
+    async def _dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
+        try:
+            await self.bus.dead_letter(subject, reason, error, raw)
+        except Exception as exc:
+            log.error("registry: could not dead-letter %s (%r)", subject, exc)
+
+    # --- trajectories -----------------------------------------------------------------------
+
+    async def _trajectory_loop(self) -> None:
+        while True:
+            msgs = await self._puller.burst()
+            try:
+                await self._decide_burst(msgs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # not acked: JetStream redelivers after ack_wait
+                log.warning("registry: burst of %d trajectories not finished: %r", len(msgs), exc)
+                if self.journal.fatal is not None:
+                    return
+
+    async def _decide_burst(self, msgs: list[Msg]) -> None:
+        started = time.perf_counter()
+        decided = []  # (nats message, trajectory, decision, republish?)
+        now = self.clock()
+        for m in msgs:
+            try:
+                trajectory = codec.decode(m.data, Trajectory)
+            except codec.DecodeError as exc:
+                await self._dead_letter_and_term(m, exc.reason, str(exc))
+                continue
+            try:
+                first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
+                if first is None:
+                    decision = self.journal.apply(DecideOp(policy.decision_input(trajectory), now))
+                    metrics.TRAJECTORIES.labels(decision.verdict).inc()
+                    if decision.oldest_version is not None:
+                        metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
+                else:
+                    decision = first
+            except Exception as exc:
+                log.exception("registry: deciding %s failed", m.subject)
+                await self._retry_or_dead_letter(m, repr(exc))
+                continue
+            # A redelivery may come from a crash between the commit and the republish, so it
+            # is sent again; the msg_id makes JetStream drop it if the first one got through.
+            again = decision.verdict == "accepted" and (
+                first is None or m.metadata.num_delivered > 1
             )
+            decided.append((m, trajectory, decision, again))
+        if not decided:
+            return
+        await self._commit()
+        js, nc = self.bus.js, self.bus.nc
+        pending = [
+            (m, await js.publish_async(self._accepted, m.data,
+                                       headers={"Nats-Msg-Id": t.trajectory_id}))  # fmt: skip
+            for m, t, _, again in decided if again
+        ]
         # The decision is a notification (the DECISIONS stream records it); its source of
         # truth is the ledger, and a resent trajectory gets it again.
-        await self.bus.publish_core(subjects.decision(self.run, trajectory.replica), decision)
+        for _, t, decision, _ in decided:
+            await nc.publish(subjects.decision(self.run, t.replica), self._encode(decision))
+        failed = set()
+        if pending:
+            acks = await asyncio.wait_for(
+                asyncio.gather(*(f for _, f in pending), return_exceptions=True),
+                PUBLISH_TIMEOUT_S,
+            )
+            for (m, _), ack in zip(pending, acks):
+                if isinstance(ack, BaseException):  # redelivered later, republished then
+                    log.warning("registry: accepted copy of %s not stored: %r", m.subject, ack)
+                    failed.add(id(m))
+        for m, _, _, _ in decided:
+            if id(m) in failed:
+                await self._settle(m.nak(delay=1.0))
+            else:
+                await self._settle(m.ack())
         metrics.IN_FLIGHT.set(self.ledger.running)
-        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        for _ in decided:
+            metrics.DECISION_SECONDS.observe(elapsed)
+
+    async def _dead_letter_and_term(self, m: Msg, reason: str, error: str) -> None:
+        seq = m.metadata.sequence.stream
+        try:
+            await self.bus.dead_letter(m.subject, reason, error, m.data,
+                                       msg_id=f"{self._puller.stream}:{seq}:{SERVICE}")  # fmt: skip
+        except Exception as exc:  # never drop what we could not record: redeliver it
+            log.error("registry: could not dead-letter %s (%r); will retry", m.subject, exc)
+            await self._settle(m.nak(delay=1.0))
+            return
+        await self._settle(m.term())
+
+    async def _retry_or_dead_letter(self, m: Msg, error: str) -> None:
+        n = m.metadata.num_delivered
+        if n >= MAX_DELIVER:
+            await self._dead_letter_and_term(m, "handler", error)
+        else:
+            await self._settle(m.nak(delay=0.5 * 2 ** (n - 1)))
+
+    @staticmethod
+    async def _settle(ack) -> None:
+        try:
+            await ack
+        except Exception as exc:  # connection gone: the server redelivers after ack_wait
+            log.debug("registry: ack not sent: %r", exc)
+
+    # --- status and expiry ------------------------------------------------------------------
 
     async def _on_status(self, request: StatusRequest) -> RegistryStatus:
-        import msgspec
-
         led = self.ledger
         return RegistryStatus(
             run=self.run,
@@ -316,7 +408,7 @@ class RegistryService:
             max_head_offpolicyness=self.cfg.max_head_offpolicyness,
             consumer_batch_size=self.cfg.consumer_batch_size,
             max_concurrent_rollouts=self.cfg.max_concurrent_rollouts,
-            ledger_revision=self.store.revision,
+            ledger_revision=self.journal.revision,
             sent_at=self.clock(),
         )
 
@@ -324,14 +416,12 @@ class RegistryService:
         period = min(1.0, self.cfg.lease_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            gone = policy.expire(self.ledger, self.clock())
-            if gone:
-                log.info("registry: %d grant(s) expired: %s", len(gone), ", ".join(gone[:5]))
-                self.store.touch()
-                try:
-                    await self._commit()
-                except LedgerConflict:
-                    return
-                except Exception as exc:  # transient: the next change retries the write
-                    log.warning("registry: ledger write after expiry failed: %r", exc)
-                metrics.IN_FLIGHT.set(self.ledger.running)
+            if not any(g.expires_at <= self.clock() for g in self.ledger.grants.values()):
+                continue  # nothing to journal: skip the op (the common case)
+            gone = self.journal.apply(ExpireOp(self.clock()))
+            log.info("registry: %d grant(s) expired: %s", len(gone), ", ".join(gone[:5]))
+            try:
+                await self._commit()
+            except Exception:
+                return
+            metrics.IN_FLIGHT.set(self.ledger.running)
