@@ -1,0 +1,127 @@
+"""One GRPO / decoupled-PPO train step on a Megatron-style causal LM, in plain torch.
+
+The model is anything called as Megatron's `GPTModel` is, `model(input_ids, position_ids,
+attention_mask) -> logits [b, s, vocab (or vocab / tp)]`, so the same step runs the
+megatron-bridge engine, the megatron-core benchmark and a CPU test model. Batching, GRPO
+advantages and the loss are the FSDP2 engine's (`services.trainer.batching`,
+`services.trainer.loss`): both backends optimise exactly the same objective.
+
+Data parallelism: every rank holds the whole batch and takes its round-robin share of each
+minibatch (`plan_micro_batches` with the data-parallel rank and size); ranks of one
+tensor-parallel group pass the same DP rank and so run the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from proto.messages import Trajectory
+from services.common.config_schema import PPOConfig
+from services.trainer import batching
+from services.trainer.engines.fsdp2 import StepStats
+from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
+from services.trainer.loss import LossStats, decoupled_ppo_loss
+
+CrossEntropy = Callable[[Tensor, Tensor], Tensor]
+"""(logits [..., V or V/tp], targets [...]) -> -log p(target); megatron-core's
+`tensor_parallel.vocab_parallel_cross_entropy` under TP"""
+
+
+def local_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def causal_mask(length: int, device) -> Tensor:
+    """Megatron's mask convention: True where attention is NOT allowed. Right padding needs
+    nothing more: a real token never attends to the pad tokens after it."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def target_logprobs(
+    model, mb: batching.MicroBatch, device, temperature: float,
+    cross_entropy: CrossEntropy = local_cross_entropy,
+) -> Tensor:
+    """log pi(target) on the micro-batch's target columns, sampling temperature applied."""
+    input_ids = mb.input_ids.to(device)
+    b, length = input_ids.shape
+    position_ids = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)
+    logits = model(input_ids, position_ids, causal_mask(length, device))
+    width = mb.targets.shape[1]
+    # the logit at position t predicts token t + 1
+    logits = logits[:, length - width - 1 : length - 1].float() / temperature
+    return -cross_entropy(logits, mb.targets.to(device))
+
+
+def train_step(
+    model,
+    optimizer: MasterAdapterOptimizer,
+    groups: list[Trajectory],
+    head_version: int,
+    *,
+    ppo: PPOConfig,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    max_tokens: int = 4096,
+    pad_id: int = 0,
+    device="cpu",
+    temperature: float = 1.0,
+    grad_clip: float = 1.0,
+    step_index: int = 0,
+    lr: float = 0.0,
+    cross_entropy: CrossEntropy = local_cross_entropy,
+) -> StepStats:
+    """Proximal logprobs with no grad, then `ppo.ppo_n_minibatches` optimiser updates."""
+    t0 = time.perf_counter()
+    samples = batching.to_samples(groups, ppo)
+    if not samples:
+        raise ValueError("train_step: every completion in the batch is empty")
+    minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches,
+                                             token_level=ppo.token_level_loss)
+    plans = [
+        [batching.collate(mb, pad_id) for mb in
+         batching.plan_micro_batches(minibatch, dp_rank, dp_size, max_tokens)]
+        for minibatch in minibatches
+    ]
+    with torch.no_grad():
+        prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan]
+                for plan in plans]
+
+    stats, loss_total, grad_norm = LossStats(), 0.0, 0.0
+    for plan, plan_prox in zip(plans, prox):
+        optimizer.zero_grad()
+        for mb, mb_prox in zip(plan, plan_prox):
+            lp = target_logprobs(model, mb, device, temperature, cross_entropy)
+            loss, mb_stats = decoupled_ppo_loss(
+                lp, mb_prox, mb.behave_logprobs.to(device), mb.advantages.to(device),
+                mb.loss_weights.to(device),
+                eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
+                imp_weight_cap=ppo.behav_imp_weight_cap, imp_weight_mode=ppo.behav_imp_weight_mode,
+                use_decoupled_loss=ppo.use_decoupled_loss,
+                staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
+            )
+            loss.backward()
+            loss_total += loss.item()
+            stats = stats + mb_stats
+        grad_norm = optimizer.step(grad_clip)
+
+    if dp_group is not None and dp_size > 1:
+        dev = optimizer.masters[0].device
+        packed = torch.cat([stats.as_tensor(), torch.tensor([loss_total], dtype=torch.float64)]).to(dev)
+        dist.all_reduce(packed, group=dp_group)
+        peak = torch.tensor([stats.imp_weight_max], dtype=torch.float64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
+        stats = LossStats.from_tensor(packed[:-1].cpu())
+        stats.imp_weight_max = float(peak)
+        loss_total = float(packed[-1])
+    rewards = [c.reward for g in groups for c in g.completions]
+    return StepStats(
+        step=step_index, loss=loss_total / len(plans), reward_mean=sum(rewards) / len(rewards),
+        groups=len(groups), tokens=int(stats.tokens), grad_norm=grad_norm, lr=lr,
+        step_seconds=time.perf_counter() - t0, loss_stats=stats.summary(),
+    )
