@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -410,3 +411,52 @@ async def test_object_store_credentials_never_travel_in_events(s3_store, monkeyp
 
     with pytest.raises(StoreError):
         parse_s3_uri(f"s3://{access}:{secret}@bucket/key")
+
+
+def make_certs(directory) -> dict[str, str]:
+    """A throw-away CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, crt = (str(directory / n) for n in
+                                 ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    steps = [
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+         "-days", "1", "-subj", "/CN=lorabus-test-ca"],
+        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+         "-subj", "/CN=127.0.0.1"],
+        ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", crt, "-days", "1", "-extfile", str(ext)],
+    ]
+    for step in steps:
+        subprocess.run(step, check=True, capture_output=True, timeout=60)
+    return {"NATS_TLS_CERT": crt, "NATS_TLS_KEY": key, "NATS_TLS_CA": ca}
+
+
+async def test_tls_switch(tmp_path, passwords, monkeypatch):
+    """With tls-on.conf included the server demands TLS: a client trusting the CA gets in
+    over tls://, a plain-text client is refused."""
+    from tests.deploy.natsauth import NATS_DIR
+
+    if not shutil.which("openssl"):
+        pytest.fail("openssl is needed to make test certificates")
+    certs = make_certs(tmp_path / "certs")
+    for var, value in {**passwords, **certs}.items():
+        monkeypatch.setenv(var, value)
+    srv = start_with_deploy_config(tmp_path, passwords, tls_conf=NATS_DIR / "tls-on.conf")
+    try:
+        url = f"tls://127.0.0.1:{srv.port}"
+        cfg = BusConfig(url=url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"],
+                        tls_ca=certs["NATS_TLS_CA"], connect_timeout_s=3.0)
+        bus = await Bus.connect(cfg, run="tlsrun", service="trainer")
+        try:
+            await bus.ensure_streams()
+            assert await bus.publish(subjects.adapter_ready("tlsrun", 0), adapter_event("tlsrun", 0)) >= 1
+        finally:
+            await bus.close()
+        with pytest.raises(Exception):
+            await nats.connect(servers=[srv.url], user="trainer",
+                               password=passwords["NATS_TRAINER_PASSWORD"], allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=2)
+    finally:
+        srv.close()
