@@ -1,0 +1,125 @@
+"""The registry's journal against a real nats-server: group commit, snapshots that compact the
+journal, a restart that replays, a second writer detected, a grant held back until stored."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from proto.messages import AdapterReady, AdmissionGrant, AdmissionRequest, LoraSpec, ObjectPayload
+from services.common import streams
+from services.common.bus import Bus
+from services.common.config_schema import BusConfig
+from services.registry import persistence as j
+from services.registry import policy as p
+
+LORA = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj"], base_model="tiny")
+CFG = p.PolicyConfig(max_head_offpolicyness=2, consumer_batch_size=1000,
+                     max_concurrent_rollouts=1000, lease_seconds=60.0)  # fmt: skip
+
+
+@pytest.fixture
+async def bus(nats_url):
+    bus = await Bus.connect(BusConfig(url=nats_url), run=f"jr{uuid.uuid4().hex[:8]}", service="registry")
+    yield bus
+    await bus.close()
+
+
+def ready(run: str, version: int) -> AdapterReady:
+    return AdapterReady(
+        run=run, lora_name="lora", version=version, trainer_step=version, created_at=1.0,
+        lora=LORA, payloads=[ObjectPayload(uri="file:///x", bytes=1, sha256="0" * 64)],
+    )  # fmt: skip
+
+
+def request(run: str, i: int) -> AdmissionRequest:
+    return AdmissionRequest(run=run, replica="r1", request_id=f"q{i}", loaded_versions=[0])
+
+
+async def open_journal(bus, cfg=CFG, snapshot_every=4) -> j.Journal:
+    return await j.Journal.open(bus, streams.ledger_bucket(bus.run), bus.run, cfg,
+                                snapshot_every=snapshot_every)  # fmt: skip
+
+
+async def test_restart_replays_snapshot_and_entries_and_compacts(bus):
+    run = bus.run
+    journal = await open_journal(bus)
+    journal.apply(j.AdapterOp(ready(run, 0)))
+    await journal.commit()
+    # concurrent commits share writes: 30 admissions in 3 rounds, far fewer than 30 writes
+    for round_ in range(3):
+        async def one(i):
+            journal.apply(j.AdmitOp(request(run, i), 10.0))
+            await journal.commit()
+        await asyncio.gather(*(one(round_ * 10 + i) for i in range(10)))
+    assert journal.ledger.running == 30
+    writes = journal.revision
+    assert writes < 31
+    # a snapshot every 4 entries drops the older messages: the stream stays short
+    info = await bus.js.stream_info(journal.stream)
+    assert info.state.messages <= 4, info.state
+
+    again = await open_journal(bus)  # what a restart after kill -9 sees
+    assert again.ledger == journal.ledger
+    assert again.revision == journal.revision
+    assert again.replayed == journal.entries_since_snapshot
+
+    # the new writer took over: the old one's next write is refused and it stops
+    journal.apply(j.AdmitOp(request(run, 99), 11.0))
+    with pytest.raises(j.LedgerConflict, match="second registry"):
+        await journal.commit()
+    with pytest.raises(j.LedgerConflict):
+        journal.apply(j.AdmitOp(request(run, 100), 11.0))
+    # the new one carries on, and a third open sees the new one's state only
+    grant = again.apply(j.AdmitOp(request(run, 200), 12.0))
+    await again.commit()
+    third = await open_journal(bus)
+    assert isinstance(grant, AdmissionGrant) and grant.grant_id in third.ledger.grants
+    assert third.ledger.grants[grant.grant_id].request_id == "q200"  # not the old one's q99
+    assert third.ledger == again.ledger
+
+
+async def test_reply_leaves_only_after_its_write(bus):
+    run = bus.run
+    journal = await open_journal(bus, snapshot_every=1000)
+    seen: list[bytes] = []
+    inbox = bus.nc.new_inbox()
+
+    async def on_reply(msg):
+        seen.append(msg.data)
+
+    await bus.nc.subscribe(inbox, cb=on_reply)
+    journal.apply(j.AdapterOp(ready(run, 0)))
+    journal.apply(j.AdmitOp(request(run, 1), 10.0))
+    journal.send_after_commit(inbox, b"grant-1")
+    seq_before = journal.seq
+    assert not seen
+    await journal.commit()
+    await bus.nc.flush()
+    for _ in range(50):
+        if seen:
+            break
+        await asyncio.sleep(0.01)
+    assert seen == [b"grant-1"]
+    assert journal.seq == seq_before + 1  # both ops in one entry
+    stored = await bus.js.get_msg(journal.stream, seq=journal.seq)
+    assert [type(op).__name__ for op in j.decode_entry(stored.data).ops] == ["AdapterOp", "AdmitOp"]
+
+
+async def test_config_change_is_recorded_before_new_entries(bus):
+    run = bus.run
+    first = await open_journal(bus)
+    first.apply(j.AdapterOp(ready(run, 0)))
+    first.apply(j.AdapterOp(ready(run, 3)))
+    await first.commit()
+    # k=2 at decision time: v0 is retired (3 - 0 > 2)
+    assert first.ledger.versions[0].retired
+    wider = p.PolicyConfig(max_head_offpolicyness=5, consumer_batch_size=1000,
+                           max_concurrent_rollouts=1000, lease_seconds=60.0)  # fmt: skip
+    second = await open_journal(bus, cfg=wider)
+    # the replay used the config the entries were written under, not the new one
+    assert second.ledger == first.ledger
+    snap = j.decode_snapshot((await bus.js.get_last_msg(second.stream, second.prefix + "ledger")).data)
+    assert snap.cfg == wider
