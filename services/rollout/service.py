@@ -95,6 +95,9 @@ class RolloutService:
         self._seed = seed
         self._prompts = prompt_cycle(prompts, seed, cfg.train_dataset.shuffle)
         self._changed = asyncio.Condition()
+        # collect() runs from the load path and after every generation: one at a time, or two
+        # callers would both try to unload the same version
+        self._collecting = asyncio.Lock()
         self._load_lock = asyncio.Lock()
         self._batches = 0
 
@@ -188,6 +191,10 @@ class RolloutService:
 
     async def collect(self) -> None:
         """Unload every version outside the keep window that nobody pins."""
+        async with self._collecting:
+            await self._collect()
+
+    async def _collect(self) -> None:
         for version in self.book.to_unload():
             await self.engine.unload_version(version)
             self.book.mark_unloaded(version)

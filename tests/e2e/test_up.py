@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MARGIN = 0.06
-STEPS = 30
+STEPS = 40
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
