@@ -33,10 +33,12 @@ class ServerError(RuntimeError):
     """A server answered with an error, or could not be reached. `status` is the HTTP status
     (None: no answer); `message` is the server's own error text."""
 
-    def __init__(self, url: str, status: int | None, message: str):
+    def __init__(self, url: str, status: int | None, message: str, body: Any = None):
         self.url = url
         self.status = status
         self.message = message
+        self.body = body
+        """the decoded JSON answer, when there was one (SGLang's carries loaded_adapters)"""
         where = f"HTTP {status}" if status is not None else "no answer"
         super().__init__(f"{url}: {where}: {message}")
 
@@ -72,6 +74,13 @@ def error_message(response: httpx.Response) -> str:
             if body.get(key):
                 return str(body[key])
     return response.text.strip()
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
 
 
 async def with_retries(
@@ -123,7 +132,7 @@ class Http:
                 raise ServerError(url, None, f"{type(exc).__name__}: {exc}") from exc
             if response.is_success:
                 return response
-            raise ServerError(url, response.status_code, error_message(response))
+            raise ServerError(url, response.status_code, error_message(response), _json_or_none(response))
 
         if not retry:
             return await once()
