@@ -61,6 +61,10 @@ OVERVIEW = [
          "sum by (replica) (rate(lorabus_rollout_reward_count[5m]))", "rollout {{replica}}: mean reward"),
     ], 12),
     ("Trainer loss", "timeseries", "none", [("lorabus_trainer_loss", "loss")], 12),
+    ("Eval score per version", "timeseries", "none", [
+        ("lorabus_eval_score", "{{evaluator}} {{metric}}"),
+        ("lorabus_eval_version", "{{evaluator}}: version scored"),
+    ], 12),
 ]
 
 THROUGHPUT = [

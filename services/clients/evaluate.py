@@ -114,10 +114,14 @@ def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path
 
 
 async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
+    from services.clients import metrics
     from services.common.bus import Bus
+    from services.common.metrics import start_metrics_server
 
     hook = load_hook(hook_spec)
     evaluator = await asyncio.to_thread(Evaluator, cfg, hook)
+    port = start_metrics_server(cfg.metrics)
+    log.info("metrics on :%d/metrics", port)
     bus = await Bus.connect(cfg.bus, run=cfg.run, service=evaluator_name)
     await bus.ensure_streams()
     scratch = Path(cfg.run_dir) / evaluator_name
@@ -127,7 +131,11 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
         directory = local_dir(event.uri, cfg, event.version, scratch)
         started = time.monotonic()
         metric, score = await asyncio.to_thread(evaluator.score, directory)
-        log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, elapsed)
+        metrics.EVAL_SECONDS.labels(evaluator_name).observe(elapsed)
+        metrics.EVAL_SCORE.labels(evaluator_name, metric).set(score)
+        metrics.EVAL_VERSION.labels(evaluator_name).set(event.version)
         result = m.EvalResult(
             run=cfg.run, evaluator=evaluator_name, version=event.version, metric=metric,
             score=float(score), n=len(evaluator.prompts), evaluated_at=time.time(),
