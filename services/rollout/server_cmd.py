@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from services.common.config_schema import LorabusConfig
 
-# vLLM's runtime load/unload endpoints exist only with this set; the CPU build needs the rest.
+# vLLM's runtime load/unload endpoints exist only with this set.
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
