@@ -60,6 +60,8 @@ from services.trainer.engines.megatron.state import (  # noqa: E402
 
 QWEN3_0_6B = dict(hidden=1024, heads=16, groups=8, head_dim=128, ffn=3072, vocab=151936,
                   eps=1e-6, rope_theta=1_000_000.0)
+TINY = dict(hidden=64, heads=4, groups=2, head_dim=32, ffn=96, vocab=128, eps=1e-6,
+            rope_theta=1_000_000.0)
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
@@ -99,11 +101,12 @@ class LoRALinear(nn.Module):
 def attach_lora(model: nn.Module, rank: int, alpha: float, targets=TARGETS) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
+    owners = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
+              "linear_fc1": "mlp", "linear_fc2": "mlp"}
     for layer in model.decoder.layers:
-        for owner, name in ((layer.self_attention, "linear_qkv"), (layer.self_attention, "linear_proj"),
-                            (layer.mlp, "linear_fc1"), (layer.mlp, "linear_fc2")):
-            if name in targets:
-                setattr(owner, name, LoRALinear(getattr(owner, name), rank, alpha))
+        for name in targets:
+            owner = getattr(layer, owners[name])
+            setattr(owner, name, LoRALinear(getattr(owner, name), rank, alpha))
 
 
 # --- Megatron base weights -> HF Qwen3 ----------------------------------------------------------
@@ -398,19 +401,22 @@ def build_gpt(layers: int, dims: dict, dtype, device):
     return model.to(device)
 
 
-def init_megatron(seed: int):
+def init_megatron(seed: int, device: torch.device):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl" if cuda else "gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
 
 
@@ -420,18 +426,20 @@ def gpu_run(report: Report, args) -> None:
     from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
     from services.trainer.engines.megatron.step import train_step
 
-    dims = dict(QWEN3_0_6B)
+    dims = dict(TINY if args.tiny else QWEN3_0_6B)
     if args.vocab:
         dims["vocab"] = args.vocab
     shape = ModelShape(num_layers=args.layers, hidden=dims["hidden"], num_attention_heads=dims["heads"],
                        num_query_groups=dims["groups"], head_dim=dims["head_dim"], ffn_hidden=dims["ffn"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda"
+              else torch.device(args.device))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     report.data["config"] = {**dims, "layers": args.layers, "rank": args.rank, "alpha": args.alpha,
                              "groups": args.groups, "samples": args.samples,
                              "prompt_len": args.prompt_len, "max_new": args.max_new,
                              "steps": args.steps, "lr": args.lr}
     report.stage("versions", versions)
-    if report.stage("init_megatron", init_megatron, args.seed) is None:
+    if report.stage("init_megatron", init_megatron, args.seed, device) is None:
         return
     ctx: dict = {}
 
@@ -461,11 +469,11 @@ def gpu_run(report: Report, args) -> None:
         times, losses, norms, tokens = [], [], [], 0
         before = {n: p.detach().float().clone() for n, p in ctx["named"]}
         for i in range(args.steps):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             stats = train_step(model, opt, groups, 2, ppo=ppo, max_tokens=args.max_tokens,
                                device=device, step_index=i, lr=args.lr)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
@@ -480,12 +488,13 @@ def gpu_run(report: Report, args) -> None:
                 "tokens_per_second": round(seq_tokens / statistics.median(steady), 1),
                 "loss": losses, "grad_norm": norms, "adapter_max_abs_change": moved,
                 "base_frozen": base_frozen,
-                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                if device.type == "cuda" else None}
 
     report.stage("grpo_steps", train)
 
     def extract():
-        bridge_state = {n: p.detach().float().cpu() for n, p in ctx["named"]}
+        bridge_state = opt.master_state()  # fp32 masters: what the engine publishes
         hf_adapter = to_hf(bridge_state, shape)
         ctx["bridge_state"], ctx["hf_adapter"] = bridge_state, hf_adapter
         return {"bridge_tensors": len(bridge_state), "hf_tensors": len(hf_adapter),
@@ -498,15 +507,17 @@ def gpu_run(report: Report, args) -> None:
 
     def compare(adapter_state: dict, label: str) -> dict:
         # fp32 Megatron copy of the same weights (base + this adapter) vs HF fp32 + peft
-        full = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        full.update({k: v.to(full[k].dtype) for k, v in adapter_state.items()})
+        full = {k: v.float() for k, v in model.state_dict().items()
+                if not k.endswith("_extra_state")}
+        if not set(adapter_state) <= set(full):
+            raise RuntimeError(f"adapter names not in the model: {sorted(set(adapter_state) - set(full))[:3]}")
+        full.update({k: v.float() for k, v in adapter_state.items()})
         m32 = build_gpt(args.layers, dims, torch.float32, device)
         attach_lora(m32, args.rank, args.alpha)
         missing, unexpected = m32.load_state_dict(full, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"fp32 copy: missing {missing[:3]} unexpected {unexpected[:3]}")
-        m32.load_state_dict({k: v.float() for k, v in full.items()}, strict=False)
         m32.eval()
         gen = torch.Generator().manual_seed(123)
         tokens = torch.randint(0, dims["vocab"], (2, args.check_len), generator=gen).to(device)
@@ -540,7 +551,8 @@ def gpu_run(report: Report, args) -> None:
                 hf16 = wrapped.to(torch.bfloat16)
                 out["bf16_lora_megatron_vs_hf_peft"] = logits_agreement(mg16, hf16(input_ids=tokens).logits.float())
             del hf, wrapped
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return out
 
     report.stage("logits_check_trained_adapter", compare, ctx["bridge_state"], "trained")
@@ -572,6 +584,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--check-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="hidden 64, 2 heads/group, vocab 128")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only with megatron's CUDA calls "
+                    "patched out (a development dry run)")
     args = ap.parse_args(argv)
     report = Report(Path(args.out))
     report.data["mode"] = "cpu-check" if args.cpu_check else "gpu"

@@ -1,0 +1,309 @@
+"""The Megatron engine's parts that need no Megatron: target names, bridge-named adapter state
+(TP slices, the hand-off to the HF converter), the fp32-master optimizer, per-rank
+checkpoints and the GRPO step on a CPU model with megatron-bridge's LoRA structure.
+
+The engine itself (megatron-bridge + CUDA) is exercised by `benchmarks/megatron_lora_step.py`
+on a GPU; here it is only checked that it fails clearly without Megatron.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+from proto.messages import Completion, Trajectory
+from services.common import adapter_io
+from services.common.config_schema import ActorConfig, PPOConfig
+from services.exporter.megatron_to_hf import ModelShape, hf_target_modules
+from services.trainer.engines.megatron import MegatronNotInstalled
+from services.trainer.engines.megatron import checkpoint as shards
+from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
+from services.trainer.engines.megatron.state import (
+    AdapterStateError,
+    adapter_named_parameters,
+    megatron_targets,
+    merge_tp,
+    to_hf,
+    tp_split,
+)
+from services.trainer.engines.megatron.step import train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import megatron_lora_step as bench  # noqa: E402
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+SHAPE = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2,
+                   head_dim=16, ffn_hidden=48)
+R = 4
+
+
+def fake_adapter(shape: ModelShape = SHAPE, rank: int = R, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hd, h = shape.head_dim, shape.hidden
+    qkv = (shape.q_per_group + 2) * shape.num_query_groups * hd
+    dims = {"self_attention.linear_qkv": (h, qkv),
+            "self_attention.linear_proj": (shape.num_attention_heads * hd, h),
+            "mlp.linear_fc1": (h, 2 * shape.ffn_hidden), "mlp.linear_fc2": (shape.ffn_hidden, h)}
+    out = {}
+    for L in range(shape.num_layers):
+        for module, (i, o) in dims.items():
+            p = f"decoder.layers.{L}.{module}.adapter."
+            out[p + "linear_in.weight"] = torch.randn(rank, i, generator=g)
+            out[p + "linear_out.weight"] = torch.randn(o, rank, generator=g)
+    return out
+
+
+# --- optional import -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAVE_MEGATRON, reason="megatron is installed here: the missing-extra path cannot run")
+def test_engine_without_megatron_names_the_extra():
+    import services.trainer.engines.megatron as pkg
+
+    with pytest.raises(MegatronNotInstalled, match=r"lorabus\[megatron\]"):
+        pkg.MegatronEngine  # noqa: B018
+    with pytest.raises(ImportError, match=r"megatron\.core"):
+        importlib.import_module("services.trainer.engines.megatron.engine")
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core and megatron-bridge (lorabus[megatron])")
+def test_engine_imports_with_megatron():
+    from services.trainer.engines.megatron import MegatronEngine
+
+    assert callable(MegatronEngine)
+
+
+# --- names -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given,expected", [
+    ([], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+    (["all-linear"], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+    (["linear_qkv", "linear_fc2"], ["linear_qkv", "linear_fc2"]),
+])
+def test_megatron_targets(given, expected):
+    assert megatron_targets(ActorConfig(backend="megatron", target_modules=given)) == expected
+    # the backend field does not matter: the engine always asks for Megatron names
+    assert megatron_targets(ActorConfig(backend="fsdp2", target_modules=given)) == expected
+
+
+def test_megatron_targets_rejects_hf_names():
+    with pytest.raises(AdapterStateError, match="q_proj.*linear_qkv"):
+        megatron_targets(ActorConfig(backend="megatron", target_modules=["q_proj"]))
+
+
+def test_adapter_named_parameters():
+    frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+    a = nn.Parameter(torch.zeros(R, 8))
+    named = [("module.decoder.layers.0.mlp.linear_fc1.to_wrap.weight", frozen),
+             ("module.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight", a)]
+    assert adapter_named_parameters(named) == [("decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight", a)]
+    trainable_base = [("decoder.layers.0.mlp.linear_fc1.to_wrap.weight", nn.Parameter(torch.zeros(2)))]
+    with pytest.raises(AdapterStateError, match="must be frozen"):
+        adapter_named_parameters(trainable_base + named)
+    with pytest.raises(AdapterStateError, match="no `.adapter"):
+        adapter_named_parameters([named[0]])
+
+
+# --- tensor parallel slices ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_merge_reproduces_megatron_sharded_forward(tp):
+    """Each rank computes what ParallelLinearAdapter computes on its slices; the merged
+    (tp=1) adapter must give the outputs the ranks together produce."""
+    state = fake_adapter(SHAPE)
+    ranks = [{} for _ in range(tp)]
+    for name, t in state.items():
+        for r, part in enumerate(tp_split(name, t, tp)):
+            ranks[r][name] = part
+    merged = merge_tp(ranks)
+    assert all(torch.equal(merged[n], state[n]) for n in state)
+    p = "decoder.layers.1."
+    x = torch.randn(3, SHAPE.hidden)
+    # column-parallel fc1: linear_in gathers the full rank-r activation; each rank emits
+    # [its gate rows; its up rows]; the model's gate output is all ranks' gate rows in order
+    z = x @ torch.cat([rk[p + "mlp.linear_fc1.adapter.linear_in.weight"] for rk in ranks]).T
+    per_rank = [z @ rk[p + "mlp.linear_fc1.adapter.linear_out.weight"].T for rk in ranks]
+    gate = torch.cat([y.chunk(2, dim=-1)[0] for y in per_rank], dim=-1)
+    up = torch.cat([y.chunk(2, dim=-1)[1] for y in per_rank], dim=-1)
+    full = z @ merged[p + "mlp.linear_fc1.adapter.linear_out.weight"].T
+    torch.testing.assert_close(full, torch.cat([gate, up], dim=-1))
+    # row-parallel fc2: each rank holds input columns; A x is the sum of rank partials
+    h = torch.randn(3, SHAPE.ffn_hidden)
+    parts = h.chunk(tp, dim=-1)
+    z2 = sum(part @ rk[p + "mlp.linear_fc2.adapter.linear_in.weight"].T for part, rk in zip(parts, ranks))
+    torch.testing.assert_close(z2, h @ merged[p + "mlp.linear_fc2.adapter.linear_in.weight"].T)
+
+
+def test_merge_tp_rejects_mismatched_ranks():
+    state = fake_adapter(SHAPE)
+    other = dict(state)
+    other.pop(next(iter(other)))
+    with pytest.raises(AdapterStateError, match="TP rank 1"):
+        merge_tp([state, other])
+    with pytest.raises(AdapterStateError, match="not a megatron-bridge adapter"):
+        merge_tp([{"decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(1)}] * 2)
+
+
+def test_to_hf_hand_off_is_fp32_peft_and_serializes():
+    state = {k: v.bfloat16() for k, v in fake_adapter(SHAPE).items()}
+    hf = to_hf(state, SHAPE)
+    assert all(v.dtype == torch.float32 for v in hf.values())
+    modules = {adapter_io.parse_peft_key(k)[0].rsplit(".", 1)[-1] for k in hf}
+    assert sorted(modules) == hf_target_modules(["all-linear"])
+    # qkv's A is shared by q, k and v; fc1's B splits into gate and up
+    a = state["decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight"].float()
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(hf[adapter_io.peft_key(f"model.layers.0.self_attn.{proj}", "A")], a)
+    b = state["decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"].float()
+    assert torch.equal(hf[adapter_io.peft_key("model.layers.0.mlp.up_proj", "B")], b[SHAPE.ffn_hidden:])
+    assert adapter_io.from_bytes(adapter_io.to_bytes(hf)).keys() == hf.keys()
+
+
+# --- optimizer ---------------------------------------------------------------------------------
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def test_master_optimizer_keeps_updates_bf16_would_lose():
+    w = nn.Parameter(torch.full((4, 4), 1.0, dtype=torch.bfloat16))
+    opt = MasterAdapterOptimizer([("x.adapter.linear_in.weight", w)], _adam)
+    for _ in range(3):
+        opt.zero_grad()
+        (w.float().sum()).backward()
+        opt.step(max_norm=0.0)
+    master = opt.masters[0]
+    # three Adam steps of 1e-4 are below bf16's resolution at 1.0 (2**-7): the master moved,
+    # the bf16 copy is its rounding
+    assert float(master.detach()[0, 0]) == pytest.approx(1.0 - 3e-4, abs=1e-6)
+    assert torch.equal(w.detach(), master.detach().bfloat16())
+
+
+def test_master_optimizer_clips_and_round_trips():
+    w = nn.Parameter(torch.zeros(3))
+    opt = MasterAdapterOptimizer([("x.adapter.linear_out.weight", w)], _adam)
+    opt.zero_grad()
+    w.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert opt.step(max_norm=1.0) == pytest.approx(5.0)
+    assert opt.masters[0] is w  # fp32 params are their own masters
+    saved = opt.state_dict()
+    w2 = nn.Parameter(torch.ones(3))
+    opt2 = MasterAdapterOptimizer([("x.adapter.linear_out.weight", w2)], _adam)
+    opt2.load_state_dict(saved)
+    assert torch.equal(w2.detach(), w.detach())
+    other = MasterAdapterOptimizer([("y.adapter.linear_out.weight", nn.Parameter(torch.zeros(3)))], _adam)
+    with pytest.raises(ValueError, match="does not fit"):
+        other.load_state_dict(saved)
+
+
+# --- per-rank checkpoints --------------------------------------------------------------------
+
+
+LAYOUT = {"world_size": 2, "rank": 1, "tp": 2, "pp": 1, "dp": 1}
+
+
+def test_checkpoint_shard_round_trip(tmp_path):
+    state = {"names": ["a"], "masters": {"a": torch.arange(6.0).view(2, 3)}, "optimizer": {"x": 1}}
+    path = shards.save_shard(tmp_path, 7, LAYOUT, state)
+    assert path == tmp_path / "megatron-ranks" / "step-00000007" / "rank-00001.pt"
+    loaded = shards.load_shard(tmp_path, 7, LAYOUT)
+    assert torch.equal(loaded["masters"]["a"], state["masters"]["a"])
+    assert not list(path.parent.glob(".*tmp*"))
+    with pytest.raises(RuntimeError, match="parallel layout"):
+        shards.load_shard(tmp_path, 7, {**LAYOUT, "tp": 1, "dp": 2})
+    with pytest.raises(FileNotFoundError, match="rank 0"):
+        shards.load_shard(tmp_path, 7, {**LAYOUT, "rank": 0})
+    path.write_bytes(b"truncated")
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        shards.load_shard(tmp_path, 7, LAYOUT)
+
+
+def test_checkpoint_prune_keeps_newest(tmp_path):
+    for step in range(1, 6):
+        shards.save_shard(tmp_path, step, LAYOUT, {})
+    shards.prune(tmp_path, keep=2)
+    left = sorted(p.name for p in (tmp_path / "megatron-ranks").iterdir())
+    assert left == ["step-00000004", "step-00000005"]
+
+
+# --- the GRPO step on a CPU model with bridge's LoRA structure -------------------------------
+
+
+class TupleLinear(nn.Linear):
+    """A Megatron linear: returns (output, bias)."""
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class TinyMegatronLM(nn.Module):
+    """Called like GPTModel; one causal mixing step, then fc1/fc2 wrapped like bridge's LoRA."""
+
+    def __init__(self, vocab=32, hidden=16):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.decoder = nn.Module()
+        layer = nn.Module()
+        layer.mlp = nn.Module()
+        layer.mlp.linear_fc1 = TupleLinear(hidden, 2 * hidden, bias=False)
+        layer.mlp.linear_fc2 = TupleLinear(hidden, hidden, bias=False)
+        self.decoder.layers = nn.ModuleList([layer])
+        self.output_layer = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        assert attention_mask.dtype == torch.bool and attention_mask.shape[-1] == input_ids.shape[1]
+        h = self.embedding(input_ids)
+        n = torch.arange(1, h.shape[1] + 1).view(1, -1, 1)
+        h = h.cumsum(1) / n  # causal: position t sees tokens <= t only
+        mlp = self.decoder.layers[0].mlp
+        gate, up = mlp.linear_fc1(h)[0].chunk(2, dim=-1)
+        h = h + mlp.linear_fc2(torch.nn.functional.silu(gate) * up)[0]
+        return self.output_layer(h)
+
+
+def _groups(vocab=32):
+    g = torch.Generator().manual_seed(3)
+
+    def completion(reward):
+        n = int(torch.randint(3, 7, (1,), generator=g))
+        return Completion(token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(),
+                          logprobs=[-3.4] * n, versions=[1] * n, reward=reward)
+
+    return [Trajectory(run="r", trajectory_id=f"t{i}", grant_id="g", replica="x", prompt_id="p",
+                       prompt_token_ids=[1, 2, 3], completions=[completion(1.0), completion(0.0),
+                                                                completion(1.0), completion(0.0)],
+                       started_at=0.0, finished_at=1.0) for i in range(2)]
+
+
+def test_train_step_takes_a_real_gradient_step_on_adapter_only():
+    torch.manual_seed(0)
+    model = TinyMegatronLM()
+    bench.attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
+    named = adapter_named_parameters(model.named_parameters())
+    assert {n.rsplit(".", 2)[-2] for n, _ in named} == {"linear_in", "linear_out"}
+    base_before = {n: p.clone() for n, p in model.named_parameters() if ".adapter." not in n}
+    out_before = {n: p.clone() for n, p in named if "linear_out" in n}
+    assert all(float(p.abs().max()) == 0.0 for p in out_before.values())  # B starts at zero
+    opt = MasterAdapterOptimizer(named, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    ppo = msgspec.structs.replace(PPOConfig(), ppo_n_minibatches=2)
+    stats = train_step(model, opt, _groups(), head_version=2, ppo=ppo, max_tokens=16)
+    assert stats.tokens == sum(len(c.token_ids) for g in _groups() for c in g.completions)
+    assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0
+    assert stats.loss_stats["mean_staleness"] == pytest.approx(1.0)
+    for n, p in model.named_parameters():
+        if ".adapter." not in n:
+            assert torch.equal(p, base_before[n]), f"{n} (frozen base) changed"
+    assert any(float(p.abs().max()) > 0 for n, p in named if "linear_out" in n)
+
+
+def test_benchmark_cpu_check_passes(tmp_path):
+    assert bench.main(["--cpu-check", "--out", str(tmp_path)]) == 0
