@@ -1,12 +1,15 @@
 """Registry throughput and latency over a real nats-server.
 
 Starts nats-server (services.common.nats_server) and the registry as its own process
-(`python -m services.registry`), then N concurrent clients, each a replica, loop: request
-admission -> publish the trajectory (JetStream) -> wait for its decision. Reports decisions/s,
-admission and decision latency percentiles, and the registry's ledger writes per decision
-(group commit), as a table and as JSON (`--out FILE`).
+(`python -m services.registry`), then N concurrent clients, each a replica, spread over P
+client processes (one Python process cannot drive the registry to saturation alone). Each
+client loops: request admission -> publish the trajectory (JetStream) -> wait for its
+decision. Reports decisions/s, admission and decision latency percentiles, the registry's
+ledger writes per decision (group commit) and CPU seconds per process (registry, nats-server,
+clients), as a table and as JSON (`--out FILE`); `--repeat R` measures R times in a row.
 
-    .venv/bin/python benchmarks/registry.py --clients 32 --seconds 10 --out bench.json
+    .venv/bin/python benchmarks/registry.py --clients 64 --procs 2 --seconds 10 --repeat 2 \
+        --out benchmarks/results/registry.json
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def scrape(port: int, name: str) -> float:
     return 0.0
 
 
-async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict) -> None:
-    replica = f"c{i}"
+async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict, tag: str = "") -> None:
+    # unique per repeat: trajectory ids double as Nats-Msg-Ids, which the stream deduplicates
+    replica = f"c{tag}x{i}"
     inbox: asyncio.Queue = asyncio.Queue()
 
     async def on_decision(msg: TrajectoryDecision, meta) -> None:
@@ -125,12 +129,95 @@ async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict) -> No
         out["verdicts"][decision.verdict] = out["verdicts"].get(decision.verdict, 0) + 1
 
 
+async def client_worker(args) -> None:
+    """One client process: `--clients` clients from `--first`, a 1 s warm-up, then the
+    measured window that starts at `--start-at` (wall clock, shared by all processes)."""
+    bus = await Bus.connect(BusConfig(url=args.url), run=RUN, service="bench")
+    try:
+        warm = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
+        await asyncio.gather(*(client(bus, args.first + i, time.perf_counter() + 1.0, args.tokens, warm, f"w{args.tag}")
+                               for i in range(args.clients)))  # fmt: skip
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
+        stop_at = time.perf_counter() + args.seconds
+        await asyncio.gather(*(client(bus, args.first + i, stop_at, args.tokens, out, f"m{args.tag}")
+                               for i in range(args.clients)))  # fmt: skip
+    finally:
+        await bus.close()
+    sys.stdout.write(json.dumps(out))
+
+
+def start_clients(args, url: str, start_at: float, tag: int) -> list[subprocess.Popen]:
+    per = [args.clients // args.procs + (i < args.clients % args.procs) for i in range(args.procs)]
+    procs, first = [], 0
+    for n in per:
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--client-worker", "--url", url, "--first", str(first),
+             "--clients", str(n), "--seconds", str(args.seconds), "--tokens", str(args.tokens),
+             "--start-at", str(start_at), "--tag", str(tag)],
+            cwd=REPO, stdout=subprocess.PIPE,
+        ))  # fmt: skip
+        first += n
+    return procs
+
+
+async def measure(args, bus: Bus, server, proc, metrics_port: int, tag: int) -> dict:
+    start_at = time.time() + 3.0  # clients connect and warm up before this
+    clients = start_clients(args, server.url, start_at, tag)
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    writes0 = scrape(metrics_port, "lorabus_registry_ledger_writes_total")
+    cpu0 = {"registry": cpu_seconds(proc.pid), "nats_server": cpu_seconds(server.proc.pid),
+            **{f"client{i}": cpu_seconds(c.pid) for i, c in enumerate(clients)}}  # fmt: skip
+    await asyncio.sleep(args.seconds)
+    cpu1 = {"registry": cpu_seconds(proc.pid), "nats_server": cpu_seconds(server.proc.pid),
+            **{f"client{i}": cpu_seconds(c.pid) for i, c in enumerate(clients) if c.poll() is None}}  # fmt: skip
+    writes = scrape(metrics_port, "lorabus_registry_ledger_writes_total") - writes0
+    out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
+    for c in clients:
+        stdout, _ = await asyncio.to_thread(c.communicate, timeout=60)
+        part = json.loads(stdout)
+        for key in ("admit", "decide", "round"):
+            out[key] += part[key]
+        out["denied"] += part["denied"]
+        for verdict, n in part["verdicts"].items():
+            out["verdicts"][verdict] = out["verdicts"].get(verdict, 0) + n
+    cpu = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu1}
+    cpu["clients"] = round(sum(v for k, v in cpu.items() if k.startswith("client")), 2)
+    st = await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)
+    # the window is the clients' (each stops starting round trips at start_at + seconds)
+    elapsed = args.seconds
+    n = len(out["decide"])
+    ms = lambda xs, q: round(percentile(xs, q) * 1e3, 3)  # noqa: E731
+    return {
+        "clients": args.clients,
+        "client_processes": args.procs,
+        "seconds": round(elapsed, 2),
+        "decisions": n,
+        "decisions_per_s": round(n / elapsed, 1),
+        "admissions_per_s": round(len(out["admit"]) / elapsed, 1),
+        "admit_ms": {"p50": ms(out["admit"], 0.5), "p99": ms(out["admit"], 0.99)},
+        "decision_ms": {"p50": ms(out["decide"], 0.5), "p99": ms(out["decide"], 0.99)},
+        "round_trip_ms": {"p50": ms(out["round"], 0.5), "p99": ms(out["round"], 0.99)},
+        "verdicts": out["verdicts"],
+        "denied": out["denied"],
+        "ledger_writes": int(writes),
+        "ledger_writes_per_decision": round(writes / max(n, 1), 3),
+        "seen_remembered": st.seen_count,
+        "cpu_seconds": cpu,
+        "registry_cpu_us_per_decision": round(cpu["registry"] / max(n, 1) * 1e6, 1),
+        "nats_server_cpu_us_per_decision": round(cpu["nats_server"] / max(n, 1) * 1e6, 1),
+        "clients_cpu_us_per_decision": round(cpu["clients"] / max(n, 1) * 1e6, 1),
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+
 async def bench(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lorabus-bench-"))
     server = start_nats_server(tmp / "nats")
     config = tmp / "registry.yaml"
     metrics_port = 19000 + os.getpid() % 1000
-    write_config(config, server.url, args.clients, metrics_port)
+    # every client of every repeat holds one grant at a time
+    write_config(config, server.url, args.clients * 2, metrics_port)
     log = open(tmp / "registry.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, *(["-m", "cProfile", "-o", args.profile] if args.profile else []),
@@ -138,6 +225,7 @@ async def bench(args) -> dict:
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     bus = await Bus.connect(BusConfig(url=server.url), run=RUN, service="bench")
+    runs = []
     try:
         await bus.ensure_streams()
         for _ in range(200):
@@ -152,77 +240,63 @@ async def bench(args) -> dict:
             payloads=[ObjectPayload(uri="file:///x", bytes=1, sha256="0" * 64)]), msg_id="v0")  # fmt: skip
         while (await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)).ledger.head != 0:
             await asyncio.sleep(0.05)
-
-        # warm-up, then the measured window
-        out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
-        await asyncio.gather(*(client(bus, i, time.perf_counter() + 1.0, args.tokens, out) for i in range(args.clients)))
-        writes0 = scrape(metrics_port, "lorabus_registry_ledger_writes_total")
-        pids = {"registry": proc.pid, "nats_server": server.proc.pid, "clients": os.getpid()}
-        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
-        out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
-        start = time.perf_counter()
-        stop_at = start + args.seconds
-        await asyncio.gather(*(client(bus, args.clients + i, stop_at, args.tokens, out) for i in range(args.clients)))
-        elapsed = time.perf_counter() - start
-        writes = scrape(metrics_port, "lorabus_registry_ledger_writes_total") - writes0
-        cpu = {k: round(cpu_seconds(p) - cpu0[k], 2) for k, p in pids.items()}
-        st = await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)
+        for tag in range(args.repeat):
+            runs.append(await measure(args, bus, server, proc, metrics_port, tag))
     finally:
         await bus.close()
         proc.terminate()
         proc.wait(timeout=10)
         server.close()
-    n = len(out["decide"])
-    ms = lambda xs, q: round(percentile(xs, q) * 1e3, 3)  # noqa: E731
     return {
-        "clients": args.clients,
-        "seconds": round(elapsed, 2),
-        "decisions": n,
-        "decisions_per_s": round(n / elapsed, 1),
-        "admissions_per_s": round(len(out["admit"]) / elapsed, 1),
-        "admit_ms": {"p50": ms(out["admit"], 0.5), "p99": ms(out["admit"], 0.99)},
-        "decision_ms": {"p50": ms(out["decide"], 0.5), "p99": ms(out["decide"], 0.99)},
-        "round_trip_ms": {"p50": ms(out["round"], 0.5), "p99": ms(out["round"], 0.99)},
-        "verdicts": out["verdicts"],
-        "denied": out["denied"],
-        "ledger_writes": int(writes),
-        "ledger_writes_per_decision": round(writes / max(n, 1), 3),
-        "ledger_bytes_at_end_approx": None if st is None else len(__import__("msgspec").json.encode(st.ledger)),
-        "seen_remembered": st.seen_count,
-        "cpu_seconds": cpu,
-        "registry_cpu_us_per_decision": round(cpu["registry"] / max(n, 1) * 1e6, 1),
-        "load_average_1m": os.getloadavg()[0],
+        "runs": runs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
+        "target": {"decisions_per_s": 20000, "p99_ms": 2.0},
     }
+
+
+def print_table(result: dict) -> None:
+    runs = result["runs"]
+    rows = [
+        ("clients / client processes", lambda r: f"{r['clients']} / {r['client_processes']}"),
+        ("decisions/s", lambda r: r["decisions_per_s"]),
+        ("admission p50 / p99 ms", lambda r: f"{r['admit_ms']['p50']} / {r['admit_ms']['p99']}"),
+        ("decision p50 / p99 ms", lambda r: f"{r['decision_ms']['p50']} / {r['decision_ms']['p99']}"),
+        ("round trip p50 / p99 ms", lambda r: f"{r['round_trip_ms']['p50']} / {r['round_trip_ms']['p99']}"),
+        ("ledger writes / decision", lambda r: r["ledger_writes_per_decision"]),
+        ("verdicts", lambda r: r["verdicts"]),
+        ("CPU s registry/nats/clients", lambda r: "{registry} / {nats_server} / {clients}".format(**r["cpu_seconds"])),
+        ("CPU us/decision reg/nats/cli", lambda r: f"{r['registry_cpu_us_per_decision']} / "
+         f"{r['nats_server_cpu_us_per_decision']} / {r['clients_cpu_us_per_decision']}"),
+        ("load average (1 min)", lambda r: round(r["load_average_1m"], 2)),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    print(f"{'':<{width}}  " + "  |  ".join(f"run {i + 1}" for i in range(len(runs))))
+    for name, get in rows:
+        print(f"{name:<{width}}  " + "  |  ".join(str(get(r)) for r in runs))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--procs", type=int, default=2, help="client processes")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per completion (4 per group)")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--profile", help="run the registry under cProfile, stats to this file")
+    parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_worker:
+        asyncio.run(client_worker(args))
+        return 0
     result = asyncio.run(bench(args))
-    rows = [
-        ("clients", result["clients"]),
-        ("decisions/s", result["decisions_per_s"]),
-        ("admissions/s", result["admissions_per_s"]),
-        ("admission p50 / p99 ms", f"{result['admit_ms']['p50']} / {result['admit_ms']['p99']}"),
-        ("decision p50 / p99 ms", f"{result['decision_ms']['p50']} / {result['decision_ms']['p99']}"),
-        ("round trip p50 / p99 ms", f"{result['round_trip_ms']['p50']} / {result['round_trip_ms']['p99']}"),
-        ("ledger writes / decision", result["ledger_writes_per_decision"]),
-        ("verdicts", result["verdicts"]),
-        ("cpu seconds", result["cpu_seconds"]),
-        ("registry CPU us / decision", result["registry_cpu_us_per_decision"]),
-        ("load average (1 min)", result["load_average_1m"]),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+    print_table(result)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
