@@ -13,6 +13,11 @@ def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: in
         from services.trainer.engines.fsdp2 import FSDP2Engine
 
         return FSDP2Engine(cfg, base, pad_id=pad_id)
+    if cfg.actor.backend == "megatron":
+        # raises MegatronNotInstalled, naming the lorabus[megatron] extra, without Megatron
+        from services.trainer.engines.megatron import MegatronEngine
+
+        return MegatronEngine(cfg, base, pad_id=pad_id)
     raise ValueError(
-        f"actor.backend: {cfg.actor.backend!r} has no engine in this build; use 'fsdp2'"
+        f"actor.backend: {cfg.actor.backend!r} has no engine in this build; use 'fsdp2' or 'megatron'"
     )
