@@ -1,0 +1,239 @@
+"""A replica's end of the XCCL weight sync: a background thread that stays in the trainer's
+group and stages every broadcast version, and `take` for the service's adapter handler.
+
+Lifecycle of the thread (one session per trainer handle, i.e. master address/port):
+
+    connect to the trainer's store, `join` (that is the capability announcement: it proves
+    this replica can reach the trainer) -> wait for a g<e>/members that names us -> build the
+    group, allocate two staging sets of buckets from g<e>/plan -> for each g<e>/send/<k>:
+    receive every bucket into a free staging set, all-reduce our flag, and only if the
+    trainer's flag says it sent everything mark the version staged.
+
+Nothing is loaded into the engine here. The service calls `take(version, payload)` when the
+version's event arrives and copies the staged views into a version slot; a staged version is
+therefore always complete (a torn broadcast never reaches `staged`), and an event whose
+group, digest or ranks do not match what was staged gets None: the object copy then.
+Any failure ends the session (group aborted, staging forgotten) and a new one re-joins, so
+the trainer re-forms the group with this replica at its next version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from proto.messages import XcclPayload
+from services.common import xccl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    version: int
+    group: str
+    digest: str
+    buffers: list[torch.Tensor]
+    claimed: bool = False
+
+
+class _Retarget(Exception):
+    pass
+
+
+class XcclReceiver:
+    def __init__(self, replica: str, *, device: torch.device | str = "cpu", timeout_s: float = 30.0,
+                 poll_s: float = 0.5):
+        self.replica = replica
+        self.device = torch.device(device)
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._cond = threading.Condition()
+        self._target: tuple[str, int] | None = None
+        self._target_version = -1
+        self._closed = False
+        self.group: str | None = None
+        """the group this replica is in now (None between sessions)"""
+        self.plan: list[xccl.Bucket] = []
+        self.digest = ""
+        self._sets: list[list[torch.Tensor]] = []
+        self._staged: dict[int, Staged] = {}
+        self._pg = None
+        self.sessions = 0
+        self.last_receive_s = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"xccl-{replica}", daemon=True)
+        self._thread.start()
+
+    # --- called by the service ---
+    def observe(self, payload: XcclPayload, version: int) -> None:
+        """The newest event's handle names the trainer to join (a restarted trainer has a new
+        one); handles of older, replayed events are ignored."""
+        with self._cond:
+            if version < self._target_version:
+                return
+            self._target_version = version
+            target = (payload.master_address, payload.master_port)
+            if target != self._target:
+                self._target = target
+                self._cond.notify_all()
+
+    def take(self, version: int, payload: XcclPayload, wait_s: float = 2.0) -> dict[str, torch.Tensor] | None:
+        """The staged tensors of `version` (views; call `release` after copying them), or None
+        when this replica does not hold exactly what the event describes."""
+        if self.replica not in payload.ranks:
+            return None
+        digest = xccl.manifest_digest(payload.tensors, payload.bucket_bytes)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            # the trainer publishes after our flag came back, so the commit is at most a few
+            # instructions behind the event: wait briefly, and only while in that group
+            while version not in self._staged and self.group == payload.group_name:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            st = self._staged.get(version)
+            if st is None or st.group != payload.group_name or st.digest != digest:
+                return None
+            for v in [v for v in self._staged if v < version and not self._staged[v].claimed]:
+                del self._staged[v]
+            st.claimed = True
+            tensors = xccl.unpack(self.plan, st.buffers)
+        xccl.check_matches(payload.tensors, tensors)
+        return tensors
+
+    def release(self, version: int) -> None:
+        with self._cond:
+            self._staged.pop(version, None)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        xccl.abort_group(self._pg)
+        self._thread.join(timeout=self.timeout_s + 2)
+
+    # --- the thread ---
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._target is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                target = self._target
+            try:
+                self._session(target)
+            except _Retarget:
+                continue
+            except Exception as exc:
+                log.warning("xccl %s: session with %s:%d ended: %s", self.replica, *target,
+                            f"{type(exc).__name__}: {exc}"[:300])
+            finally:
+                self._end_session()
+            with self._cond:  # a dead trainer: wait before trying its address again
+                if not self._closed and self._target == target:
+                    self._cond.wait(self.poll_s)
+
+    def _check(self, target) -> None:
+        if self._closed or self._target != target:
+            raise _Retarget()
+
+    def _wait_key(self, store, key: str, target) -> bytes:
+        """Block until `key` exists, polling so that close/retarget are noticed."""
+        while True:
+            self._check(target)
+            try:
+                store.wait([key], xccl.timeout(self.poll_s))
+                return store.get(key)
+            except dist.DistStoreError:  # the wait timed out; a dead store raises DistNetworkError
+                continue
+
+    def _session(self, target: tuple[str, int]) -> None:
+        store = xccl.connect_store(*target, self.timeout_s)
+        self.sessions += 1
+        store.set(f"join/{store.add('join_seq', 1)}", self.replica)
+        epoch = int(store.get("epoch")) if store.check(["epoch"]) else 0
+        while True:
+            epoch += 1
+            members = xccl.loads(self._wait_key(store, f"g{epoch}/members", target))
+            if self.replica not in members["ranks"]:
+                continue
+            rank, world = members["ranks"][self.replica], len(members["ranks"]) + 1
+            plan_doc = xccl.loads(store.get(f"g{epoch}/plan"))
+            self._prepare(plan_doc)
+            self._pg = xccl.new_group(plan_doc["backend"], store, f"g{epoch}/pg", rank, world, self.timeout_s)
+            with self._cond:
+                self.group = members["group"]
+                self._cond.notify_all()
+            log.info("xccl %s: in group %s as rank %d of %d", self.replica, self.group, rank, world)
+            k = 0
+            while True:
+                header = xccl.loads(self._wait_key(store, f"g{epoch}/send/{k}", target))
+                k += 1
+                if "next" in header:
+                    break
+                self._receive(header, rank, world)
+            xccl.abort_group(self._pg)
+            self._pg = None
+            with self._cond:
+                self.group = None
+            epoch = header["next"] - 1
+
+    def _prepare(self, plan_doc: dict) -> None:
+        if plan_doc["digest"] == self.digest and self._sets:
+            return
+        from proto.messages import TensorSpec
+
+        manifest = [TensorSpec(name=n, shape=s, dtype=d) for n, s, d in plan_doc["manifest"]]
+        if xccl.manifest_digest(manifest, plan_doc["bucket_bytes"]) != plan_doc["digest"]:
+            raise xccl.ManifestError("g<e>/plan: its digest does not match its manifest")
+        self.plan = xccl.plan_buckets(manifest, plan_doc["bucket_bytes"])
+        with self._cond:
+            self._staged.clear()
+            self.digest = plan_doc["digest"]
+            self._sets = [xccl.alloc_buckets(self.plan, self.device) for _ in range(2)]
+
+    def _free_set(self) -> list[torch.Tensor]:
+        with self._cond:
+            used = {id(s.buffers) for s in self._staged.values()}
+            for buffers in self._sets:
+                if id(buffers) not in used:
+                    return buffers
+            # both staged and unclaimed versions pile up: the oldest unclaimed one goes
+            for v in sorted(self._staged):
+                if not self._staged[v].claimed:
+                    return self._staged.pop(v).buffers
+        return xccl.alloc_buckets(self.plan, self.device)  # unreachable while loads are serial
+
+    def _receive(self, header: dict, rank: int, world: int) -> None:
+        t0 = time.perf_counter()
+        buffers = self._free_set()
+        wait = xccl.timeout(self.timeout_s)
+        for buf in buffers:
+            self._pg.broadcast(buf, 0).wait(wait)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        ok = header["digest"] == self.digest
+        flag_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        flags = torch.zeros(world, dtype=torch.int64, device=flag_device)
+        flags[rank] = 1 if ok else 0
+        self._pg.allreduce(flags).wait(wait)
+        if ok and int(flags[0]) == 1:
+            with self._cond:
+                self._staged[header["version"]] = Staged(header["version"], self.group, self.digest, buffers)
+                self._cond.notify_all()
+        self.last_receive_s = time.perf_counter() - t0
+
+    def _end_session(self) -> None:
+        xccl.abort_group(self._pg)
+        self._pg = None
+        with self._cond:
+            self.group = None
+            self._staged = {v: s for v, s in self._staged.items() if s.claimed}
+            self._cond.notify_all()
