@@ -331,9 +331,9 @@ def backfill(cfg: LorabusConfig) -> LorabusConfig:
     v0 = adapter_name(ro.lora_name, 0)
     v0_entry = f"{v0}={(ro.server_adapter_dir or ro.adapter_dir).rstrip('/')}/{v0}"
     # The server preloads v0 at start so that the first admitted request never waits on a load.
-    if ro.engine == "vllm" and not _names(cfg.vllm.lora_modules) & {v0}:
+    if ro.preload_v0 and ro.engine == "vllm" and not _names(cfg.vllm.lora_modules) & {v0}:
         cfg.vllm.lora_modules.append(v0_entry)
-    if ro.engine == "sglang" and not _names(cfg.sglang.lora_paths) & {v0}:
+    if ro.preload_v0 and ro.engine == "sglang" and not _names(cfg.sglang.lora_paths) & {v0}:
         cfg.sglang.lora_paths.append(v0_entry)
     return cfg
 

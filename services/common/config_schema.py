@@ -155,6 +155,11 @@ class RolloutConfig(Section):
     """where the sidecar writes adapters for the server to read"""
     server_adapter_dir: str | None = None
     """the same directory as the server sees it (shared volume); defaults to adapter_dir"""
+    preload_v0: bool = True
+    """vllm/sglang: auto-fill `{lora_name}-v0` into vllm.lora_modules / sglang.lora_paths, so the
+    server starts serving v0 (AReaL's way; its directory must exist before the server starts,
+    as the compose file's wait loop ensures). false: the server starts without adapters and the
+    sidecar loads v0 at runtime like every later version (what `lorabus up` does)"""
     request_timeout_s: float = 120.0
     heartbeat_s: float = 2.0
 
