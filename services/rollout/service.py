@@ -11,6 +11,10 @@ Three concurrent loops over one engine:
   `rollout.batch_groups` grants per engine batch; completions scored by the reward function
   and published as one Trajectory per grant.
 - heartbeat: ReplicaHeartbeat every `rollout.heartbeat_s`.
+- engine watch (server engines): at the same period, versions a server forgot (it restarted)
+  are loaded again while still admissible and reported as loaded; a generation that finds its
+  version gone does the same and runs its grants again on that version, so a trajectory always
+  carries the version that generated it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from services.common.config_schema import LorabusConfig
 from services.common.data import Prompt, epoch_order
 from services.rollout import metrics
 from services.rollout.engines.base import Engine, GenRequest
+from services.rollout.engines.http import VersionNotLoaded
 from services.rollout.sampling import mix32
 from services.rollout.versions import VersionBook
 
@@ -91,6 +96,11 @@ class RolloutService:
         self.load_attempts, self.retry_base_s = load_attempts, retry_base_s
         self.admission_timeout_s = admission_timeout_s
         self.newest_seen = -1
+        self._events: dict[int, AdapterReady] = {}
+        """the event of every loaded version: what re-loading a version the engine lost reads"""
+        self._loading: int | None = None
+        self._restore_failures: dict[int, int] = {}
+        self._restoring = asyncio.Lock()
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.replica.encode())
         self._seed = seed
         self._prompts = prompt_cycle(prompts, seed, cfg.train_dataset.shuffle)
@@ -141,7 +151,15 @@ class RolloutService:
                     f"adapter {ev.adapter_name}: lora_name {ev.lora_name!r} is not this run's "
                     f"rollout.lora_name {self.cfg.rollout.lora_name!r}"
                 )
-            await self._load_with_retries(ev)
+            self._events[ev.version] = ev
+            self._loading = ev.version
+            try:
+                await self._load_with_retries(ev)
+            except BaseException:
+                self._events.pop(ev.version, None)
+                raise
+            finally:
+                self._loading = None
             await self.collect()
 
     async def _load_with_retries(self, ev: AdapterReady) -> None:
@@ -198,6 +216,7 @@ class RolloutService:
         for version in self.book.to_unload():
             await self.engine.unload_version(version)
             self.book.mark_unloaded(version)
+            self._events.pop(version, None)
             await self._report("unloaded", AdapterUnloaded(
                 run=self.run_id, replica=self.replica, version=version,
                 reason=f"outside the keep window of {self.keep}", unloaded_at=time.time(),
@@ -205,6 +224,61 @@ class RolloutService:
 
     async def _report(self, kind: str, msg, msg_id: str) -> None:
         await self.bus.publish(subjects.rollout_report(self.run_id, self.replica, kind), msg, msg_id=msg_id)
+
+    # --- servers that forget ---
+    async def restore(self) -> list[int]:
+        """Load again the still-admissible versions the engine no longer serves (a restarted
+        server, a lost replica); returns them. Server engines only (`reload_missing`); a
+        failure is reported with will_retry and tried again at the next call."""
+        reload_missing = getattr(self.engine, "reload_missing", None)
+        if reload_missing is None:
+            return []
+        # _collecting: no unload of a version while we decide whether to bring it back
+        async with self._restoring, self._collecting:
+            admissible = set(self.book.loaded()) | ({self._loading} - {None})
+            restored: list[int] = []
+            try:
+                restored = list(await reload_missing(sorted(admissible)))
+            except Exception as exc:
+                log.warning("rollout %s: checking the server's adapters failed: %r", self.replica, exc)
+            # versions the engine dropped without getting back (a reload that failed above, or
+            # a generation that found one gone): re-loaded from their events
+            serving = set(await self.engine.loaded_versions())
+            for version in self.book.loaded():
+                ev = self._events.get(version)
+                if version in serving or version in restored or version == self._loading or ev is None:
+                    continue
+                try:
+                    data = await asyncio.to_thread(self.fetch, ev)
+                    await self.engine.load_version(version, data, ev.lora)
+                except Exception as exc:
+                    attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
+                    await self._report("failed", AdapterFailed(
+                        run=self.run_id, replica=self.replica, version=version,
+                        reason=f"re-load after the server forgot it: {type(exc).__name__}: {exc}"[:1000],
+                        attempt=attempt, will_retry=True, failed_at=time.time(),
+                    ), msg_id=f"{self.replica}-failed-v{version}-r{attempt}-{uuid.uuid4().hex[:8]}")
+                    continue
+                restored.append(version)
+            for version in restored:
+                self._restore_failures.pop(version, None)
+                log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
+                await self._report("loaded", AdapterLoaded(
+                    run=self.run_id, replica=self.replica, version=version, via="object",
+                    load_seconds=0.0, loaded_at=time.time(),
+                ), msg_id=f"{self.replica}-reloaded-v{version}-{uuid.uuid4().hex[:8]}")
+            return restored
+
+    async def watch_engine_loop(self, stop: asyncio.Event) -> None:
+        if getattr(self.engine, "reload_missing", None) is None:
+            return
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.rollout.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            if not stop.is_set():
+                await self.restore()
 
     # --- heartbeat ---
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
@@ -304,11 +378,26 @@ class RolloutService:
         outs: list[Any] = [None] * len(work)
 
         async def run(version: int, idx: list[int]) -> None:
-            res = await self.engine.generate([work[i][2] for i in idx], version)
+            reqs = [work[i][2] for i in idx]
+            try:
+                res = await self.engine.generate(reqs, version)
+            except VersionNotLoaded as exc:
+                # the server forgot it: bring it back and run the same grants on the same version
+                log.warning("rollout %s: %s; re-loading and generating again", self.replica, exc)
+                await self.restore()
+                res = await self.engine.generate(reqs, version)
             for i, r in zip(idx, res):
                 outs[i] = r
 
-        await asyncio.gather(*(run(v, idx) for v, idx in by_version.items()))
+        groups = list(by_version.items())
+        errors = await asyncio.gather(*(run(v, idx) for v, idx in groups), return_exceptions=True)
+        failed = [(v, e) for (v, _), e in zip(groups, errors) if isinstance(e, BaseException)]
+        if len(failed) == len(groups):
+            raise failed[0][1]
+        for version, exc in failed:
+            # their leases expire at the registry; the work loop asks for new grants
+            log.warning("rollout %s: grants on v%d dropped: %r", self.replica, version, exc)
+        work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
         finished = time.time()
         metrics.IN_FLIGHT.labels(self.replica).set(0)
         trajectories, tokens = [], 0
@@ -344,6 +433,7 @@ class RolloutService:
         tasks = [
             asyncio.create_task(self.heartbeat_loop(stop), name="heartbeat"),
             asyncio.create_task(self.work_loop(stop), name="work"),
+            asyncio.create_task(self.watch_engine_loop(stop), name="watch-engine"),
         ]
         try:
             await stop.wait()
