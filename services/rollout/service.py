@@ -86,6 +86,7 @@ class RolloutService:
         load_attempts: int = 4,
         retry_base_s: float = 0.5,
         admission_timeout_s: float = 2.0,
+        xccl=None,
     ):
         self.cfg, self.run_id, self.replica = cfg, cfg.run, subjects.token(replica, "replica")
         self.engine, self.bus, self.fetch = engine, bus, fetch
@@ -110,9 +111,24 @@ class RolloutService:
         self._collecting = asyncio.Lock()
         self._load_lock = asyncio.Lock()
         self._batches = 0
+        self.xccl = xccl
+        """the XcclReceiver (created in `start_adapters` under weight_update_mode: xccl)"""
 
     # --- adapters ---
+    def _make_receiver(self) -> None:
+        if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
+            return
+        if self.engine_name != "embedded":
+            log.info("rollout %s: engine %s takes adapters from the object copy only",
+                     self.replica, self.engine_name)
+            return
+        from services.rollout.xccl_receiver import XcclReceiver
+
+        device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        self.xccl = XcclReceiver(self.replica, device=device, timeout_s=self.cfg.actor.xccl_timeout_s)
+
     async def start_adapters(self) -> asyncio.Task:
+        self._make_receiver()
         stream = streams.ADAPTERS(self.run_id)
         head = await self._newest_event(stream)
         if head is not None:
@@ -162,15 +178,40 @@ class RolloutService:
                 self._loading = None
             await self.collect()
 
+    async def _load_xccl(self, ev: AdapterReady) -> bool:
+        """Swap in the version staged by the XCCL receiver; False: take the object copy."""
+        payload = ev.xccl_payload()
+        if payload is None or self.xccl is None:
+            return False
+        tensors = await asyncio.to_thread(self.xccl.take, ev.version, payload)
+        if tensors is None:
+            return False
+        try:
+            await self.engine.load_version(ev.version, tensors, ev.lora)
+        except Exception as exc:
+            log.warning("rollout %s: staged %s does not load (%r); object copy instead",
+                        self.replica, ev.adapter_name, exc)
+            return False
+        finally:
+            self.xccl.release(ev.version)
+        return True
+
     async def _load_with_retries(self, ev: AdapterReady) -> None:
+        if self.xccl is not None and ev.xccl_payload() is not None:
+            self.xccl.observe(ev.xccl_payload(), ev.version)
         for attempt in range(1, self.load_attempts + 1):
             t0 = time.time()
+            via = "object"
             try:
-                if ev.object_payload() is None:
-                    raise ValueError(f"{ev.adapter_name}: no object payload (xccl is not served by this replica)")
                 await self._make_room()
-                data = await asyncio.to_thread(self.fetch, ev)
-                await self.engine.load_version(ev.version, data, ev.lora)
+                if attempt == 1 and await self._load_xccl(ev):
+                    via = "xccl"
+                else:
+                    if ev.object_payload() is None:
+                        raise ValueError(f"{ev.adapter_name}: no object payload and this replica "
+                                         "did not receive it by xccl")
+                    data = await asyncio.to_thread(self.fetch, ev)
+                    await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
                 retry = attempt < self.load_attempts
@@ -189,11 +230,12 @@ class RolloutService:
             async with self._changed:
                 self.book.mark_loaded(ev.version)
                 self._changed.notify_all()
+            log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, via, now - t0)
             metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
             metrics.LOADED_VERSION.labels(self.replica).set(self.book.head())
             await self._report("loaded", AdapterLoaded(
-                run=self.run_id, replica=self.replica, version=ev.version, via="object",
+                run=self.run_id, replica=self.replica, version=ev.version, via=via,
                 load_seconds=now - t0, loaded_at=now,
             ), msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}")
             return
@@ -443,3 +485,5 @@ class RolloutService:
             for t in pending:
                 t.cancel()
             await asyncio.gather(consumer, *tasks, return_exceptions=True)
+            if self.xccl is not None:
+                await asyncio.to_thread(self.xccl.close)

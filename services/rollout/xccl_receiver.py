@@ -59,6 +59,7 @@ class XcclReceiver:
         self.group: str | None = None
         """the group this replica is in now (None between sessions)"""
         self.plan: list[xccl.Bucket] = []
+        self.staging_device = torch.device("cpu")
         self.digest = ""
         self._sets: list[list[torch.Tensor]] = []
         self._staged: dict[int, Staged] = {}
@@ -194,10 +195,12 @@ class XcclReceiver:
         if xccl.manifest_digest(manifest, plan_doc["bucket_bytes"]) != plan_doc["digest"]:
             raise xccl.ManifestError("g<e>/plan: its digest does not match its manifest")
         self.plan = xccl.plan_buckets(manifest, plan_doc["bucket_bytes"])
+        # gloo moves host memory; only an nccl group stages on the engine's GPU
+        self.staging_device = self.device if plan_doc["backend"] == "nccl" else torch.device("cpu")
         with self._cond:
             self._staged.clear()
             self.digest = plan_doc["digest"]
-            self._sets = [xccl.alloc_buckets(self.plan, self.device) for _ in range(2)]
+            self._sets = [xccl.alloc_buckets(self.plan, self.staging_device) for _ in range(2)]
 
     def _free_set(self) -> list[torch.Tensor]:
         with self._cond:
@@ -209,7 +212,7 @@ class XcclReceiver:
             for v in sorted(self._staged):
                 if not self._staged[v].claimed:
                     return self._staged.pop(v).buffers
-        return xccl.alloc_buckets(self.plan, self.device)  # unreachable while loads are serial
+        return xccl.alloc_buckets(self.plan, self.staging_device)  # unreachable while loads are serial
 
     def _receive(self, header: dict, rank: int, world: int) -> None:
         t0 = time.perf_counter()
@@ -217,10 +220,10 @@ class XcclReceiver:
         wait = xccl.timeout(self.timeout_s)
         for buf in buffers:
             self._pg.broadcast(buf, 0).wait(wait)
-        if self.device.type == "cuda":
+        if self.staging_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         ok = header["digest"] == self.digest
-        flag_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        flag_device = self.staging_device
         flags = torch.zeros(world, dtype=torch.int64, device=flag_device)
         flags[rank] = 1 if ok else 0
         self._pg.allreduce(flags).wait(wait)

@@ -13,7 +13,7 @@ import time
 import nats.js.errors
 
 from proto import subjects
-from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload
+from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, streams
 from services.common.store import ObjectRef
 
@@ -35,13 +35,19 @@ def parse_adapter_version(run: str, key: str) -> int | None:
     return int(number) if number.isdigit() else None
 
 
-def build_payloads(ref: ObjectRef) -> list[Payload]:
-    """Every way a receiver can get this version's weights (object copy; xccl comes later)."""
-    return [ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)]
+def build_payloads(ref: ObjectRef, xccl: XcclPayload | None = None) -> list[Payload]:
+    """Every way a receiver can get this version's weights: the object copy always (the
+    durable one: late joiners, restarts, other hosts), the xccl handle beside it when the
+    trainer broadcasts."""
+    payloads: list[Payload] = [ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)]
+    if xccl is not None:
+        payloads.append(xccl)
+    return payloads
 
 
 def adapter_event(
-    *, run: str, lora_name: str, version: int, ref: ObjectRef, lora: LoraSpec, trainer_step: int
+    *, run: str, lora_name: str, version: int, ref: ObjectRef, lora: LoraSpec, trainer_step: int,
+    xccl: XcclPayload | None = None,
 ) -> AdapterReady:
     return AdapterReady(
         run=run,
@@ -51,7 +57,7 @@ def adapter_event(
         trainer_step=trainer_step,
         created_at=time.time(),
         lora=lora,
-        payloads=build_payloads(ref),
+        payloads=build_payloads(ref, xccl),
     )
 
 
@@ -65,17 +71,25 @@ async def already_published(bus, run: str, version: int) -> bool:
 
 async def publish_adapter(
     bus, store, *, run: str, lora_name: str, version: int, weights: bytes, lora: LoraSpec,
-    trainer_step: int,
+    trainer_step: int, sender=None, tensors=None,
 ) -> AdapterReady | None:
     """Upload `weights` as version `version` and announce it; returns the event, or None when
-    this version had been announced already (nothing is uploaded or published then)."""
+    this version had been announced already (nothing is uploaded or published then).
+
+    With an `XcclSender`, `tensors` are broadcast to its group while the upload runs; the
+    event goes out once both are done, so it never names an object that is not stored yet
+    and its `ranks` are the replicas that already hold the whole version."""
     if await already_published(bus, run, version):
         return None
-    ref = await asyncio.to_thread(store.put_bytes, adapter_key(run, version), weights)
+    upload = asyncio.to_thread(store.put_bytes, adapter_key(run, version), weights)
+    if sender is not None:
+        ref, xccl = await asyncio.gather(upload, asyncio.to_thread(sender.send, version, tensors))
+    else:
+        ref, xccl = await upload, None
     if ref.sha256 != adapter_io.sha256(weights):
         raise RuntimeError(f"store returned sha256 {ref.sha256} for v{version}, expected "
                            f"{adapter_io.sha256(weights)}; the object store corrupted the upload")
     event = adapter_event(run=run, lora_name=lora_name, version=version, ref=ref, lora=lora,
-                          trainer_step=trainer_step)
+                          trainer_step=trainer_step, xccl=xccl)
     await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
     return event

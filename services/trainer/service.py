@@ -177,12 +177,44 @@ async def serve(
     trained_ids: list[str] = []
     if ckpt is not None:
         log.info("resuming from %s step %d (v%d)", ckpt_dir, ckpt.step, ckpt.version)
+        tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(ckpt.adapter)
         trained_ids = ckpt.trained_ids
     else:
-        weights = adapter_io.to_bytes(engine.adapter_state())
+        tensors = engine.adapter_state()
+        weights = adapter_io.to_bytes(tensors)
+    sender = make_sender(cfg, engine)
+    try:
+        return await _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender)
+    finally:
+        if sender is not None:
+            await asyncio.to_thread(sender.close)
+
+
+def make_sender(cfg: LorabusConfig, engine):
+    """The XCCL group host when `actor.weight_update_mode: xccl` (rank 0 only)."""
+    if cfg.actor.weight_update_mode != "xccl":
+        return None
+    from services.common import xccl
+    from services.trainer.xccl_sender import XcclSender
+
+    a = cfg.actor
+    backend = xccl.resolve_backend(a.xccl_backend, engine.device)
+    sender = XcclSender(
+        address=a.xccl_master_address, port=a.xccl_master_port, backend=backend,
+        bucket_bytes=xccl.bucket_bytes_of(a.xccl_bucket_mb), timeout_s=a.xccl_timeout_s,
+        device=engine.device if backend == "nccl" else "cpu",
+    )
+    log.info("xccl: %s group host on %s:%d", sender.backend, sender.address, sender.port)
+    return sender
+
+
+async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender) -> int:
+    run, lora_name = cfg.run, cfg.gconfig.lora_name
+    ckpt_dir = cfg.actor.checkpoint_dir
     event = await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
-                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step)
+                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step,
+                                  sender=sender, tensors=tensors)
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.set(version)
 
@@ -209,7 +241,8 @@ async def serve(
                     step=engine.step, version=version, adapter_bytes=weights, optimizer=optim,
                     rng=checkpoint.rng_state(), trained_ids=ids))
             await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
-                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step)
+                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step,
+                                  sender=sender, tensors=adapter)
             metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
             await bus.publish(subjects.trainer_step(run), TrainerStep(
                 run=run, step=step_index, version=version, loss=stats.loss,
