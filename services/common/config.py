@@ -602,6 +602,11 @@ def check_run(cfg: LorabusConfig) -> list[str]:
     out.extend(_check_uri("exporter.uri", cfg.exporter.uri, cfg.store.endpoint, True))
     if not cfg.actor.path:
         out.append("actor.path: empty; set the base model (HF id or local directory)")
+    if cfg.actor.nproc_per_node < 1:
+        out.append(
+            f"actor.nproc_per_node: {cfg.actor.nproc_per_node} must be >= 1 (trainer processes; "
+            "1 runs the trainer as one process, N > 1 under torchrun)"
+        )
     if not cfg.train_dataset.path:
         out.append("train_dataset.path: empty; set a JSONL file or builtin:<task> (e.g. builtin:arith)")
     return out

@@ -127,6 +127,8 @@ class ActorConfig(Section):
     checkpoint_dir: str = "${run_dir}/checkpoints"
     checkpoint_every: int = 1
     seed: int = 1
+    nproc_per_node: int = 1
+    """trainer processes on this host; > 1 runs the trainer under torchrun (`lorabus up`)"""
 
 
 class RolloutConfig(Section):
