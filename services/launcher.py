@@ -70,6 +70,16 @@ class Progress:
         )
 
 
+def trainer_launcher(cfg: LorabusConfig) -> list[str]:
+    """What precedes `services.trainer`: plain `python -m`, or torchrun for several ranks
+    (`--standalone`: a local rendezvous on a free port, so runs never collide)."""
+    n = cfg.actor.nproc_per_node
+    if n == 1:
+        return [sys.executable, "-m"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={n}", "-m"]
+
+
 def child_commands(
     cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool
 ) -> list[Child]:
@@ -78,7 +88,7 @@ def child_commands(
     children = [
         Child("registry", [*py, "services.registry", *common], run_dir / "registry.log"),
         Child("exporter", [*py, "services.exporter", *common], run_dir / "exporter.log"),
-        Child("trainer", [*py, "services.trainer", *common], run_dir / "trainer.log"),
+        Child("trainer", [*trainer_launcher(cfg), "services.trainer", *common], run_dir / "trainer.log"),
     ]
     for i in range(cfg.rollout.replicas):
         replica = f"rollout-{i}"
