@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,6 +109,28 @@ def child_commands(
             )
         )
     return children
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
+    """Give every child a fixed metrics port and write them as a Prometheus file_sd target
+    list (`<run_dir>/prometheus_targets.json`), so a local Prometheus can scrape the run."""
+    targets = []
+    for child in children:
+        port = free_port()
+        extra = [f"metrics.port={port}", "metrics.host=127.0.0.1"]
+        # overrides are one positional group: keep them together, before any later flag
+        at = child.argv.index("--replica") if "--replica" in child.argv else len(child.argv)
+        child.argv[at:at] = extra
+        component = "rollout" if child.name.startswith("rollout-") else child.name
+        targets.append({"targets": [f"127.0.0.1:{port}"],
+                        "labels": {"component": component, "process": child.name}})
+    (run_dir / "prometheus_targets.json").write_text(json.dumps(targets, indent=2))
 
 
 def write_pids(run_dir: Path, children: list[Child]) -> None:
@@ -241,6 +264,7 @@ async def run_up(args: argparse.Namespace) -> int:
     # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     children = child_commands(cfg, args.config, overrides, run_dir, args.evaluate)
+    assign_metrics_ports(children, run_dir)
     print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
     progress = Progress()
     started = time.monotonic()
