@@ -1,0 +1,195 @@
+"""The rollout service over a server engine (SGLang protocol server, real peft weights) and a
+real nats-server: a load that fails while the server is down is reported and retried; a server
+that restarts and forgets its adapters gets them back (from the engine watch, or from the
+generation that finds its version gone), and every trajectory's logprobs are those of the
+version it names."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+import torch
+
+from proto import subjects
+from proto.messages import (
+    AdapterFailed,
+    AdapterLoaded,
+    AdapterReady,
+    AdmissionGrant,
+    AdmissionRequest,
+    ObjectPayload,
+    RolloutReport,
+    Trajectory,
+)
+from services.common import models
+from services.common.bus import Bus
+from services.common.config_schema import (
+    BusConfig,
+    DatasetConfig,
+    GenerationConfig,
+    LorabusConfig,
+    RolloutConfig,
+    StoreConfig,
+)
+from services.common.data import Prompt
+from services.common.store import LocalStore
+from services.rollout.__main__ import fetcher
+from services.rollout.engines.http import AdapterDirs, Http
+from services.rollout.engines.sglang import SglangEngine
+from services.rollout.service import RolloutService
+from tests.fixtures.sglang_server import ServerArgs, SglangProtocolServer
+from tests.fixtures.vllm import TINY_MODEL, make_adapter
+
+LORA = "tiny_lora"
+
+
+async def until(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """A run id, a bus with a granting responder, a store, and recorded reports/trajectories."""
+
+    def __init__(self, nats_url: str, tmp_path, heartbeat_s: float):
+        self.id = f"rs{uuid.uuid4().hex[:8]}"
+        self.tmp = tmp_path
+        self.cfg = LorabusConfig(
+            run=self.id, seed=5, bus=BusConfig(url=nats_url),
+            store=StoreConfig(uri=f"file://{tmp_path}/store"),
+            gconfig=GenerationConfig(n_samples=2, max_new_tokens=4, temperature=1.0, lora_name=LORA),
+            rollout=RolloutConfig(engine="sglang", lora_name=LORA, lora_keep_versions=2, batch_groups=2,
+                                  heartbeat_s=heartbeat_s, adapter_dir=str(tmp_path / "adapters")),
+            train_dataset=DatasetConfig(path="builtin:none"),
+        )
+        self.store = LocalStore(tmp_path / "store")
+        self.reports: list = []
+        self.trajectories: list[Trajectory] = []
+        self.tok = models.load_tokenizer(TINY_MODEL)
+        self.adapters = {v: make_adapter(rank=8, seed=40 + v) for v in range(2)}
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.bus, run=self.id, service="test")
+        await self.bus.ensure_streams()
+
+        async def on_report(msg, meta):
+            self.reports.append(msg)
+
+        async def on_trajectory(msg, meta):
+            self.trajectories.append(msg)
+
+        async def admission(req: AdmissionRequest):
+            # any loaded version: batches mix versions, so a mix-up would show in the logprobs
+            return AdmissionGrant(request_id=req.request_id, grant_id=uuid.uuid4().hex,
+                                  version=random.choice(req.loaded_versions), lease_expires_at=time.time() + 60)
+
+        await self.bus.subscribe(subjects.rollout_report_all(self.id), RolloutReport, on_report)
+        await self.bus.subscribe(subjects.trajectory_all(self.id), Trajectory, on_trajectory)
+        await self.bus.serve(subjects.admission(self.id), AdmissionRequest, admission)
+
+    async def publish(self, version: int) -> None:
+        data, spec = self.adapters[version]
+        ref = self.store.put_bytes(f"{self.id}/adapters/v{version}/adapter_model.safetensors", data)
+        ev = AdapterReady(run=self.id, lora_name=LORA, version=version, trainer_step=version,
+                          created_at=time.time(), lora=spec,
+                          payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)])
+        await self.bus.publish(subjects.adapter_ready(self.id, version), ev, msg_id=f"{self.id}-v{version}")
+
+    def service(self, url: str) -> tuple[SglangEngine, RolloutService]:
+        engine = SglangEngine([url], AdapterDirs(LORA, self.cfg.rollout.adapter_dir),
+                              http=Http(timeout_s=60, attempts=2, backoff_s=0.05))
+        prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
+        return engine, RolloutService(
+            self.cfg, "r1", engine, self.bus, fetch=fetcher(self.cfg),
+            encode=lambda text: models.encode_prompt(self.tok, text),
+            decode_text=lambda ids: models.decode_completion(self.tok, ids),
+            reward_fn=lambda prompt, completion, answer: 0.0, prompts=prompts,
+            engine_name="sglang", load_attempts=8, retry_base_s=0.1,
+        )
+
+    def of(self, kind, **match) -> list:
+        return [r for r in self.reports if isinstance(r, kind) and all(getattr(r, k) == v for k, v in match.items())]
+
+    def check_attribution(self, trajectories: list[Trajectory]) -> None:
+        """Each completion's logprobs equal a separate peft forward of the version it names."""
+        from peft import PeftModel
+
+        refs = {}
+        for v in {t.oldest_version() for t in trajectories}:
+            d = AdapterDirs(LORA, self.tmp / "ref").local(v)
+            from services.common import adapter_io
+
+            adapter_io.write_peft_dir(d, *self.adapters[v])
+            refs[v] = PeftModel.from_pretrained(models.load_base_model(TINY_MODEL), str(d)).eval()
+        for t in trajectories:
+            for c in t.completions:
+                assert set(c.versions) == {t.oldest_version()}
+                ids = torch.tensor([t.prompt_token_ids + c.token_ids])
+                with torch.no_grad():
+                    logits = refs[t.oldest_version()](input_ids=ids).logits[0].double()
+                p = len(t.prompt_token_ids)
+                want = logits[p - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+
+
+async def restart(server: SglangProtocolServer, port: int) -> SglangProtocolServer:
+    """Stop it and start a fresh one on the same port: same URL, no adapters."""
+    await server.stop()
+    fresh = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
+    await fresh.start(port=port)
+    return fresh
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["engine-watch", "generation-finds-it-gone"])
+async def test_server_down_then_restarted(nats_url, tmp_path, watch):
+    # engine watch at 0.3 s, or so slow that only a generation can notice the restart
+    run = Run(nats_url, tmp_path, heartbeat_s=0.3 if watch else 600.0)
+    await run.start()
+    port = free_port()
+    engine, service = run.service(f"http://127.0.0.1:{port}")
+    await run.publish(0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    server = None
+    try:
+        # no server yet: the load is reported as failed, will_retry, and retried
+        await until(lambda: run.of(AdapterFailed, version=0), what="a failed load of v0")
+        failed = run.of(AdapterFailed, version=0)[0]
+        assert failed.will_retry and "no answer" in failed.reason
+        server = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
+        await server.start(port=port)
+        await until(lambda: run.of(AdapterLoaded, version=0), what="v0 loaded once the server is up")
+        await run.publish(1)
+        await until(lambda: run.of(AdapterLoaded, version=1), what="v1 loaded")
+        await until(lambda: len({t.oldest_version() for t in run.trajectories}) == 2, what="trajectories on v0 and v1")
+
+        server = await restart(server, port)
+        before = len(run.trajectories)
+        await until(lambda: len(run.of(AdapterLoaded, version=1)) == 2 and len(run.of(AdapterLoaded, version=0)) == 2,
+                    what="v0 and v1 reported loaded again")
+        assert sorted(server.loaded_adapters()) == [f"{LORA}-v0", f"{LORA}-v1"]
+        await until(lambda: len(run.trajectories) >= before + 6, what="trajectories after the restart")
+        assert await engine.loaded_versions() == [0, 1]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await engine.close()
+        if server is not None:
+            await server.stop()
+        await run.bus.close()
+    run.check_attribution(run.trajectories)
