@@ -396,7 +396,9 @@ def check_engine_matrix(cfg: LorabusConfig) -> list[str]:
             "SGLang's distributed weight update (/update_weights_from_distributed) updates base "
             "weights only and has no LoRA target"
         )
-    elif engine == "vllm" and backend == "fsdp2":
+    elif engine == "vllm":
+        # AReaL reaches into vLLM's worker (LoRAModel.from_lora_tensors) for this; lorabus does
+        # not patch private APIs that change between vLLM releases
         why = "stock vLLM has no public API to load a LoRA adapter from tensors, only from a directory"
     if why is None:
         return []

@@ -273,7 +273,6 @@ MEGATRON = ("actor.backend=megatron", "actor.megatron.bridge_type=megatron-bridg
         (MEGATRON, "vllm", "disk"),
         (MEGATRON, "sglang", "disk"),
         (MEGATRON, "embedded", "xccl"),
-        (MEGATRON, "vllm", "xccl"),
     ],
 )
 def test_supported_engine_cells_load(backend_overrides, engine, mode):
@@ -287,6 +286,7 @@ def test_supported_engine_cells_load(backend_overrides, engine, mode):
         ((), "vllm", "no public API to load a LoRA adapter from tensors"),
         ((), "sglang", "has no LoRA target"),
         (MEGATRON, "sglang", "has no LoRA target"),
+        (MEGATRON, "vllm", "no public API to load a LoRA adapter from tensors"),
     ],
 )
 def test_unsupported_engine_cells_say_why_and_what_to_use(backend_overrides, engine, reason):
@@ -421,8 +421,8 @@ def test_error_message_names_source_file(tmp_path):
     [
         ("tiny.yaml", "fsdp2", "embedded", "disk"),
         ("areal_gsm8k_fsdp2_sglang.yaml", "fsdp2", "sglang", "disk"),
-        ("areal_gsm8k_megatron_vllm.yaml", "megatron", "vllm", "xccl"),
-        ("areal_qwen3moe_megatron_vllm.yaml", "megatron", "vllm", "xccl"),
+        ("areal_gsm8k_megatron_vllm.yaml", "megatron", "vllm", "disk"),
+        ("areal_qwen3moe_megatron_vllm.yaml", "megatron", "vllm", "disk"),
     ],
 )
 def test_examples_load_and_validate(name, backend, engine, mode, monkeypatch):
