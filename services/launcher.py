@@ -5,6 +5,10 @@ then the registry, trainer, `rollout.replicas` rollout processes, the exporter a
 the evaluator, each as its own process with its log in the run directory. It prints progress from
 the bus while the run goes, stops everything on Ctrl-C or once the trainer has finished and the
 last version is exported, and prints a summary.
+
+With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
+rollout replica (`services.local_servers`), waits for them before starting the sidecars, and
+stops them last.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from proto import messages as m
 from proto import subjects
+from services import local_servers
 from services.common.config import load_config
 from services.common.config_schema import LorabusConfig
 
@@ -33,13 +38,20 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    url: str | None = None
+    """inference servers: the base URL"""
+    env_extra: dict[str, str] = field(default_factory=dict)
+    server: bool = False
+    """an inference server: stopped as a process group, dies with the launcher"""
 
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab", buffering=0)
         # own process group: Ctrl-C in the terminal reaches only the launcher, which then stops
         # the children in order
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env_extra},
+            start_new_session=True, stdin=subprocess.DEVNULL,
+            preexec_fn=local_servers.die_with_parent if self.server else None,
         )
 
     def alive(self) -> bool:
@@ -81,8 +93,16 @@ def trainer_launcher(cfg: LorabusConfig) -> list[str]:
             f"--nproc_per_node={n}", "-m"]
 
 
+def server_children(plans: list[local_servers.ServerPlan], run_dir: Path) -> list[Child]:
+    return [
+        Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True)
+        for p in plans
+    ]
+
+
 def child_commands(
-    cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool
+    cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool,
+    servers: list[local_servers.ServerPlan] = (),
 ) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--config", config_path, *overrides]
@@ -91,12 +111,13 @@ def child_commands(
         Child("exporter", [*py, "services.exporter", *common], run_dir / "exporter.log"),
         Child("trainer", [*trainer_launcher(cfg), "services.trainer", *common], run_dir / "trainer.log"),
     ]
+    own_server = {p.replica: p.sidecar_overrides() for p in servers}
     for i in range(cfg.rollout.replicas):
         replica = f"rollout-{i}"
         children.append(
             Child(
                 replica,
-                [*py, "services.rollout", *common, "--replica", replica],
+                [*py, "services.rollout", *common, *own_server.get(replica, []), "--replica", replica],
                 run_dir / f"{replica}.log",
             )
         )
@@ -141,7 +162,10 @@ def write_pids(run_dir: Path, children: list[Child]) -> None:
 def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
     for child in reversed(children):
         if child.alive():
-            child.proc.send_signal(signal.SIGTERM)
+            if child.server:
+                local_servers.terminate_group(child.proc.pid)
+            else:
+                child.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for child in children:
         if child.proc is None:
@@ -149,6 +173,8 @@ def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
         try:
             child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            if child.server:
+                os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.kill()
             child.proc.wait()
 
@@ -246,6 +272,15 @@ def print_summary(result: dict) -> None:
 async def run_up(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     cfg = load_config(args.config, overrides)
+    try:
+        start_servers = local_servers.needs_servers(cfg)
+        python = local_servers.vllm_python(args.vllm_python) if start_servers else None
+    except local_servers.CannotStartServers as exc:
+        print(f"lorabus up: {exc}", file=sys.stderr)
+        return 2
+    if start_servers:
+        # the servers start before the trainer has published v0: no preloaded v0
+        overrides.append("rollout.preload_v0=false")
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -263,8 +298,12 @@ async def run_up(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    children = child_commands(cfg, args.config, overrides, run_dir, args.evaluate)
-    assign_metrics_ports(children, run_dir)
+    plans = local_servers.plan_vllm_servers(cfg, run_dir, python) if start_servers else []
+    servers = server_children(plans, run_dir)
+    # servers first: stopped last
+    children = servers + child_commands(cfg, args.config, overrides, run_dir, args.evaluate, plans)
+    rollouts = [c for c in children if c.name.startswith("rollout-")]
+    assign_metrics_ports([c for c in children if not c.server], run_dir)
     print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
     progress = Progress()
     started = time.monotonic()
@@ -274,10 +313,12 @@ async def run_up(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     buses = await follow(cfg, progress)
-    for child in children:
-        child.start(env)
-        print(f"  started {child.name:<10} pid {child.proc.pid}  log {child.log_path.name}")
-    write_pids(run_dir, children)
+
+    def start(group: list[Child]) -> None:
+        for child in group:
+            child.start(env)
+            print(f"  started {child.name:<10} pid {child.proc.pid}  log {child.log_path.name}")
+        write_pids(run_dir, [c for c in children if c.proc is not None])
 
     trainer = next(c for c in children if c.name == "trainer")
     final_version = cfg.total_train_steps
@@ -285,6 +326,16 @@ async def run_up(args: argparse.Namespace) -> int:
     last_print = 0.0
     restarts: dict[str, int] = {}
     try:
+        # the sidecars wait for their servers; the trainer starts meanwhile (v0 is ready sooner)
+        start([c for c in children if c not in rollouts])
+        try:
+            await local_servers.wait_healthy(servers, args.server_timeout, stop)
+        except RuntimeError as exc:
+            print(f"lorabus up: {exc}", file=sys.stderr)
+            exit_code = 1
+            stop.set()
+        if not stop.is_set():
+            start(rollouts)
         while not stop.is_set():
             now = time.monotonic()
             if now - last_print >= args.progress_every:
@@ -350,6 +401,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per service process")
+    p.add_argument("--vllm-python", help="rollout.engine vllm without server_urls: the python of "
+                   f"the venv with vLLM (default {local_servers.DEFAULT_VLLM_PYTHON} if it exists)")
+    p.add_argument("--server-timeout", type=float, default=300.0,
+                   help="seconds the vLLM servers may take to become healthy")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return p.parse_args(argv)
 

@@ -1,0 +1,35 @@
+"""`lorabus up` with vLLM rollouts: the launcher starts a real vLLM OpenAI server (the CPU build
+in .cache/vllm-venv) for its replica, and the RL loop must learn as with the embedded engine.
+
+Same bar as tests/e2e/test_up.py (read it for why the margin cannot be met by chance): the
+greedy held-out score of the best of the last three versions >= v0 + 0.06, every version
+evaluated, zero stale trajectories accepted, every accepted trajectory trained on or waiting.
+The behaviour logprobs come from vLLM (`--logprobs-mode processed_logprobs`), the importance
+weights of the loss from the trainer's own forward: a mismatch would show as masked tokens and
+no gain.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.up_run import ROOT, check_learned, run_up
+
+STEPS = 40
+VLLM_VENV = ROOT / ".cache" / "vllm-venv"
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+def test_up_with_vllm_server_improves_heldout_score(tmp_path):
+    if not (VLLM_VENV / ".installed").exists():
+        pytest.skip(f"{VLLM_VENV}/.installed missing: build the vLLM CPU venv with `make vllm-env`")
+    run_dir = tmp_path / "run"
+    summary = run_up("examples/tiny_vllm.yaml", run_dir, STEPS)
+    check_learned(summary, STEPS)
+    # the rollouts really went through the server: its log has the runtime loads
+    log = (run_dir / "vllm-0.log").read_text(errors="replace")
+    assert "tiny_lora-v1" in log and "/v1/completions" in log
+    assert json.loads((run_dir / "pids.json").read_text()).keys() >= {"vllm-0", "rollout-0"}

@@ -1,0 +1,39 @@
+"""Run `lorabus up` to the end and check what tests/e2e/test_up.py checks of a finished run
+(shared by the server-engine end-to-end tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# tests/e2e/test_up.py: best of the last three versions >= v0 + MARGIN on the fixed held-out set
+MARGIN = 0.06
+
+
+def run_up(config: str, run_dir: Path, steps: int, *overrides: str, timeout_s: float = 420.0) -> dict:
+    cmd = [
+        sys.executable, "-m", "services.launcher", "--config", config,
+        "--timeout", str(timeout_s), "--progress-every", "10",
+        f"run_dir={run_dir}", f"total_train_steps={steps}", *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s + 120)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"lorabus up failed:\n{proc.stdout[-4000:]}"
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def check_learned(summary: dict, steps: int) -> None:
+    evals = {int(v): s for v, s in summary["eval_by_version"].items()}
+    assert set(range(steps + 1)) <= set(evals), f"versions not evaluated: {evals}"
+    base = evals[0]
+    best_late = max(evals[v] for v in (steps - 2, steps - 1, steps))
+    assert best_late >= base + MARGIN, f"held-out score did not rise by {MARGIN}: {evals}"
+    verdicts = summary["trajectories"]
+    assert verdicts.get("accepted", 0) >= steps * 8, verdicts
+    assert summary["max_accepted_staleness"] <= summary["max_head_offpolicyness"], summary
+    trained = summary["trained_groups"]
+    assert trained + summary["accepted_unconsumed"] == verdicts["accepted"], summary
