@@ -31,5 +31,7 @@ def test_up_with_vllm_server_improves_heldout_score(tmp_path):
     check_learned(summary, STEPS)
     # the rollouts really went through the server: its log has the runtime loads
     log = (run_dir / "vllm-0.log").read_text(errors="replace")
-    assert "tiny_lora-v1" in log and "/v1/completions" in log
+    assert f"name 'tiny_lora-v{STEPS}'" in log, "the last version was not loaded into the server"
+    # one /v1/completions request per group (n = 8 completions each)
+    assert log.count('"POST /v1/completions HTTP/1.1" 200') >= summary["trajectories"]["accepted"]
     assert json.loads((run_dir / "pids.json").read_text()).keys() >= {"vllm-0", "rollout-0"}
