@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -208,14 +209,23 @@ def resolve_backend(configured: str, device: torch.device) -> str:
     return configured
 
 
-def abort_group(pg) -> None:
-    """Close the group's connections now so peers stuck in a collective fail fast."""
+def abort_group(pg, wait_s: float = 1.0) -> None:
+    """Close the group's connections now so peers stuck in a collective fail fast.
+
+    Runs in a daemon thread and is waited for at most `wait_s`: closing a gloo context whose
+    peer vanished can block, and the caller (a trainer step, a receiver re-joining) must not."""
     if pg is None:
         return
-    try:
-        pg.abort()
-    except Exception:  # abort of an already broken group; nothing left to close
-        pass
+
+    def _abort() -> None:
+        try:
+            pg.abort()
+        except Exception:  # abort of an already broken group; nothing left to close
+            pass
+
+    t = threading.Thread(target=_abort, name="xccl-abort", daemon=True)
+    t.start()
+    t.join(wait_s)
 
 
 def dumps(obj) -> str:

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from proto.messages import XcclPayload
 from services.common import xccl
@@ -48,7 +47,7 @@ class _Retarget(Exception):
 
 class XcclReceiver:
     def __init__(self, replica: str, *, device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                 poll_s: float = 0.5):
+                 poll_s: float = 0.005):
         self.replica = replica
         self.device = torch.device(device)
         self.timeout_s, self.poll_s = timeout_s, poll_s
@@ -65,6 +64,8 @@ class XcclReceiver:
         self._staged: dict[int, Staged] = {}
         self._pg = None
         self.sessions = 0
+        self.joined: tuple[str, int] | None = None
+        """the trainer handle this replica last registered with"""
         self.last_receive_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"xccl-{replica}", daemon=True)
         self._thread.start()
@@ -146,19 +147,23 @@ class XcclReceiver:
             raise _Retarget()
 
     def _wait_key(self, store, key: str, target) -> bytes:
-        """Block until `key` exists, polling so that close/retarget are noticed."""
+        """Block until `key` exists, noticing close/retarget between polls.
+
+        Polls with `check` instead of `TCPStore.wait`: a wait that times out leaves the server
+        holding a waiter for that client, and under several clients we saw a later wait on the
+        same key stall for seconds after the key was set."""
         while True:
             self._check(target)
-            try:
-                store.wait([key], xccl.timeout(self.poll_s))
+            if store.check([key]):
                 return store.get(key)
-            except dist.DistStoreError:  # the wait timed out; a dead store raises DistNetworkError
-                continue
+            time.sleep(self.poll_s)
 
     def _session(self, target: tuple[str, int]) -> None:
-        store = xccl.connect_store(*target, self.timeout_s)
+        # a short connect timeout: a dead trainer's address must not keep us from a new one
+        store = xccl.connect_store(*target, min(self.timeout_s, 1.0))
         self.sessions += 1
         store.set(f"join/{store.add('join_seq', 1)}", self.replica)
+        self.joined = target
         epoch = int(store.get("epoch")) if store.check(["epoch"]) else 0
         while True:
             epoch += 1
@@ -168,7 +173,10 @@ class XcclReceiver:
             rank, world = members["ranks"][self.replica], len(members["ranks"]) + 1
             plan_doc = xccl.loads(store.get(f"g{epoch}/plan"))
             self._prepare(plan_doc)
-            self._pg = xccl.new_group(plan_doc["backend"], store, f"g{epoch}/pg", rank, world, self.timeout_s)
+            # the group gets a store connection of its own: a gloo rank blocks on the store it
+            # was built with (connection setup), and our key waits must not queue behind it
+            pg_store = xccl.connect_store(*target, self.timeout_s)
+            self._pg = xccl.new_group(plan_doc["backend"], pg_store, f"g{epoch}/pg", rank, world, self.timeout_s)
             with self._cond:
                 self.group = members["group"]
                 self._cond.notify_all()
@@ -178,6 +186,7 @@ class XcclReceiver:
                 header = xccl.loads(self._wait_key(store, f"g{epoch}/send/{k}", target))
                 k += 1
                 if "next" in header:
+                    log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, header["next"])
                     break
                 self._receive(header, rank, world)
             xccl.abort_group(self._pg)
@@ -185,6 +194,7 @@ class XcclReceiver:
             with self._cond:
                 self.group = None
             epoch = header["next"] - 1
+            log.info("xccl %s: old group aborted", self.replica)
 
     def _prepare(self, plan_doc: dict) -> None:
         if plan_doc["digest"] == self.digest and self._sets:

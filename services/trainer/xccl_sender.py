@@ -99,7 +99,9 @@ class XcclSender:
         }))
         self.store.set(f"g{e}/members", xccl.dumps({"group": self.group_name, "ranks": self.members}))
         self.store.set("epoch", str(e))
-        self.pg = xccl.new_group(self.backend, self.store, f"g{e}/pg", 0, len(members) + 1, self.timeout_s)
+        # its own client connection: the group's rendezvous must not hold up our key writes
+        pg_store = xccl.connect_store(self.address, self.port, self.timeout_s)
+        self.pg = xccl.new_group(self.backend, pg_store, f"g{e}/pg", 0, len(members) + 1, self.timeout_s)
 
     def _drop_group(self, reason_next: int | None = None) -> None:
         if self.pg is not None and reason_next is not None:

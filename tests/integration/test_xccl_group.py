@@ -1,0 +1,309 @@
+"""The XCCL weight-sync group with real processes over gloo: join, broadcast, swap, re-form,
+and SIGKILL of a replica or of the trainer in the middle of a broadcast.
+
+Replicas (and, for the trainer-death case, the trainer) are child processes running this file
+(`python test_xccl_group.py replica|trainer ...`) driven by JSON lines on stdin/stdout; each
+replica holds a real `LoraSlots` pool on a small model, so "serves version v" is checked on the
+slot contents themselves (the head slot's A/B re-read and hashed), not on a flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, DIM, RANK = 4, 64, 8
+BUCKET = 2048  # bytes: 4 KiB of A and B per layer -> a dozen buckets per version
+TIMEOUT_S = 4.0
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def adapter(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(LAYERS):
+        out[f"base_model.model.l{i}.lora_A.weight"] = torch.randn(RANK, DIM, generator=g)
+        out[f"base_model.model.l{i}.lora_B.weight"] = torch.randn(DIM, RANK, generator=g)
+    return out
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+class _KillAfter:
+    """Wraps a process group: SIGKILL this process after `n` broadcasts of the next send."""
+
+    def __init__(self, pg, n: int):
+        self.pg, self.n = pg, n
+
+    def broadcast(self, tensor, root):
+        if self.n == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.n -= 1
+        return self.pg.broadcast(tensor, root)
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
+def _emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def replica_main(name: str, kill_after: int | None) -> None:
+    from proto.messages import XcclPayload
+    from services.common import xccl
+    from services.rollout.lora_slots import LoraSlots
+    from services.rollout.xccl_receiver import XcclReceiver
+
+    if kill_after is not None:
+        real = xccl.new_group
+        xccl.new_group = lambda *a, **k: _KillAfter(real(*a, **k), kill_after)
+    model = nn.Module()
+    for i in range(LAYERS):
+        setattr(model, f"l{i}", nn.Linear(DIM, DIM, bias=False))
+    slots = LoraSlots(model, [f"l{i}" for i in range(LAYERS)], RANK, slots=3)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
+    rx = XcclReceiver(name, timeout_s=TIMEOUT_S)
+    _emit({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "event":
+            payload = msgspec.json.decode(json.dumps(cmd["payload"]).encode(), type=XcclPayload)
+            v = cmd["version"]
+            rx.observe(payload, v)
+            got = rx.take(v, payload)
+            if got is None:
+                _emit({"version": v, "via": "none"})
+                continue
+            sha = digest(got)
+            for old in [x for x in slots.versions() if x != slots.head]:
+                slots.unload(old)
+            slots.load(v, got, 1.0)
+            slots.set_head(v)
+            rx.release(v)
+            _emit({"version": v, "via": "xccl", "sha": sha})
+        elif cmd["cmd"] == "wait_joined":
+            deadline = time.monotonic() + 10
+            while rx.joined is None or rx.joined[1] != cmd["port"]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            _emit({"joined": rx.joined})
+        elif cmd["cmd"] == "status":
+            head = slots.head
+            held = {}
+            if head is not None:
+                s = slots.table.slot_of(head)
+                for path, layer in slots.layers.items():
+                    held[f"base_model.model.{path}.lora_A.weight"] = layer.a[s, :RANK].clone()
+                    held[f"base_model.model.{path}.lora_B.weight"] = layer.b[s, :, :RANK].clone()
+            _emit({"head": head, "head_sha": digest(held) if held else None, "group": rx.group,
+                   "staged": sorted(rx._staged)})
+
+
+def trainer_main(kill_after: int | None, kill_version: int | None) -> None:
+    from services.trainer.xccl_sender import XcclSender
+
+    sender = XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET,
+                        timeout_s=TIMEOUT_S)
+    _emit({"port": sender.port})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["version"] == kill_version and sender.pg is not None:
+            sender.pg = _KillAfter(sender.pg, kill_after)
+        payload = sender.send(cmd["version"], adapter(cmd["seed"]))
+        _emit({"payload": json.loads(msgspec.json.encode(payload)), "error": sender.stats.error})
+
+
+class Child:
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args], cwd=ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=open(os.environ.get("XCCL_CHILD_LOG", os.devnull), "a"), text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.first = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"child {self.proc.args[2:]} exited ({self.proc.poll()})")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def event(self, version: int, payload) -> dict:
+        return self.ask(cmd="event", version=version, payload=as_json(payload))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def as_json(payload) -> dict:
+    return payload if isinstance(payload, dict) else json.loads(msgspec.json.encode(payload))
+
+
+@pytest.fixture
+def children():
+    made: list[Child] = []
+
+    def spawn(*args: str) -> Child:
+        made.append(Child(*args))
+        return made[-1]
+
+    yield spawn
+    for c in made:
+        c.stop()
+
+
+def wait_joins(sender, n: int, timeout: float = 10.0) -> None:
+    """Until `n` joins were registered in the sender's store (joins are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while sender.store.add("join_seq", 0) < n:
+        assert time.monotonic() < deadline, "replicas did not join"
+        time.sleep(0.02)
+
+
+def in_process_sender():
+    from services.trainer.xccl_sender import XcclSender
+
+    return XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET,
+                      timeout_s=TIMEOUT_S)
+
+
+def test_replicas_join_receive_every_version_exactly_and_a_late_joiner_reforms_the_group(children):
+    sender = in_process_sender()
+    try:
+        handle = sender.send(0, adapter(0))
+        assert handle.ranks == {} and handle.world_size == 1  # nobody joined yet: a bare handle
+        r0, r1 = children("replica", "r0"), children("replica", "r1")
+        for r in (r0, r1):  # v0 reaches them by the object copy; seeing its handle = joining
+            assert r.event(0, handle)["via"] == "none"
+        wait_joins(sender, 2)
+        for v in (1, 2, 3):
+            tensors = adapter(v)
+            p = sender.send(v, tensors)
+            assert set(p.ranks) == {"r0", "r1"} and p.world_size == 3, sender.stats
+            assert sender.stats.reformed == (v == 1)
+            for r in (r0, r1):
+                out = r.event(v, p)
+                assert out == {"version": v, "via": "xccl", "sha": digest(tensors)}
+            assert r0.ask(cmd="status")["head_sha"] == digest(tensors)
+        first_group = p.group_name
+
+        r2 = children("replica", "r2")  # a late joiner: object copy for v3, then in the group
+        assert r2.event(3, p)["via"] == "none"
+        wait_joins(sender, 3)
+        p4 = sender.send(4, adapter(4))
+        assert sender.stats.reformed and p4.group_name != first_group
+        assert set(p4.ranks) == {"r0", "r1", "r2"}
+        for r in (r0, r1, r2):
+            assert r.event(4, p4)["via"] == "xccl"
+        # a replica in the event's ranks but asked about another group gets None (object copy)
+        stale = msgspec.structs.replace(p4, group_name=first_group)
+        assert r0.event(4, stale)["via"] == "none"
+    finally:
+        sender.close()
+
+
+def test_a_replica_killed_mid_broadcast_does_not_hang_the_trainer_and_the_survivor_keeps_up(children):
+    sender = in_process_sender()
+    try:
+        handle = sender.send(0, adapter(0))
+        victim = children("replica", "victim", "--kill-after", "3")  # dies inside the 1st send
+        survivor = children("replica", "survivor")
+        for r in (victim, survivor):
+            r.event(0, handle)
+        wait_joins(sender, 2)
+        t0 = time.monotonic()
+        p1 = sender.send(1, adapter(1))
+        took = time.monotonic() - t0
+        assert victim.proc.wait(timeout=5) == -signal.SIGKILL
+        assert p1.ranks == {} and sender.stats.error, sender.stats  # nobody is told to swap v1
+        assert took < TIMEOUT_S * 3, f"the trainer was held {took:.1f}s"
+        # the survivor got no partial v1: it serves nothing new and falls back for v1
+        assert survivor.event(1, p1)["via"] == "none"
+        assert survivor.ask(cmd="status")["staged"] == []
+        # it re-joins on its own (2nd join); the next version reaches it by broadcast again
+        wait_joins(sender, 3)
+        tensors = adapter(2)
+        p2 = sender.send(2, tensors)
+        assert set(p2.ranks) == {"survivor"}, sender.stats
+        assert survivor.event(2, p2) == {"version": 2, "via": "xccl", "sha": digest(tensors)}
+    finally:
+        sender.close()
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_version(children):
+    trainer = children("trainer", "--kill-version", "2", "--kill-after", "2")
+    replica = children("replica", "r0")
+    handle = trainer.ask(version=0, seed=0)["payload"]
+    replica.event(0, handle)
+    assert replica.ask(cmd="wait_joined", port=handle["master_port"])["joined"]
+    v1 = adapter(1)
+    p1 = trainer.ask(version=1, seed=1)["payload"]
+    assert replica.event(1, p1) == {"version": 1, "via": "xccl", "sha": digest(v1)}
+
+    trainer.proc.stdin.write(json.dumps({"version": 2, "seed": 2}) + "\n")
+    trainer.proc.stdin.flush()
+    assert trainer.proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while (status := replica.ask(cmd="status"))["group"] is not None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the receiver notices the dead peer and drops the partial v2
+    assert status["head"] == 1 and status["head_sha"] == digest(v1), status
+    assert status["staged"] == [] and status["group"] is None, status
+
+    # a restarted trainer has a new handle: the replica joins it from the next event
+    trainer2 = children("trainer")
+    h2 = trainer2.ask(version=2, seed=22)["payload"]
+    assert replica.event(2, h2)["via"] == "none"  # v2 of the new trainer: the object copy
+    assert replica.ask(cmd="wait_joined", port=h2["master_port"])["joined"]
+    v3 = adapter(3)
+    p3 = trainer2.ask(version=3, seed=3)["payload"]
+    assert p3["ranks"] == {"r0": 1}
+    assert replica.event(3, p3) == {"version": 3, "via": "xccl", "sha": digest(v3)}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["replica", "trainer"])
+    ap.add_argument("name", nargs="?", default="r0")
+    ap.add_argument("--kill-after", type=int, default=None)
+    ap.add_argument("--kill-version", type=int, default=None)
+    a = ap.parse_args()
+    if a.role == "replica":
+        replica_main(a.name, a.kill_after)
+    else:
+        trainer_main(a.kill_after, a.kill_version)
