@@ -1,0 +1,451 @@
+"""Adapter propagation: "trainer has the new adapter in memory" -> "every replica serves it".
+
+    python benchmarks/propagation.py [--quick] [--out benchmarks/results/propagation.json]
+
+One run on this machine with the real nats-server and the real S3 server (`weed mini`):
+adapters of ~4 MB (Qwen2.5-0.5B r=4), 37 MB (Qwen2.5-1.5B r=16, the issue's 18.5 M params)
+and ~148 MB (Qwen2.5-1.5B r=64), all-linear, bf16; 1, 2, 4, 8 replicas. A replica is a process
+holding a preallocated slot buffer of the adapter's shape; "serves it" = the version's tensors
+copied into that buffer (the embedded engine's in-place slot copy; the head re-merge, a GEMM
+per module on the GPU, is timed by gpu_xccl_single.py) and an ack published on NATS.
+
+Paths (all through the real proto events on the real nats-server):
+  s3      lorabus object path: safetensors bytes -> S3 put -> AdapterReady -> N gets (sha256
+          verified) -> parse -> slot copy
+  local   the same through the local-directory store
+  xccl    lorabus XCCL path (XcclSender/XcclReceiver over gloo): bucket pack + broadcast, with
+          the durable copy written to the local directory store in parallel, event after both,
+          replicas swap the staged buckets into the slot
+  peft    AReaL-style: peft save_pretrained to a shared directory, each replica peft
+          load_adapter + set_adapter + delete_adapter of the previous one. peft needs a model to
+          load into and the real base models are 3-6 GB per process (x8 on 2 cores): each
+          replica's base is one Linear(16, in+out-16) per LoRA module, which makes every LoRA
+          tensor pair exactly as many bytes as the real model's (only the shapes differ)
+Floors, same run, same bytes:
+  s3_raw     one put + N gets of the same number of bytes (no parse, no verify, no copy)
+  gloo_bare  one flat buffer broadcast over a bare gloo group (same processes)
+Reported: median of the repetitions; ratios s3/s3_raw, xccl/gloo_bare; the trainer's own cost
+(until its part is done) and its 8-vs-1 replica ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+ACK = "bench.ack"
+CMD = "bench.cmd.{}"
+EVENT = "bench.adapter"
+
+QWEN = {  # hidden, intermediate, layers, kv dim
+    "0.5B": (896, 4864, 24, 128),
+    "1.5B": (1536, 8960, 28, 256),
+}
+SIZES = {"4MB": ("0.5B", 4), "37MB": ("1.5B", 16), "148MB": ("1.5B", 64)}
+
+
+def lora_modules(model: str) -> list[tuple[str, int, int]]:
+    h, inter, layers, kv = QWEN[model]
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}
+    return [(f"model.layers.{i}.{m}", a, b) for i in range(layers) for m, (a, b) in shapes.items()]
+
+
+def manifest_for(size: str) -> list[list]:
+    model, r = SIZES[size]
+    out = []
+    for path, i, o in lora_modules(model):
+        out.append([f"base_model.model.{path}.lora_A.weight", [r, i], "bfloat16"])
+        out.append([f"base_model.model.{path}.lora_B.weight", [o, r], "bfloat16"])
+    return sorted(out)
+
+
+def make_tensors(manifest, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s, _ in manifest}
+
+
+def small_peft_base(size: str):
+    """One Linear(16, in+out-16) per LoRA module: LoRA tensors of the real byte count."""
+    from torch import nn
+
+    model, _ = SIZES[size]
+    base = nn.Module()
+    base.mods = nn.ModuleDict({
+        f"m{j}": nn.Linear(16, i + o - 16, bias=False, dtype=torch.bfloat16)
+        for j, (_, i, o) in enumerate(lora_modules(model))
+    })
+    return base, [f"m{j}" for j in range(len(base.mods))]
+
+
+def peft_wrap(size: str):
+    from peft import LoraConfig, get_peft_model
+
+    base, targets = small_peft_base(size)
+    r = SIZES[size][1]
+    return get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
+                                           init_lora_weights=False))
+
+
+# --- replica process ------------------------------------------------------------------------
+
+
+async def replica_main(index: int, nats_url: str) -> None:
+    import nats
+
+    from proto import codec
+    from proto.messages import AdapterReady
+    from services.common import adapter_io, xccl
+    from services.common.config_schema import StoreConfig
+    from services.common.store import open_store
+    from services.rollout.xccl_receiver import XcclReceiver
+
+    name = f"rep{index}"
+    nc = await nats.connect(nats_url)
+    loop = asyncio.get_running_loop()
+    st: dict = {"slot": None, "rx": None, "peft": None, "store": None, "bare": None}
+
+    def ack(tag, via="") -> None:
+        payload = json.dumps({"replica": name, "tag": tag, "via": via}).encode()
+        loop.call_soon_threadsafe(asyncio.ensure_future, nc.publish(ACK, payload))
+
+    def copy_in(tensors) -> None:
+        names = sorted(st["slot"])
+        torch._foreach_copy_([st["slot"][n] for n in names], [tensors[n] for n in names])
+
+    def on_event(ev: AdapterReady) -> None:
+        xp = ev.xccl_payload()
+        if xp is not None and st["rx"] is not None:
+            st["rx"].observe(xp, ev.version)
+            got = st["rx"].take(ev.version, xp, wait_s=5.0)
+            if got is not None:
+                copy_in(got)
+                st["rx"].release(ev.version)
+                return ack(ev.version, "xccl")
+            if xp.ranks and name in xp.ranks:
+                print(f"{name}: v{ev.version} listed me but nothing staged", file=sys.stderr)
+        if ev.object_payload() is None or st["store"] is None:
+            return ack(ev.version, "none")
+        obj = ev.object_payload()
+        data = st["store"].get_bytes(obj.uri, sha256=obj.sha256, size=obj.bytes)
+        copy_in(adapter_io.from_bytes(data))
+        ack(ev.version, "object")
+
+    def bare_loop(port: int, rank: int, world: int, nbytes: int, prefix: str) -> None:
+        store = xccl.connect_store("127.0.0.1", port, 60)
+        pg = xccl.new_group("gloo", store, prefix, rank, world, 60)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        st["bare"] = pg
+        k = 0
+        while True:
+            try:
+                pg.broadcast(buf, 0).wait()
+            except Exception:
+                return
+            ack(f"bare{k}")
+            k += 1
+
+    def handle(cmd: dict) -> None:
+        op = cmd["op"]
+        if op == "setup":
+            if st["rx"] is not None:
+                st["rx"].close()
+            st["slot"] = {n: torch.zeros(s, dtype=xccl.DTYPES[d]) for n, s, d in cmd["manifest"]}
+            st["rx"] = XcclReceiver(name, timeout_s=60) if cmd.get("xccl") else None
+            st["store"] = open_store(StoreConfig(**cmd["store"])) if cmd.get("store") else None
+            st["peft"] = peft_wrap(cmd["size"]) if cmd.get("peft") else None
+            st["peft_prev"] = None
+            ack("setup")
+        elif op == "raw":
+            st["store"].get_bytes(cmd["uri"])
+            ack(cmd["tag"])
+        elif op == "peft":
+            model, adapter = st["peft"], f"v{cmd['version']}"
+            model.load_adapter(cmd["dir"], adapter_name=adapter)
+            model.set_adapter(adapter)
+            if st["peft_prev"]:
+                model.delete_adapter(st["peft_prev"])
+            st["peft_prev"] = adapter
+            ack(cmd["tag"])
+        elif op == "bare":
+            import threading
+
+            threading.Thread(target=bare_loop, args=(cmd["port"], cmd["rank"], cmd["world"],
+                             cmd["nbytes"], cmd["prefix"]), daemon=True).start()
+            ack("bare-ready")
+        elif op == "bare_end":
+            xccl.abort_group(st["bare"])
+            st["bare"] = None
+            ack("bare-end")
+        elif op == "exit":
+            os._exit(0)
+
+    work = asyncio.Lock()
+
+    async def on_cmd(msg) -> None:
+        async with work:
+            await asyncio.to_thread(handle, json.loads(msg.data))
+
+    async def on_adapter(msg) -> None:
+        ev = codec.decode(msg.data, AdapterReady)
+        async with work:
+            await asyncio.to_thread(on_event, ev)
+
+    await nc.subscribe(CMD.format(index), cb=on_cmd)
+    await nc.subscribe(EVENT, cb=on_adapter)
+    await nc.flush()
+    ack("hello")
+    await asyncio.Event().wait()
+
+
+# --- the trainer side / driver --------------------------------------------------------------
+
+
+class Acks:
+    def __init__(self):
+        self.got: dict[str, dict[str, tuple[float, str]]] = {}
+        self.event = asyncio.Event()
+
+    async def on(self, msg) -> None:
+        d = json.loads(msg.data)
+        self.got.setdefault(str(d["tag"]), {})[d["replica"]] = (time.perf_counter(), d["via"])
+        self.event.set()
+
+    async def wait(self, tag, n: int, timeout: float = 120.0) -> tuple[float, list[str]]:
+        tag = str(tag)
+        deadline = time.monotonic() + timeout
+        while len(self.got.get(tag, {})) < n:
+            self.event.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ack {tag}: {len(self.got.get(tag, {}))}/{n}")
+            try:
+                await asyncio.wait_for(self.event.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        vals = self.got.pop(tag).values()
+        return max(t for t, _ in vals), sorted({v for _, v in vals})
+
+
+async def run_bench(args) -> dict:
+    import nats
+
+    from proto import codec
+    from proto.messages import AdapterReady, LoraSpec
+    from services.common import adapter_io, xccl
+    from services.common.config_schema import StoreConfig
+    from services.common.nats_server import start_nats_server
+    from services.common.s3_server import start_weed_s3
+    from services.common.store import open_store
+    from services.trainer.publish import build_payloads
+    from services.trainer.xccl_sender import XcclSender
+
+    work = Path(tempfile.mkdtemp(prefix="lorabus-prop-"))
+    nats_srv = start_nats_server(work / "nats")
+    s3 = start_weed_s3(work / "weed", die_with_parent=True)
+    os.environ["LORABUS_S3_ACCESS_KEY"] = s3.admin.access_key
+    os.environ["LORABUS_S3_SECRET_KEY"] = s3.admin.secret_key
+    s3_cfg = {"uri": f"s3://prop-{uuid.uuid4().hex[:8]}/bench", "endpoint": s3.endpoint}
+    local_cfg = {"uri": f"file://{work / 'store'}"}
+    s3_store, local_store = open_store(StoreConfig(**s3_cfg)), open_store(StoreConfig(**local_cfg))
+    nc = await nats.connect(nats_srv.url)
+    acks = Acks()
+    await nc.subscribe(ACK, cb=acks.on)
+    n_max = max(args.replicas)
+    procs = [subprocess.Popen([sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                              stderr=open(work / f"rep{i}.log", "w"))
+             for i in range(n_max)]
+    results: list[dict] = []
+    try:
+        await acks.wait("hello", n_max, timeout=180)
+
+        async def cmd(reps, tag=None, **c) -> float:
+            for i in reps:
+                await nc.publish(CMD.format(i), json.dumps(c).encode())
+            if tag is not None:
+                return (await acks.wait(tag, len(reps)))[0]
+            return 0.0
+
+        version = 0
+        for size in args.sizes:
+            manifest = manifest_for(size)
+            tensors = make_tensors(manifest, 1)
+            nbytes = len(adapter_io.to_bytes(tensors))
+            raw = os.urandom(nbytes)
+            lora = LoraSpec(rank=SIZES[size][1], alpha=2.0 * SIZES[size][1], target_modules=["all-linear"],
+                            dtype="bfloat16", base_model=f"Qwen2.5-{SIZES[size][0]}-shaped")
+            reps_n = args.reps if size != "148MB" else max(1, args.reps - 1)
+            trainer_peft = peft_wrap(size) if "peft" in args.paths else None
+            for n in args.replicas:
+                active = list(range(n))
+                bench_paths = list(args.paths)
+                for path in bench_paths + ["s3_raw", "gloo_bare"]:
+                    store_cfg = {"s3": s3_cfg, "s3_raw": s3_cfg, "local": local_cfg, "xccl": local_cfg}.get(path)
+                    await cmd(active, "setup", op="setup", manifest=manifest, size=size,
+                              store=store_cfg, xccl=path == "xccl", peft=path == "peft")
+                    times, trainer, vias = [], [], set()
+                    sender = None
+                    if path == "xccl":
+                        sender = XcclSender(address="127.0.0.1", port=0, backend="gloo",
+                                            bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb), timeout_s=60)
+                    if path == "gloo_bare":
+                        bstore = xccl.host_store("127.0.0.1", 0, 60)
+                        prefix = uuid.uuid4().hex[:6]
+                        for i in active:
+                            await nc.publish(CMD.format(i), json.dumps({"op": "bare", "port": bstore.port,
+                                             "rank": i + 1, "world": n + 1, "nbytes": nbytes, "prefix": prefix}).encode())
+                        await acks.wait("bare-ready", n)
+                        pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
+                        flat = torch.empty(nbytes, dtype=torch.uint8)
+                    warm = 1 if path in ("xccl", "gloo_bare") else 0
+                    for rep in range(warm + reps_n):
+                        version += 1
+                        tag = version
+                        t0 = time.perf_counter()
+                        if path in ("s3", "local"):
+                            store = s3_store if path == "s3" else local_store
+                            data = adapter_io.to_bytes(tensors)
+                            ref = await asyncio.to_thread(store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data)
+                            ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
+                                              created_at=time.time(), lora=lora, payloads=build_payloads(ref))
+                            await nc.publish(EVENT, codec.encode(ev))
+                        elif path == "xccl":
+                            def durable():
+                                return local_store.put_bytes(f"bench/v{version}/adapter_model.safetensors",
+                                                             adapter_io.to_bytes(tensors))
+                            if rep == 0:  # the handle the replicas join from (bench warm-up)
+                                ref = await asyncio.to_thread(durable)
+                                h = sender.handle(xccl.manifest_of(tensors), {})
+                                ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
+                                                  created_at=time.time(), lora=lora, payloads=build_payloads(ref, h))
+                                await nc.publish(EVENT, codec.encode(ev))
+                                await acks.wait(tag, n)
+                                deadline = time.monotonic() + 30
+                                while sender.store.add("join_seq", 0) < n and time.monotonic() < deadline:
+                                    await asyncio.sleep(0.01)
+                                version += 1
+                                tag = version
+                                t0 = time.perf_counter()
+                            ref, xp = await asyncio.gather(asyncio.to_thread(durable),
+                                                           asyncio.to_thread(sender.send, version, tensors))
+                            ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
+                                              created_at=time.time(), lora=lora, payloads=build_payloads(ref, xp))
+                            await nc.publish(EVENT, codec.encode(ev))
+                        elif path == "peft":
+                            d = work / "peft" / f"v{version}"
+                            await asyncio.to_thread(trainer_peft.save_pretrained, str(d))
+                            await cmd(active, None, op="peft", dir=str(d), version=version, tag=tag)
+                        elif path == "s3_raw":
+                            ref = await asyncio.to_thread(s3_store.put_bytes, f"raw/v{version}", raw)
+                            await cmd(active, None, op="raw", uri=ref.uri, tag=tag)
+                        elif path == "gloo_bare":
+                            tag = f"bare{rep}"
+                            await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
+                        t_trainer = time.perf_counter() - t0
+                        t_end, via = await acks.wait(tag, n)
+                        vias.update(via)
+                        if rep >= warm:
+                            times.append(t_end - t0)
+                            trainer.append(t_trainer)
+                    if sender is not None:
+                        sender.close()
+                    if path == "gloo_bare":
+                        xccl.abort_group(pg)
+                        await cmd(active, "bare-end", op="bare_end")
+                    row = {"size": size, "bytes": nbytes, "replicas": n, "path": path,
+                           "median_s": statistics.median(times), "min_s": min(times),
+                           "trainer_s": statistics.median(trainer), "reps": len(times), "via": sorted(vias)}
+                    results.append(row)
+                    print(f"{size:>6} n={n} {path:<9} {row['median_s']*1e3:8.1f} ms  trainer "
+                          f"{row['trainer_s']*1e3:7.1f} ms  via {row['via']}", flush=True)
+    finally:
+        for i in range(n_max):
+            await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
+        await nc.flush()
+        await nc.close()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        s3.stop()
+        nats_srv.stop()
+    return {"rows": results, "summary": summarize(results)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    by = {(r["size"], r["replicas"], r["path"]): r for r in rows}
+    out = []
+    for (size, n, path), r in by.items():
+        if path not in ("s3", "local", "xccl", "peft"):
+            continue
+        floor = by.get((size, n, "gloo_bare" if path == "xccl" else "s3_raw"))
+        one = by.get((size, 1, path))
+        out.append({
+            "size": size, "replicas": n, "path": path, "median_s": r["median_s"],
+            "floor": floor["path"] if floor else None,
+            "ratio_to_floor": r["median_s"] / floor["median_s"] if floor else None,
+            "trainer_ratio_vs_1": r["trainer_s"] / one["trainer_s"] if one else None,
+        })
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"\n{'size':>6} {'n':>2} {'path':<6} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}")
+    for s in summary:
+        print(f"{s['size']:>6} {s['replicas']:>2} {s['path']:<6} {s['median_s']*1e3:9.1f} "
+              f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4MB+37MB, 1/2/4 replicas... (CI smoke)")
+    ap.add_argument("--sizes", nargs="*", default=None, choices=list(SIZES))
+    ap.add_argument("--replicas", nargs="*", type=int, default=None)
+    ap.add_argument("--paths", nargs="*", default=["s3", "local", "xccl", "peft"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/propagation.json"))
+    ap.add_argument("--replica", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--nats", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.replica is not None:
+        torch.set_num_threads(1)
+        asyncio.run(replica_main(args.replica, args.nats))
+        return 0
+    if args.quick:
+        args.sizes = args.sizes or ["4MB", "37MB"]
+        args.replicas = args.replicas or [1, 8]
+        args.reps = 2
+    args.sizes = args.sizes or list(SIZES)
+    args.replicas = args.replicas or [1, 2, 4, 8]
+    t0 = time.time()
+    out = asyncio.run(run_bench(args))
+    out["config"] = {"sizes": args.sizes, "replicas": args.replicas, "paths": args.paths, "reps": args.reps,
+                     "bucket_mb": args.bucket_mb, "wall_s": time.time() - t0, "torch": torch.__version__,
+                     "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print_table(out["summary"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {args.out} ({out['config']['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
