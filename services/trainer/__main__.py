@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 log = logging.getLogger("services.trainer")
@@ -37,17 +38,52 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.metrics import start_metrics_server
     from services.trainer import service
     from services.trainer.engines import make_engine
+    from services.trainer.engines.fsdp2 import collective_timeout_s
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        follow_parent()
     engine = make_engine(cfg)
     ckpt = service.restore(engine, cfg)
+    # the untrained adapter is v0; gathering it is a collective, so every rank takes part
+    initial = engine.adapter_state() if ckpt is None else None
     if engine.rank != 0:
         service.worker_loop(engine)
-        return 0
-    port = start_metrics_server(cfg.metrics)
-    log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, engine.lora.rank,
-             ",".join(engine.lora.target_modules), engine.device, engine.world_size)
-    asyncio.run(service.run_rank0(cfg, engine, ckpt))
+        return leave(engine)
+    followers = service.Followers(engine.world_size, wait_s=min(30.0, collective_timeout_s()))
+    try:
+        try:
+            port = start_metrics_server(cfg.metrics)
+            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, engine.lora.rank,
+                     ",".join(engine.lora.target_modules), engine.device, engine.world_size)
+            asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers))
+        finally:
+            followers.stop()  # however rank 0 ends, the followers must stop too
+    except service.PeerLost as exc:
+        log.error("%s", exc, exc_info=exc)
+        logging.shutdown()
+        os._exit(1)  # a send is stuck in gloo: a normal exit would wait for it
+    return leave(engine)
+
+
+def leave(engine) -> int:
+    if engine.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
+
+
+def follow_parent() -> None:
+    """Get SIGTERM when torchrun dies (even by SIGKILL): its workers run in their own
+    sessions, and without this they would outlive it and keep the ports and GPUs."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); ranks may outlive torchrun",
+                    ctypes.get_errno())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """The trainer service: accepted trajectories in, adapter versions out.
 
 Rank 0 alone talks to NATS and the object store; under torchrun it broadcasts each batch to
-the other ranks, which run `worker_loop`. Per step:
+the other ranks, which run `worker_loop`: they ignore SIGTERM/SIGINT and stop when rank 0
+says so, so a signal to torchrun ends every rank after the current step. Per step:
 
     pull B accepted groups -> train_step -> gather adapter -> checkpoint (if due)
       -> upload + announce v<N+1> -> TrainerStep -> ack the B messages
+
+While rank 0 waits for trajectories it broadcasts a heartbeat every few seconds: an idle
+follower never sits in one collective longer than the process-group timeout, so that timeout
+can stay short enough to turn a stuck or dead peer into an error instead of a hang.
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
 the restarted trainer: accepted trajectories are never lost. The checkpoint comes before the
@@ -17,10 +22,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
-import nats.errors
 import torch.distributed as dist
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -50,7 +55,63 @@ class Work:
     save_checkpoint: bool
 
 
-def broadcast_work(work: Work | None, rank: int) -> Work | None:
+class Heartbeat:
+    """Rank 0 is alive and still waiting for a batch."""
+
+
+def heartbeat_s() -> float:
+    from services.trainer.engines.fsdp2 import collective_timeout_s
+
+    return min(5.0, collective_timeout_s() / 4)
+
+
+class PeerLost(RuntimeError):
+    """A broadcast to the other ranks was not taken: one of them died or hangs."""
+
+
+class Followers:
+    """Rank 0's side of the broadcasts. The followers are idle in `worker_loop` whenever rank
+    0 sends, so a broadcast not taken within `wait_s` means a peer died or hangs: it is
+    raised as `PeerLost` at once instead of after the process-group timeout, and nothing is
+    sent afterwards (the group is unusable; the stuck send stays in a daemon thread)."""
+
+    def __init__(self, world_size: int, wait_s: float):
+        self.world_size, self.wait_s = world_size, wait_s
+        self.broken = self.stopped = False
+
+    def send(self, work: Work | Heartbeat | None) -> None:
+        if self.world_size == 1:
+            return
+        if self.broken:
+            raise PeerLost("rank 0: an earlier broadcast to the other ranks failed")
+        done, errors = threading.Event(), []
+
+        def target() -> None:
+            try:
+                broadcast_work(work, 0)
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name="broadcast", daemon=True).start()
+        taken = done.wait(self.wait_s)
+        if not taken or errors:
+            self.broken = True
+            why = f"failed ({errors[0]})" if errors else f"was not taken within {self.wait_s:.0f}s"
+            raise PeerLost(
+                f"rank 0: a broadcast to the other ranks {why}: a rank died or hangs; see "
+                "torchrun's failure report"
+            ) from (errors[0] if errors else None)
+
+    def stop(self) -> None:
+        """Tell the followers to exit (once); skipped when the group is already broken."""
+        if self.world_size > 1 and not (self.broken or self.stopped):
+            self.stopped = True
+            self.send(None)
+
+
+def broadcast_work(work: Work | Heartbeat | None, rank: int) -> Work | Heartbeat | None:
     box = [work if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -106,7 +167,7 @@ class AcceptedQueue:
                 return None
             try:
                 msgs = await self.psub.fetch(size - len(groups), timeout=FETCH_TIMEOUT_S)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats.errors.TimeoutError, or a bare one from a batch fetch
                 continue
             for msg in msgs:
                 try:
@@ -140,6 +201,13 @@ class AcceptedQueue:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 
+    async def close(self) -> None:
+        """Unsubscribe before the bus drains: nats-py's drain waits (30 s) on a pull
+        subscription's leftover status messages that no fetch will ever take."""
+        if self.psub is not None:
+            with contextlib.suppress(Exception):
+                await self.psub.unsubscribe()
+
     async def ack_held(self) -> None:
         for msg in self.held:
             await msg.ack()
@@ -167,9 +235,10 @@ def resume_plan(ckpt: checkpoint.Checkpoint | None, highest_stored: int | None) 
 
 async def serve(
     cfg: LorabusConfig, engine, bus, store, stop: asyncio.Event,
-    ckpt: checkpoint.Checkpoint | None,
+    ckpt: checkpoint.Checkpoint | None, initial: dict | None, followers: Followers,
 ) -> int:
-    """Rank 0's loop, after `restore`; returns the last published version."""
+    """Rank 0's loop, after `restore`; returns the last published version. `initial` is the
+    untrained adapter (gathered on every rank beforehand: a collective under FSDP2)."""
     run, lora_name = cfg.run, cfg.gconfig.lora_name
     ckpt_dir = cfg.actor.checkpoint_dir
     highest = await asyncio.to_thread(_highest_stored_version, store, run)
@@ -181,11 +250,12 @@ async def serve(
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(ckpt.adapter)
         trained_ids = ckpt.trained_ids
     else:
-        tensors = engine.adapter_state()
+        tensors = initial
         weights = adapter_io.to_bytes(tensors)
     sender = make_sender(cfg, engine)
     try:
-        return await _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender)
+        return await _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids,
+                            sender, followers)
     finally:
         if sender is not None:
             await asyncio.to_thread(sender.close)
@@ -209,7 +279,8 @@ def make_sender(cfg: LorabusConfig, engine):
     return sender
 
 
-async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender) -> int:
+async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender,
+                 followers) -> int:
     run, lora_name = cfg.run, cfg.gconfig.lora_name
     ckpt_dir = cfg.actor.checkpoint_dir
     event = await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
@@ -223,14 +294,13 @@ async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, train
     keep_alive = asyncio.create_task(queue.keep_alive())
     try:
         while engine.step < cfg.total_train_steps:
-            groups = await queue.next_batch(cfg.rollout.consumer_batch_size, stop)
+            groups = await next_batch_alive(queue, cfg.rollout.consumer_batch_size, stop, followers)
             if groups is None:
                 break
             step_index = engine.step
             save = checkpoint_due(cfg, step_index + 1)
             work = Work(groups=groups, version=version, save_checkpoint=save)
-            if engine.world_size > 1:
-                await asyncio.to_thread(broadcast_work, work, 0)
+            await asyncio.to_thread(followers.send, work)
             stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
             version += 1
             t0 = time.perf_counter()
@@ -257,7 +327,24 @@ async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, train
         keep_alive.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keep_alive
+        await queue.close()
     return version
+
+
+async def next_batch_alive(queue: AcceptedQueue, size: int, stop: asyncio.Event,
+                           followers: Followers):
+    """`queue.next_batch`, with a heartbeat to the followers while it waits."""
+    fetch = asyncio.create_task(queue.next_batch(size, stop))
+    if followers.world_size == 1:
+        return await fetch
+    try:
+        while True:
+            done, _ = await asyncio.wait({fetch}, timeout=heartbeat_s())
+            if done:
+                return fetch.result()
+            await asyncio.to_thread(followers.send, Heartbeat())
+    finally:
+        fetch.cancel()
 
 
 def run_step(engine, work: Work):
@@ -278,12 +365,19 @@ def record(stats, version: int) -> None:
 
 
 def worker_loop(engine) -> None:
-    """Ranks > 0: follow rank 0's broadcasts until it says stop."""
+    """Ranks > 0: follow rank 0's broadcasts until it says stop. torchrun signals every rank
+    at once; stopping here mid-step would break rank 0's collectives, so rank 0 decides."""
+    def defer(signum, _frame):
+        log.info("rank %d: %s; stopping when rank 0 does", engine.rank, signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, defer)
     while True:
         work = broadcast_work(None, engine.rank)
         if work is None:
             return
-        run_step(engine, work)
+        if isinstance(work, Work):
+            run_step(engine, work)
 
 
 def restore(engine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
@@ -295,7 +389,11 @@ def restore(engine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
     return ckpt
 
 
-async def run_rank0(cfg: LorabusConfig, engine, ckpt: checkpoint.Checkpoint | None) -> int:
+async def run_rank0(
+    cfg: LorabusConfig, engine, ckpt: checkpoint.Checkpoint | None, initial: dict | None,
+    followers: Followers,
+) -> int:
+    """The caller calls `followers.stop()` too, for the ways out that never get here."""
     from services.common.bus import Bus
     from services.common.store import open_store
 
@@ -308,8 +406,11 @@ async def run_rank0(cfg: LorabusConfig, engine, ckpt: checkpoint.Checkpoint | No
     try:
         await bus.ensure_streams()
         store = open_store(cfg.store)
-        return await serve(cfg, engine, bus, store, stop, ckpt)
+        try:
+            return await serve(cfg, engine, bus, store, stop, ckpt, initial, followers)
+        finally:  # before the bus drains: the followers need not wait for it
+            await asyncio.to_thread(followers.stop)
     finally:
-        if engine.world_size > 1:
-            await asyncio.to_thread(broadcast_work, None, 0)
+        t0 = time.perf_counter()
         await bus.close()
+        log.info("bus closed in %.1fs", time.perf_counter() - t0)

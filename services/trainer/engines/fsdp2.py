@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,34 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def collective_timeout_s() -> float:
+    """How long a rank waits in one collective before failing (not hanging) when a peer is
+    stuck; `LORABUS_DIST_TIMEOUT_S` overrides it. Idle ranks are kept under it by rank 0's
+    heartbeats, so it only has to cover the longest gap between two collectives."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}: {raw!r} must be a number of seconds > 0")
+    return value
+
+
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size); joins the torchrun group when launched with WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=collective_timeout_s()))
         if device.type == "cuda":
             torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size()
@@ -274,8 +296,13 @@ class FSDP2Engine:
                 "actor.checkpoint_dir"
             )
         options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(self.model, {names[k]: v for k, v in adapter.items()}, options=options)
-        if optimizer:
+        # one scatter per tensor under FSDP2: every rank must go in the same (the model's)
+        # order, and a dict read from safetensors is not ordered the same in every process
+        set_model_state_dict(self.model, {name: adapter[key] for key, name in names.items()},
+                             options=options)
+        # plain SGD keeps no per-parameter state, and torch cannot distribute an empty one
+        # (its param_groups' lr comes back through the scheduler below)
+        if optimizer and optimizer.get("state"):
             set_optimizer_state_dict(self.model, self.optimizer, optimizer,
                                      options=StateDictOptions(full_state_dict=True))
         self.step = step
