@@ -16,6 +16,8 @@ Paths (all through the real proto events on the real nats-server):
   xccl    lorabus XCCL path (XcclSender/XcclReceiver over gloo): bucket pack + broadcast, with
           the durable copy written to the local directory store in parallel, event after both,
           replicas swap the staged buckets into the slot
+  xccl_only  the same without the durable copy (event right after the broadcast): how much of
+          "xccl" is the broadcast and how much the parallel durable write
   peft    AReaL-style: peft save_pretrained to a shared directory, each replica peft
           load_adapter + set_adapter + delete_adapter of the previous one. peft needs a model to
           load into and the real base models are 3-6 GB per process (x8 on 2 cores): each
@@ -173,7 +175,7 @@ async def replica_main(index: int, nats_url: str) -> None:
             ack("setup")
         elif op == "raw":
             st["store"].get_bytes(cmd["uri"])
-            ack(cmd["tag"])
+            ack(cmd["ack_tag"])
         elif op == "peft":
             model, adapter = st["peft"], f"v{cmd['version']}"
             model.load_adapter(cmd["dir"], adapter_name=adapter)
@@ -181,7 +183,7 @@ async def replica_main(index: int, nats_url: str) -> None:
             if st["peft_prev"]:
                 model.delete_adapter(st["peft_prev"])
             st["peft_prev"] = adapter
-            ack(cmd["tag"])
+            ack(cmd["ack_tag"])
         elif op == "bare":
             import threading
 
@@ -296,12 +298,13 @@ async def run_bench(args) -> dict:
                 active = list(range(n))
                 bench_paths = list(args.paths)
                 for path in bench_paths + ["s3_raw", "gloo_bare"]:
-                    store_cfg = {"s3": s3_cfg, "s3_raw": s3_cfg, "local": local_cfg, "xccl": local_cfg}.get(path)
+                    store_cfg = {"s3": s3_cfg, "s3_raw": s3_cfg, "local": local_cfg, "xccl": local_cfg,
+                                 "xccl_only": local_cfg}.get(path)
                     await cmd(active, "setup", op="setup", manifest=manifest, size=size,
-                              store=store_cfg, xccl=path == "xccl", peft=path == "peft")
+                              store=store_cfg, xccl=path.startswith("xccl"), peft=path == "peft")
                     times, trainer, vias = [], [], set()
                     sender = None
-                    if path == "xccl":
+                    if path in ("xccl", "xccl_only"):
                         sender = XcclSender(address="127.0.0.1", port=0, backend="gloo",
                                             bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb), timeout_s=60)
                     if path == "gloo_bare":
@@ -313,7 +316,7 @@ async def run_bench(args) -> dict:
                         await acks.wait("bare-ready", n)
                         pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
                         flat = torch.empty(nbytes, dtype=torch.uint8)
-                    warm = 1 if path in ("xccl", "gloo_bare") else 0
+                    warm = 1  # first put into a bucket, first group, first peft load: cold
                     for rep in range(warm + reps_n):
                         version += 1
                         tag = version
@@ -325,7 +328,7 @@ async def run_bench(args) -> dict:
                             ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
                                               created_at=time.time(), lora=lora, payloads=build_payloads(ref))
                             await nc.publish(EVENT, codec.encode(ev))
-                        elif path == "xccl":
+                        elif path in ("xccl", "xccl_only"):
                             def durable():
                                 return local_store.put_bytes(f"bench/v{version}/adapter_model.safetensors",
                                                              adapter_io.to_bytes(tensors))
@@ -342,18 +345,21 @@ async def run_bench(args) -> dict:
                                 version += 1
                                 tag = version
                                 t0 = time.perf_counter()
-                            ref, xp = await asyncio.gather(asyncio.to_thread(durable),
-                                                           asyncio.to_thread(sender.send, version, tensors))
+                            if path == "xccl":
+                                ref, xp = await asyncio.gather(asyncio.to_thread(durable),
+                                                               asyncio.to_thread(sender.send, version, tensors))
+                            else:  # the broadcast alone: the durable copy's share of "xccl"
+                                xp = await asyncio.to_thread(sender.send, version, tensors)
                             ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
                                               created_at=time.time(), lora=lora, payloads=build_payloads(ref, xp))
                             await nc.publish(EVENT, codec.encode(ev))
                         elif path == "peft":
                             d = work / "peft" / f"v{version}"
                             await asyncio.to_thread(trainer_peft.save_pretrained, str(d))
-                            await cmd(active, None, op="peft", dir=str(d), version=version, tag=tag)
+                            await cmd(active, None, op="peft", dir=str(d), version=version, ack_tag=tag)
                         elif path == "s3_raw":
                             ref = await asyncio.to_thread(s3_store.put_bytes, f"raw/v{version}", raw)
-                            await cmd(active, None, op="raw", uri=ref.uri, tag=tag)
+                            await cmd(active, None, op="raw", uri=ref.uri, ack_tag=tag)
                         elif path == "gloo_bare":
                             tag = f"bare{rep}"
                             await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
@@ -393,9 +399,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     by = {(r["size"], r["replicas"], r["path"]): r for r in rows}
     out = []
     for (size, n, path), r in by.items():
-        if path not in ("s3", "local", "xccl", "peft"):
+        if path not in ("s3", "local", "xccl", "xccl_only", "peft"):
             continue
-        floor = by.get((size, n, "gloo_bare" if path == "xccl" else "s3_raw"))
+        floor = by.get((size, n, "gloo_bare" if path.startswith("xccl") else "s3_raw"))
         one = by.get((size, 1, path))
         out.append({
             "size": size, "replicas": n, "path": path, "median_s": r["median_s"],
@@ -407,9 +413,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"\n{'size':>6} {'n':>2} {'path':<6} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}")
+    print(f"\n{'size':>6} {'n':>2} {'path':<9} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}")
     for s in summary:
-        print(f"{s['size']:>6} {s['replicas']:>2} {s['path']:<6} {s['median_s']*1e3:9.1f} "
+        print(f"{s['size']:>6} {s['replicas']:>2} {s['path']:<9} {s['median_s']*1e3:9.1f} "
               f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}")
 
 
@@ -418,7 +424,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4MB+37MB, 1/2/4 replicas... (CI smoke)")
     ap.add_argument("--sizes", nargs="*", default=None, choices=list(SIZES))
     ap.add_argument("--replicas", nargs="*", type=int, default=None)
-    ap.add_argument("--paths", nargs="*", default=["s3", "local", "xccl", "peft"])
+    ap.add_argument("--paths", nargs="*", default=["s3", "local", "xccl", "xccl_only", "peft"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/propagation.json"))
