@@ -131,6 +131,8 @@ async def replica_main(index: int, nats_url: str) -> None:
         torch._foreach_copy_([st["slot"][n] for n in names], [tensors[n] for n in names])
 
     def on_event(ev: AdapterReady) -> None:
+        if st["slot"] is None:
+            return  # not in this cell
         xp = ev.xccl_payload()
         if xp is not None and st["rx"] is not None:
             st["rx"].observe(xp, ev.version)
@@ -173,6 +175,11 @@ async def replica_main(index: int, nats_url: str) -> None:
             st["peft"] = peft_wrap(cmd["size"]) if cmd.get("peft") else None
             st["peft_prev"] = None
             ack("setup")
+        elif op == "idle":
+            if st["rx"] is not None:
+                st["rx"].close()
+            st.update(slot=None, rx=None, peft=None, store=None)
+            ack("idle")
         elif op == "raw":
             st["store"].get_bytes(cmd["uri"])
             ack(cmd["ack_tag"])
@@ -300,6 +307,9 @@ async def run_bench(args) -> dict:
                 for path in bench_paths + ["s3_raw", "gloo_bare"]:
                     store_cfg = {"s3": s3_cfg, "s3_raw": s3_cfg, "local": local_cfg, "xccl": local_cfg,
                                  "xccl_only": local_cfg}.get(path)
+                    idle = [i for i in range(n_max) if i not in active]
+                    if idle:
+                        await cmd(idle, "idle", op="idle")
                     await cmd(active, "setup", op="setup", manifest=manifest, size=size,
                               store=store_cfg, xccl=path.startswith("xccl"), peft=path == "peft")
                     times, trainer, vias = [], [], set()
