@@ -9,15 +9,17 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   first load.
 - The head version (the newest loaded) is merged into the layer's weight, W = W0 + s_h B_h A_h,
   so a batch entirely on the head costs exactly what the base model costs.
-- Rows pinned to an older version v get a rank-2r correction on their rows only:
-      y[rows] += x [A_v; A_h]^T [s_v B_v, -s_h B_h]^T = s_v x A_v^T B_v^T - s_h x A_h^T B_h^T
-  Each slot stores that pair already stacked (A in `a[slot, :r]`, the head's A in
-  `a[slot, r:]`, likewise B, pre-scaled and negated), so a correction is two GEMMs on a
-  contiguous row range (the engine groups rows by version) and no gather/scatter.
+- Rows pinned to an older version v need y += s_v x A_v^T B_v^T - s_h x A_h^T B_h^T. All slots
+  are stacked (A as `a[S, r, in]`, pre-scaled B^T as `bt[S, r, out]`), so for the whole batch
+      y += ((x @ A_all^T) * C) @ Bt_all
+  with C a per-row sign mask over the slot blocks: +1 on the row's slot, -1 on the head's slot,
+  0 elsewhere (all zeros for rows on the head). That is three kernels per module whatever the
+  mix of versions, and the routing is data (C), not Python control flow: a CUDA graph captured
+  once per batch size serves every mix, and a head change only rewrites C.
 - Re-merging on a head change recomputes W from a pristine copy `w0` with one fused `addmm`
   per module, so there is no drift however many versions pass. Memory cost: one extra copy of
   every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in bf16), plus the
-  slots: slots x 2 x (LoRA params) (37 MB adapter, 4 slots: 0.3 GB).
+  slots: slots x (LoRA params) (37 MB adapter, 4 slots: 0.15 GB).
 
 Thread safety: none here. The engine serialises forward steps, loads and head changes with
 one lock, which makes a head swap atomic with respect to decode steps.
@@ -38,14 +40,14 @@ _PEFT_PREFIX = "base_model.model."
 
 
 class Routing:
-    """Which rows of the current batch need a correction: (slot, first row, end row) spans.
-    Shared by every SlotLinear of a model; set around each forward by `LoraSlots.route`."""
+    """The sign mask C of the current forward ([batch, slots * rank], or None when every row is
+    on the head). Shared by every SlotLinear of a model; set around each forward by
+    `LoraSlots.route`."""
 
-    __slots__ = ("spans", "batch")
+    __slots__ = ("cols",)
 
     def __init__(self) -> None:
-        self.spans: list[tuple[int, int, int]] = []
-        self.batch = 0
+        self.cols: torch.Tensor | None = None
 
 
 class SlotLinear(nn.Module):
@@ -54,32 +56,38 @@ class SlotLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank = rank
         self.routing = routing
-        # The live weight keeps the base Parameter's storage: merging writes into it in place.
+        # The live weight keeps the base Parameter's storage: merging writes into it in place
+        # (a captured CUDA graph keeps reading the right weights after a head change).
         self.weight = base.weight
         self.bias = base.bias
         w = base.weight.detach()
         self.register_buffer("w0", w.clone(), persistent=False)
         self.register_buffer(
-            "a", torch.zeros(slots, 2 * rank, self.in_features, dtype=w.dtype, device=w.device),
+            "a", torch.zeros(slots, rank, self.in_features, dtype=w.dtype, device=w.device),
             persistent=False,
         )
         self.register_buffer(
-            "b", torch.zeros(slots, self.out_features, 2 * rank, dtype=w.dtype, device=w.device),
+            "bt", torch.zeros(slots, rank, self.out_features, dtype=w.dtype, device=w.device),
             persistent=False,
         )
+        self._a_all = self.a.view(slots * rank, self.in_features).T
+        self._bt_all = self.bt.view(slots * rank, self.out_features)
+
+    @property
+    def b(self) -> torch.Tensor:
+        """[slots, out, rank]: slot s holds s_v * B_v (PEFT's lora_B layout, scaled)."""
+        return self.bt.transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        spans = self.routing.spans
-        if not spans:
+        cols = self.routing.cols
+        if cols is None:
             return y
         x2 = x.reshape(-1, self.in_features)
-        y2 = y.view(-1, self.out_features)
-        per_row = x2.shape[0] // self.routing.batch
-        for slot, lo, hi in spans:
-            lo, hi = lo * per_row, hi * per_row
-            t = x2[lo:hi] @ self.a[slot].T
-            y2[lo:hi].addmm_(t, self.b[slot].T)
+        t = x2 @ self._a_all
+        # rows of x are (batch row, position) pairs: the mask is per batch row
+        t.view(cols.shape[0], -1, cols.shape[1]).mul_(cols[:, None, :])
+        y.view(-1, self.out_features).addmm_(t, self._bt_all)
         return y
 
     def extra_repr(self) -> str:
@@ -131,16 +139,19 @@ class LoraSlots:
             layer = SlotLinear(base, slots, rank, self.routing)
             setattr(parent, child, layer)
             self.layers[path] = layer
-        # Views built once: a swap is then a handful of fused multi-tensor (`_foreach_*`)
-        # calls plus one addmm per module, instead of thousands of small Python-side ops.
-        r, layers = rank, list(self.layers.values())
-        self._a_first = [[l.a[s, :r] for l in layers] for s in range(slots)]
-        self._b_first = [[l.b[s, :, :r] for l in layers] for s in range(slots)]
-        self._a_second = [l.a[:, r:] for l in layers]
-        self._b_second = [l.b[:, :, r:] for l in layers]
-        self._a_head_src = [[l.a[s, :r].expand_as(l.a[:, r:]) for l in layers] for s in range(slots)]
-        self._b_head_src = [[l.b[s, :, :r].expand_as(l.b[:, :, r:]) for l in layers] for s in range(slots)]
+        # Views built once: a load is then a few fused multi-tensor (`_foreach_*`) calls
+        # instead of thousands of small Python-side ops.
+        layers = list(self.layers.values())
+        self._a_of = [[l.a[s] for l in layers] for s in range(slots)]
+        self._b_of = [[l.b[s] for l in layers] for s in range(slots)]
         self._merge = [(l.w0, l.weight.data) for l in layers]
+        first = layers[0] if layers else None
+        self._device = first.a.device if first else torch.device("cpu")
+        self._dtype = first.a.dtype if first else torch.float32
+        # One mask buffer per batch size, rewritten in place, so its address is stable for
+        # CUDA graphs; `_cols_key` says what each one holds now.
+        self._cols: dict[int, torch.Tensor] = {}
+        self._cols_key: dict[int, tuple] = {}
 
     @classmethod
     def install(cls, model: nn.Module, tensors: dict[str, torch.Tensor], slots: int) -> LoraSlots:
@@ -177,10 +188,9 @@ class LoraSlots:
         slot = self.table.assign(version)
         try:
             paths = list(self.layers)
-            torch._foreach_copy_(self._a_first[slot], [mods[p][0] for p in paths], non_blocking=True)
-            torch._foreach_copy_(self._b_first[slot], [mods[p][1] for p in paths], non_blocking=True)
-            torch._foreach_mul_(self._b_first[slot], scale)
-            self._refresh_head_halves()
+            torch._foreach_copy_(self._a_of[slot], [mods[p][0] for p in paths], non_blocking=True)
+            torch._foreach_copy_(self._b_of[slot], [mods[p][1] for p in paths], non_blocking=True)
+            torch._foreach_mul_(self._b_of[slot], scale)
         except BaseException:
             self.table.release(version)
             raise
@@ -193,49 +203,53 @@ class LoraSlots:
             raise ValueError(f"version {version} is the merged head; set another head first")
         slot = self.table.release(version)
         self._scale.pop(version, None)
-        for layer in self.layers.values():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
+        torch._foreach_zero_(self._a_of[slot])
+        torch._foreach_zero_(self._b_of[slot])
 
     @torch.no_grad()
     def set_head(self, version: int | None) -> None:
-        """Merge `version` into every weight (from the pristine W0) and refresh the head half
-        of every slot's correction pair."""
+        """Merge `version` into every weight, from the pristine W0."""
         head_slot = None if version is None else self.table.slot_of(version)
         if head_slot is None:
             torch._foreach_copy_([w for _, w in self._merge], [w0 for w0, _ in self._merge])
         else:
-            for (w0, w), a, b in zip(self._merge, self._a_first[head_slot], self._b_first[head_slot]):
+            for (w0, w), a, b in zip(self._merge, self._a_of[head_slot], self._b_of[head_slot]):
                 torch.addmm(w0, b, a, out=w)
         self.head = version
-        self._refresh_head_halves()
-
-    def _refresh_head_halves(self) -> None:
-        """Second half of every slot's pair: the head's A and -s_h B_h (zeros without a head)."""
-        if self.head is None:
-            torch._foreach_zero_(self._a_second)
-            torch._foreach_zero_(self._b_second)
-            return
-        h = self.table.slot_of(self.head)
-        torch._foreach_copy_(self._a_second, self._a_head_src[h])
-        torch._foreach_copy_(self._b_second, self._b_head_src[h])
-        torch._foreach_neg_(self._b_second)
 
     # --- per forward ---
-    @contextlib.contextmanager
-    def route(self, row_versions: Sequence[int]) -> Iterator[None]:
-        """Run one forward with each row on its version: rows on the head need nothing,
-        runs of consecutive rows on another version get one correction span each."""
-        spans: list[tuple[int, int, int]] = []
-        start = 0
-        for i in range(1, len(row_versions) + 1):
-            if i == len(row_versions) or row_versions[i] != row_versions[start]:
-                v = row_versions[start]
+    def columns(self, row_versions: Sequence[int]) -> torch.Tensor | None:
+        """The sign mask C for rows on these versions ([rows, slots * rank], on the model's
+        device), or None when every row is on the head. The returned tensor is this batch
+        size's buffer: it is rewritten by the next call for the same size."""
+        slot_of = {v: self.table.slot_of(v) for v in set(row_versions)}  # KeyError if not loaded
+        head_slot = None if self.head is None else self.table.slot_of(self.head)
+        if all(v == self.head for v in row_versions):
+            return None
+        n = len(row_versions)
+        key = (tuple(row_versions), head_slot, tuple(sorted(slot_of.items())))
+        buf = self._cols.get(n)
+        if buf is None:
+            buf = self._cols[n] = torch.zeros(
+                n, self.table.slots * self.rank, dtype=self._dtype, device=self._device
+            )
+        if self._cols_key.get(n) != key:
+            signs = torch.zeros(n, self.table.slots, dtype=self._dtype)
+            for row, v in enumerate(row_versions):
                 if v != self.head:
-                    spans.append((self.table.slot_of(v), start, i))
-                start = i
-        self.routing.spans, self.routing.batch = spans, len(row_versions)
+                    signs[row, slot_of[v]] = 1.0
+                    if head_slot is not None:
+                        signs[row, head_slot] = -1.0
+            buf.copy_(signs.repeat_interleave(self.rank, dim=1))
+            self._cols_key[n] = key
+        return buf
+
+    @contextlib.contextmanager
+    def route(self, row_versions: Sequence[int]) -> Iterator[bool]:
+        """Run one forward with each row on its version. Yields whether any row is corrected
+        (the two cases are different CUDA graphs: rows all on the head run no correction)."""
+        self.routing.cols = self.columns(row_versions)
         try:
-            yield
+            yield self.routing.cols is not None
         finally:
-            self.routing.spans, self.routing.batch = [], 0
+            self.routing.cols = None
