@@ -164,6 +164,8 @@ class RolloutConfig(Section):
     sidecar loads v0 at runtime like every later version (what `lorabus up` does)"""
     request_timeout_s: float = 120.0
     heartbeat_s: float = 2.0
+    cuda_graphs: bool = True
+    """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
 
 
 class VllmConfig(Section):

@@ -12,18 +12,26 @@ the trainer's `log_softmax(logits / temperature)`, so behaviour and proximal log
 Sampling is Gumbel-max over a counter-based hash of (row seed, step, token id), so a row's
 tokens depend only on its seed and its logits: not on batch composition, row order or device
 RNG state. That makes generation reproducible with a seed, also for rows batched differently.
+
+Two ways to run the forward steps, same sampler and bookkeeping:
+- dynamic (default): transformers' DynamicCache, one eager forward per step. Any model.
+- static (`graphs=DecodeGraphs(model, ...)`): a preallocated StaticCache and fixed input
+  buffers, so the one-token step has fixed shapes and addresses; on CUDA it is captured once
+  per (batch, cache length, step variant) as a CUDA graph and replayed. A decode step of a
+  1.5B model is ~1500 small kernels, so eager decoding is bound by Python/launch overhead,
+  not by the GPU; a replay launches them all at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
@@ -112,6 +120,78 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "past_key_values"
 
 
+class DecodeGraphs:
+    """Static KV caches and captured decode steps of one model, reused across `decode` calls.
+
+    A state (cache + input buffers + graphs) is keyed by (batch, cache length); the cache
+    length is rounded up to `length_multiple` so prompts of similar length share one. A state
+    is used by one decode at a time; up to `max_states` idle ones are kept (least recently used
+    go first). `capture=False` runs the same static steps eagerly (CPU; tests of this path).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, capture: bool, max_states: int = 4, length_multiple: int = 64):
+        reason = static_unsupported(model)
+        if reason:
+            raise ValueError(f"static decoding: {reason}")
+        if capture and not torch.cuda.is_available():
+            raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
+        self.model = model
+        self.capture = capture
+        self.max_states = max_states
+        self.length_multiple = length_multiple
+        self.captures = 0
+        """graphs captured so far (for tests and metrics)"""
+        self._idle: list[_State] = []
+
+    def acquire(self, batch: int, need: int) -> _State:
+        length = -(-need // self.length_multiple) * self.length_multiple
+        for i, state in enumerate(self._idle):
+            if state.key == (batch, length):
+                return self._idle.pop(i)
+        return _State(self.model, batch, length)
+
+    def release(self, state: _State) -> None:
+        self._idle.append(state)
+        del self._idle[: max(0, len(self._idle) - self.max_states)]
+
+
+def static_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the static path cannot run this model, or None. It passes its own 4D additive
+    mask, which transformers uses as is for full attention under sdpa/eager only."""
+    cfg = model.config
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r}; the static path needs 'sdpa' or 'eager'"
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}; the static path supports full attention only"
+    return None
+
+
+class _State:
+    def __init__(self, model: torch.nn.Module, batch: int, length: int):
+        device = next(model.parameters()).device
+        self.key = (batch, length)
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.mask = torch.zeros((batch, 1, 1, length), dtype=model.dtype, device=device)
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warm: set[Hashable] = set()
+
+    def rewind(self) -> None:
+        """Empty the cache in place (its tensors keep their addresses for the graphs); stale
+        keys and values stay, masked out."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.zero_()
+
+
+def _forward(model, cache_arg: dict, extra: dict, **inputs) -> torch.Tensor:
+    out = model(**inputs, use_cache=True, logits_to_keep=1, **cache_arg, **extra)
+    return out.logits[:, -1]
+
+
 @torch.inference_mode()
 def decode(
     model: torch.nn.Module,
@@ -121,9 +201,11 @@ def decode(
     step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     check_every: int = 8,
     forward_kwargs: dict[str, Any] | None = None,
+    graphs: DecodeGraphs | None = None,
 ) -> list[RowOutput]:
     """Generate every row in one batch. `step_context()` wraps each forward (the engine uses it
-    to hold its lock and route rows to their LoRA versions)."""
+    to hold its lock and route rows to their LoRA versions); what it yields names the step's
+    variant (e.g. "LoRA correction on"): the static path keeps one graph per variant."""
     if not rows:
         return []
     for i, row in enumerate(rows):
@@ -154,36 +236,36 @@ def decode(
     needs_truncation = any(r.top_p < 1.0 or r.top_k > 0 for r in rows)
     steps = max(r.max_new_tokens for r in rows)
 
-    cache_arg = {_cache_kwarg(model): DynamicCache(config=model.config)}
     extra = forward_kwargs or {}
+    cache_kw = _cache_kwarg(model)
+    if graphs is None:
+        stepper: _Dynamic | _Static = _Dynamic(model, {cache_kw: DynamicCache(config=model.config)}, extra, mask)
+    else:
+        stepper = _Static(graphs, graphs.acquire(b, width + steps), cache_kw, extra, mask)
     vocab_hash: torch.Tensor | None = None
     tokens = torch.zeros((b, steps), dtype=torch.long, device=device)
     logprobs = torch.zeros((b, steps), dtype=torch.float32, device=device)
     length = torch.zeros(b, dtype=torch.long, device=device)  # 0 = still running
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
-    step_ids, step_pos, attn = ids, positions, mask
-    for t in range(steps):
-        with step_context():
-            out = model(
-                input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                use_cache=True, logits_to_keep=1, **cache_arg, **extra,
-            )
-        logits = out.logits[:, -1]
-        if vocab_hash is None:
-            vocab_hash = _mix32(torch.arange(logits.shape[-1], dtype=torch.long, device=device))
-        tok, lp = sample(logits, temperature, top_p, top_k, seeds, t, vocab_hash, needs_truncation)
-        tokens[:, t], logprobs[:, t] = tok, lp
-        running = length == 0
-        hit_stop = (tok[:, None] == stops).any(-1) & running
-        hit_len = (max_new == t + 1) & running
-        stopped |= hit_stop
-        length = torch.where(hit_stop | hit_len, t + 1, length)
-        if (t + 1) % check_every == 0 or t + 1 == steps:
-            if bool((length > 0).all()):
-                break
-        step_ids = tok[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+    tok = ids
+    try:
+        for t in range(steps):
+            with step_context() as variant:
+                logits = stepper.prefill(ids, positions) if t == 0 else stepper.step(tok, variant)
+            if vocab_hash is None:
+                vocab_hash = _mix32(torch.arange(logits.shape[-1], dtype=torch.long, device=device))
+            tok, lp = sample(logits, temperature, top_p, top_k, seeds, t, vocab_hash, needs_truncation)
+            tokens[:, t], logprobs[:, t] = tok, lp
+            running = length == 0
+            hit_stop = (tok[:, None] == stops).any(-1) & running
+            hit_len = (max_new == t + 1) & running
+            stopped |= hit_stop
+            length = torch.where(hit_stop | hit_len, t + 1, length)
+            if (t + 1) % check_every == 0 or t + 1 == steps:
+                if bool((length > 0).all()):
+                    break
+    finally:
+        stepper.close()
     tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
     lengths, stopped_l = length.tolist(), stopped.tolist()
     return [
@@ -194,3 +276,84 @@ def decode(
         )
         for i in range(b)
     ]
+
+
+class _Dynamic:
+    """DynamicCache, 2D padding mask grown by one column per step, eager forwards."""
+
+    def __init__(self, model, cache_arg: dict, extra: dict, mask: torch.Tensor):
+        self.model, self.cache_arg, self.extra, self.attn = model, cache_arg, extra, mask
+        self.pos: torch.Tensor | None = None
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.pos = positions[:, -1:]
+        return _forward(self.model, self.cache_arg, self.extra, input_ids=ids,
+                        attention_mask=self.attn, position_ids=positions)
+
+    def step(self, tok: torch.Tensor, variant: Hashable) -> torch.Tensor:
+        self.pos = self.pos + 1
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
+        return _forward(self.model, self.cache_arg, self.extra, input_ids=tok[:, None],
+                        attention_mask=self.attn, position_ids=self.pos)
+
+    def close(self) -> None:
+        pass
+
+
+class _Static:
+    """StaticCache and fixed buffers: ids [b, 1], positions [b, 1], additive mask [b, 1, 1, L].
+    The first step of each variant runs eagerly (it warms the kernels up); later steps of that
+    variant replay its graph, captured on first need."""
+
+    def __init__(self, graphs: DecodeGraphs, state: _State, cache_kw: str, extra: dict, mask: torch.Tensor):
+        self.graphs, self.state = graphs, state
+        self.cache_arg, self.extra = {cache_kw: state.cache}, extra
+        self.width = mask.shape[1]
+        self.t = 0
+        state.rewind()
+        neg = torch.finfo(state.mask.dtype).min
+        keep = torch.zeros_like(state.mask[:, 0, 0], dtype=torch.bool)
+        keep[:, : self.width] = mask.bool()
+        self.keep = keep
+        # key j is visible to query i of the prompt if j <= i and j is not padding
+        causal = torch.ones(self.width, keep.shape[1], dtype=torch.bool, device=keep.device).tril()
+        self.prefill_mask = torch.where(causal[None] & keep[:, None, :], 0.0, neg).to(state.mask.dtype)[:, None]
+        state.mask.copy_(torch.where(keep, 0.0, neg)[:, None, None, :])
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.state.pos.copy_(positions[:, -1:])
+        return _forward(self.graphs.model, self.cache_arg, self.extra, input_ids=ids,
+                        attention_mask=self.prefill_mask, position_ids=positions)
+
+    def step(self, tok: torch.Tensor, variant: Hashable) -> torch.Tensor:
+        st = self.state
+        self.t += 1
+        st.ids.copy_(tok[:, None])
+        st.pos.add_(1)
+        st.mask[:, :, :, self.width + self.t - 1] = 0.0
+        if not self.graphs.capture or variant not in st.warm:
+            st.warm.add(variant)
+            return self._eager()
+        if variant not in st.graphs:
+            st.graphs[variant] = self._capture()
+            self.graphs.captures += 1
+        graph, logits = st.graphs[variant]
+        graph.replay()
+        return logits
+
+    def _eager(self) -> torch.Tensor:
+        st = self.state
+        return _forward(self.graphs.model, self.cache_arg, self.extra, input_ids=st.ids,
+                        attention_mask=st.mask, position_ids=st.pos)
+
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Capture records without running, so the cache is not advanced here; the caller
+        # replays right after. thread_local: another decode thread's sampling kernels may run
+        # meanwhile (this one holds the engine lock, so no weight or slot changes can).
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = self._eager()
+        return graph, logits
+
+    def close(self) -> None:
+        self.graphs.release(self.state)

@@ -4,6 +4,11 @@ One lock serialises every forward step, adapter load and head change. A batch ta
 per decode step, so a version can be loaded between two steps of a running generation; rows
 of that generation stay on the version they were pinned to (their slot is untouched, and the
 head change only moves them from "merged" to "corrected"), so their outputs do not change.
+
+On CUDA with `cuda_graphs` (rollout.cuda_graphs, default on) the decode steps run on a static
+KV cache and replay CUDA graphs: one per batch size and cache length, for "all rows on the
+head" and for "some rows corrected". The routing is a device tensor, so a head change between
+two steps needs no new capture.
 """
 
 from __future__ import annotations
@@ -21,16 +26,24 @@ from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.lora_slots import LoraSlots
-from services.rollout.sampling import Row, decode, mix32
+from services.rollout.sampling import DecodeGraphs, Row, decode, mix32, static_unsupported
 
 
 class EmbeddedEngine:
     name = "embedded"
 
-    def __init__(self, model: torch.nn.Module, *, eos_ids: Sequence[int], pad_id: int, slots: int):
+    def __init__(
+        self, model: torch.nn.Module, *, eos_ids: Sequence[int], pad_id: int, slots: int,
+        cuda_graphs: bool = True,
+    ):
         if slots < 2:
             raise ValueError(f"slots: {slots} must be >= 2 (lora_keep_versions + 1)")
         self.model = model.eval()
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        """static-cache CUDA graph decoding; None: the eager DynamicCache loop (CPU, or off)"""
+        if cuda_graphs and on_cuda and static_unsupported(model) is None:
+            self.graphs = DecodeGraphs(model, capture=True)
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
         self.n_slots = slots
@@ -48,7 +61,10 @@ class EmbeddedEngine:
         tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
         model = models.load_base_model(cfg.actor.path, cfg.rollout.dtype, cfg.rollout.device)
         keep = cfg.rollout.lora_keep_versions or cfg.rollout.max_head_offpolicyness + 1
-        return cls(model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok), slots=keep + 1)
+        return cls(
+            model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok), slots=keep + 1,
+            cuda_graphs=cfg.rollout.cuda_graphs,
+        )
 
     # --- versions ---
     async def load_version(
@@ -127,7 +143,7 @@ class EmbeddedEngine:
         try:
             outputs = await asyncio.to_thread(
                 decode, self.model, [r[3] for r in rows], pad_id=self.pad_id,
-                step_context=lambda: self._step(row_versions),
+                step_context=lambda: self._step(row_versions), graphs=self.graphs,
             )
         finally:
             self._active.subtract(versions)
@@ -139,11 +155,11 @@ class EmbeddedEngine:
         return results  # type: ignore[return-value]
 
     @contextlib.contextmanager
-    def _step(self, row_versions: list[int]) -> Iterator[None]:
+    def _step(self, row_versions: list[int]) -> Iterator[bool]:
         with self._lock:
             assert self.slots is not None
-            with self.slots.route(row_versions):
-                yield
+            with self.slots.route(row_versions) as corrected:
+                yield corrected
             self.steps += 1
 
     async def health(self) -> bool:
