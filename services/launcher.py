@@ -159,13 +159,13 @@ def write_pids(run_dir: Path, children: list[Child]) -> None:
     (run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in children}))
 
 
-def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
+def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
+    """SIGTERM every child's process group (each child leads its own: vLLM's engine core and
+    torchrun's ranks are children of the process we started), SIGKILL what is left at the end.
+    The timeout covers torchrun, which gives its ranks up to 30 s to finish a step."""
     for child in reversed(children):
         if child.alive():
-            if child.server:
-                local_servers.terminate_group(child.proc.pid)
-            else:
-                child.proc.send_signal(signal.SIGTERM)
+            local_servers.terminate_group(child.proc.pid)
     deadline = time.monotonic() + timeout_s
     for child in children:
         if child.proc is None:
@@ -173,8 +173,10 @@ def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
         try:
             child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            if child.server:
+            try:
                 os.killpg(child.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             child.proc.kill()
             child.proc.wait()
 
