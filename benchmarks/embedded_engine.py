@@ -12,6 +12,9 @@ the differences are the LoRA serving path alone:
   slots_mixed3   our slots, 50% head, 25% each on two older versions
   peft_unmerged  peft with one unmerged adapter
   peft_mixed2    peft, two adapters mixed in the batch through `adapter_names`
+Each of base and slots_* runs twice: eager (DynamicCache, one Python forward per step) and
+`*_graphs` (static KV cache, CUDA-graph replay of the decode step; CUDA only). Ratios are to
+the base of the same technique: eager variants to eager base, graph variants to graph base.
 Hot-swap: ours = copy into a free slot + re-merge of the head from W0 (cuda-synchronised),
 from GPU-resident and from pinned host tensors; peft `load_adapter` from disk and peft
 `hotswap_adapter` from disk. Imports torch/transformers/peft/safetensors and our torch-only
@@ -35,7 +38,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.rollout.lora_slots import LoraSlots  # noqa: E402
-from services.rollout.sampling import Row, decode  # noqa: E402
+from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -105,15 +108,27 @@ def make_rows(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[
     return [Row(prompt=p, max_new_tokens=new_tokens, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
 
 
-def tokens_per_s(model, rows, device, step_context=None, forward_kwargs=None, repeats=2) -> float:
+def tokens_per_s(model, rows, device, step_context=None, forward_kwargs=None, repeats=2, graphs=None) -> float:
     kwargs = {"step_context": step_context} if step_context else {}
-    warm = [Row(prompt=r.prompt, max_new_tokens=4, seed=r.seed) for r in rows]
-    decode(model, warm, forward_kwargs=forward_kwargs, **kwargs)
+    # Graphs: warm up on the real shapes (the warm run captures); eager: a short run suffices.
+    warm = rows if graphs is not None else [Row(prompt=r.prompt, max_new_tokens=4, seed=r.seed) for r in rows]
+    decode(model, warm, forward_kwargs=forward_kwargs, graphs=graphs, **kwargs)
     best = min(
-        timed(lambda: decode(model, rows, forward_kwargs=forward_kwargs, **kwargs), device)
+        timed(lambda: decode(model, rows, forward_kwargs=forward_kwargs, graphs=graphs, **kwargs), device)
         for _ in range(repeats)
     )
     return sum(r.max_new_tokens for r in rows) / best
+
+
+def agreement(a, b) -> dict:
+    """How close two decodes of the same rows are: first-token logprob, token agreement."""
+    first = max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b))
+    same = sum(p == q for x, y in zip(a, b) for p, q in zip(x.token_ids, y.token_ids))
+    total = sum(min(len(x.token_ids), len(y.token_ids)) for x, y in zip(a, b))
+    prefix = [next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q), len(x.token_ids))
+              for x, y in zip(a, b)]
+    return {"first_logprob_max_abs_diff": first, "token_match_frac": same / max(total, 1),
+            "identical_prefix_mean": statistics.mean(prefix)}
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -130,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swaps", type=int, default=None)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument("--static-cpu", action="store_true",
+                    help="with --tiny: run the *_graphs variants' static-cache path eagerly (no capture)")
     args = ap.parse_args(argv)
 
     tiny = args.tiny
@@ -167,7 +184,42 @@ def main(argv: list[str] | None = None) -> int:
     tps: dict[str, float] = {}
     print(f"device {res['device']}, adapter {res['adapter_mb']:.1f} MB, batch {batch} x {new_tokens} new tokens")
 
+    errors: dict[str, str] = {}
+    res["errors"] = errors
+    capture = device.type == "cuda"
+    use_graphs = capture or args.static_cpu
+
+    def save() -> None:
+        res["tokens_per_s"] = tps
+        args.out.write_text(json.dumps(res, indent=2))
+
+    def attempt(name, fn):
+        """Graph variants are new: one failing must not cost the run's other figures."""
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - recorded in the results and printed
+            import traceback
+
+            errors[name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            out = None
+        save()
+        return out
+
     tps["base"] = tokens_per_s(model, rows, device)
+    print(f"base eager {tps['base']:.0f} tok/s", flush=True)
+    if use_graphs:
+        base_graphs = DecodeGraphs(model, capture=capture)
+        tps_g = attempt("base_graphs", lambda: tokens_per_s(model, rows, device, graphs=base_graphs, repeats=3))
+        if tps_g:
+            tps["base_graphs"] = tps_g
+            print(f"base graphs {tps_g:.0f} tok/s", flush=True)
+            check = rows[: min(16, batch)]
+            res["base_graphs_vs_eager"] = attempt(
+                "base_graphs_check", lambda: agreement(decode(model, check), decode(model, check, graphs=base_graphs)))
+        del base_graphs
+        if capture:
+            torch.cuda.empty_cache()
 
     # --- peft: load_adapter from disk, hotswap_adapter, unmerged generation ---
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         del pm
 
     tps["base_again"] = tokens_per_s(model, rows, device)  # run-to-run noise, same model
+    if use_graphs and "base_graphs" in tps:
+        base_graphs = DecodeGraphs(model, capture=capture)
+        tps_g = attempt("base_graphs_again", lambda: tokens_per_s(model, rows, device, graphs=base_graphs, repeats=3))
+        if tps_g:
+            tps["base_graphs_again"] = tps_g
+        del base_graphs
+        if capture:
+            torch.cuda.empty_cache()
+    save()
 
     # --- our slots ---
     slots = LoraSlots.install(model, versions[0], slots=keep + 1)
@@ -235,12 +296,32 @@ def main(argv: list[str] | None = None) -> int:
     def routed(row_versions):
         return lambda: slots.route(row_versions)
 
-    tps["slots_head"] = tokens_per_s(model, rows, device, step_context=routed([head] * batch))
     q = batch // 4
-    mixed25 = [older[-1]] * q + [head] * (batch - q)
-    tps["slots_mixed25"] = tokens_per_s(model, rows, device, step_context=routed(mixed25))
-    mixed3 = [older[-2]] * q + [older[-1]] * q + [head] * (batch - 2 * q)
-    tps["slots_mixed3"] = tokens_per_s(model, rows, device, step_context=routed(mixed3))
+    mixes = {
+        "slots_head": [head] * batch,
+        "slots_mixed25": [older[-1]] * q + [head] * (batch - q),
+        "slots_mixed3": [older[-2]] * q + [older[-1]] * q + [head] * (batch - 2 * q),
+    }
+    mixed25 = mixes["slots_mixed25"]
+    for name, mix in mixes.items():
+        tps[name] = tokens_per_s(model, rows, device, step_context=routed(mix))
+        print(f"{name} eager {tps[name]:.0f} tok/s", flush=True)
+        save()
+    if use_graphs and "base_graphs" in tps:
+        slot_graphs = DecodeGraphs(model, capture=capture)
+        for name, mix in mixes.items():
+            got = attempt(f"{name}_graphs", lambda: tokens_per_s(
+                model, rows, device, step_context=routed(mix), graphs=slot_graphs, repeats=3))
+            if got:
+                tps[f"{name}_graphs"] = got
+                print(f"{name} graphs {got:.0f} tok/s", flush=True)
+        res["graph_captures_slots"] = slot_graphs.captures
+        check = rows[: min(16, batch)]
+        mix3 = mixes["slots_mixed3"]
+        mix_check = [mix3[i * batch // len(check)] for i in range(len(check))]  # every version present
+        res["slots_mixed3_graphs_vs_eager"] = attempt("slots_graphs_check", lambda: agreement(
+            decode(model, check, step_context=routed(mix_check)),
+            decode(model, check, step_context=routed(mix_check), graphs=slot_graphs)))
 
     # correctness spot check: our routed rows vs W0 + s B A computed directly, on one layer
     layer_name, layer = next(iter(slots.layers.items()))
@@ -258,10 +339,17 @@ def main(argv: list[str] | None = None) -> int:
 
     res["tokens_per_s"] = tps
     base = (tps["base"] + tps["base_again"]) / 2
-    res["ratio_to_base"] = {k: v / base for k, v in tps.items()}
-    print(f"\n{'variant':<16}{'tokens/s':>12}{'x base':>9}   (base = mean of base, base_again)")
+    graph_runs = [tps[k] for k in ("base_graphs", "base_graphs_again") if k in tps]
+    base_g = sum(graph_runs) / len(graph_runs) if graph_runs else None
+    res["ratio_to_base"] = {
+        k: v / (base_g if k.endswith("_graphs") or k.endswith("_graphs_again") else base)
+        for k, v in tps.items() if base_g is not None or "_graphs" not in k
+    }
+    print(f"\n{'variant':<24}{'tokens/s':>12}{'x base':>9}   (x base of the same technique: mean of its two base runs)")
     for k, v in tps.items():
-        print(f"{k:<16}{v:>12.0f}{v / base:>9.2f}")
+        print(f"{k:<24}{v:>12.0f}{res['ratio_to_base'][k]:>9.2f}")
+    if errors:
+        print(f"errors: {errors}")
     print(f"\n{'hot-swap (p50)':<40}{'ms':>9}")
     for k in ("slots_swap_ms_p50_from_gpu", "slots_swap_ms_p50_from_pinned_host", "slots_copy_ms_p50",
               "slots_merge_ms_p50", "peft_hotswap_adapter_ms_p50", "peft_load_adapter_ms_p50"):

@@ -218,6 +218,7 @@ class LoraSlots:
         self.head = version
 
     # --- per forward ---
+    @torch.no_grad()
     def columns(self, row_versions: Sequence[int]) -> torch.Tensor | None:
         """The sign mask C for rows on these versions ([rows, slots * rank], on the model's
         device), or None when every row is on the head. The returned tensor is this batch
@@ -230,9 +231,12 @@ class LoraSlots:
         key = (tuple(row_versions), head_slot, tuple(sorted(slot_of.items())))
         buf = self._cols.get(n)
         if buf is None:
-            buf = self._cols[n] = torch.zeros(
-                n, self.table.slots * self.rank, dtype=self._dtype, device=self._device
-            )
+            # a normal tensor even when first made inside inference mode, so that forwards
+            # outside it (no_grad) can still rewrite it in place
+            with torch.inference_mode(False):
+                buf = self._cols[n] = torch.zeros(
+                    n, self.table.slots * self.rank, dtype=self._dtype, device=self._device
+                )
         if self._cols_key.get(n) != key:
             signs = torch.zeros(n, self.table.slots, dtype=self._dtype)
             for row, v in enumerate(row_versions):
