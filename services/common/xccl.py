@@ -12,14 +12,20 @@ world; the store tells the members what is about to be broadcast). Keys:
     g<e>/members            JSON {replica: rank} (rank 0 is the trainer)
     g<e>/plan               JSON {"manifest": [...], "bucket_bytes": n}
     g<e>/pg/...             the process group's own rendezvous (a PrefixStore)
-    g<e>/send/<k>           JSON header of the k-th broadcast in group e: {"version", "digest"}
+
+The store is touched only when the membership changes. A version is announced to the members
+by the collective itself: a 4-int64 header broadcast (`version_header` / `end_header`, read
+back by `read_header`) precedes the buckets, and members block in that receive between
+versions, so no member polls the store and the notification costs one small collective.
 
 The process group is a `ProcessGroupGloo` / `ProcessGroupNCCL` object built directly on that
 store, not `torch.distributed.init_process_group`/`new_group`: those are tied to the one
 default group of a process, which under torchrun already belongs to the trainer's FSDP ranks.
 A directly constructed backend object lives beside the default group, needs no global state,
-and is torn down with `abort()` (the peers' pending ops then fail at once with "connection
-closed" instead of waiting out their timeouts).
+and is torn down by dropping it: its destructor closes the connections, and the peers'
+pending ops then fail at once with "connection closed" instead of waiting out their timeouts.
+(`abort()` alone does not do that for gloo in torch 2.13: a blocked receive on the other end
+stays blocked, and so does one in the same process; measured.)
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import hashlib
 import json
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +179,36 @@ def unpack(plan: list[Bucket], buffers: list[torch.Tensor]) -> dict[str, torch.T
     return {e.name: _view(buf, e) for bucket, buf in zip(plan, buffers, strict=True) for e in bucket.entries}
 
 
+# --- the per-version header (pure) -----------------------------------------------------------
+
+HEADER_LEN = 4
+VERSION, END = 1, 2
+"""header kinds: [VERSION, version, digest hi, digest lo] or [END, next epoch, 0, 0]"""
+
+
+def digest_ints(digest: str) -> tuple[int, int]:
+    """The first 120 bits of a manifest digest as two non-negative int64s."""
+    return int(digest[:15], 16), int(digest[15:30], 16)
+
+
+def version_header(version: int, digest: str) -> torch.Tensor:
+    return torch.tensor([VERSION, version, *digest_ints(digest)], dtype=torch.int64)
+
+
+def end_header(next_epoch: int) -> torch.Tensor:
+    return torch.tensor([END, next_epoch, 0, 0], dtype=torch.int64)
+
+
+def read_header(header: torch.Tensor) -> tuple[str, int, tuple[int, int]]:
+    """("version", version, digest ints) or ("end", next epoch, (0, 0))."""
+    kind, value, hi, lo = (int(x) for x in header.cpu().tolist())
+    if kind == VERSION:
+        return "version", value, (hi, lo)
+    if kind == END:
+        return "end", value, (0, 0)
+    raise ManifestError(f"xccl header: kind {kind} is neither {VERSION} (version) nor {END} (end)")
+
+
 # --- store and group helpers -----------------------------------------------------------------
 
 
@@ -209,23 +246,56 @@ def resolve_backend(configured: str, device: torch.device) -> str:
     return configured
 
 
-def abort_group(pg, wait_s: float = 1.0) -> None:
-    """Close the group's connections now so peers stuck in a collective fail fast.
+def set_timeout(pg, seconds: float) -> None:
+    """The timeout of the group's next collectives (a receiver waits for the next version's
+    header indefinitely, but for the buckets of a started broadcast only `xccl_timeout_s`)."""
+    pg._set_default_timeout(timeout(seconds))
+
+
+def abort_group(box: list, wait_s: float = 1.0) -> None:
+    """Close the group in `box` (a one-element list, emptied here) so peers stuck in a
+    collective fail fast: the connections close when the last reference goes, so the caller
+    hands its only one over in the box.
 
     Runs in a daemon thread and is waited for at most `wait_s`: closing a gloo context whose
     peer vanished can block, and the caller (a trainer step, a receiver re-joining) must not."""
-    if pg is None:
+    if not box or box[0] is None:
+        box.clear()
         return
+    holder = [box.pop()]
 
     def _abort() -> None:
+        pg = holder.pop()
         try:
             pg.abort()
         except Exception:  # abort of an already broken group; nothing left to close
             pass
+        del pg  # the last reference: gloo closes the pairs here
 
     t = threading.Thread(target=_abort, name="xccl-abort", daemon=True)
     t.start()
     t.join(wait_s)
+
+
+def fetch_when_stored(get, *, what: str, within_s: float = 60.0, first_s: float = 0.05):
+    """`get()`, retried while it raises `ObjectNotFound`, with backoff, for at most `within_s`.
+
+    Under XCCL the event of a broadcast version goes out before its durable copy has finished
+    uploading (the members already hold it), so a reader of the object (a replica outside the
+    group, the exporter, an evaluator) may arrive before the object does."""
+    from services.common.store import ObjectNotFound
+
+    deadline = time.monotonic() + within_s
+    delay = first_s
+    while True:
+        try:
+            return get()
+        except ObjectNotFound:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ObjectNotFound(f"{what}: still not stored {within_s:.0f}s after its event") from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 2.0)
 
 
 def dumps(obj) -> str:

@@ -5,16 +5,22 @@ Lifecycle of the thread (one session per trainer handle, i.e. master address/por
 
     connect to the trainer's store, `join` (that is the capability announcement: it proves
     this replica can reach the trainer) -> wait for a g<e>/members that names us -> build the
-    group, allocate two staging sets of buckets from g<e>/plan -> for each g<e>/send/<k>:
-    receive every bucket into a free staging set, all-reduce our flag, and only if the
-    trainer's flag says it sent everything mark the version staged.
+    group, allocate two staging sets of buckets from g<e>/plan -> block in the header receive
+    (no timeout: the trainer may train for hours; its death closes the connection) -> on a
+    VERSION header receive every bucket into a free staging set (now within `timeout_s`),
+    all-reduce our flag, and only if the trainer's flag says it sent everything mark the
+    version staged; on an END header leave for the next group.
 
 Nothing is loaded into the engine here. The service calls `take(version, payload)` when the
 version's event arrives and copies the staged views into a version slot; a staged version is
 therefore always complete (a torn broadcast never reaches `staged`), and an event whose
 group, digest or ranks do not match what was staged gets None: the object copy then.
-Any failure ends the session (group aborted, staging forgotten) and a new one re-joins, so
+Any failure ends the session (group dropped, staging forgotten) and a new one re-joins, so
 the trainer re-forms the group with this replica at its next version.
+
+A thread blocked in the header receive cannot be woken from this process (gloo has no local
+cancel): `close` does not wait for it (it is a daemon thread), and a retarget to a new trainer
+is noticed at the old trainer's next header or at its death.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ class Staged:
 
 class _Retarget(Exception):
     pass
+
+
+IDLE_TIMEOUT_S = 365 * 24 * 3600.0
+"""the header receive between versions: effectively forever (a gloo timeout closes the pair,
+so a "re-post on timeout" loop is not possible; liveness comes from the connection)"""
+RETRY_S = 0.2
+"""after a failed session (trainer gone, or not up yet) before connecting again"""
 
 
 class XcclReceiver:
@@ -113,12 +126,13 @@ class XcclReceiver:
             self._staged.pop(version, None)
             self._cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        xccl.abort_group(self._pg)
-        self._thread.join(timeout=self.timeout_s + 2)
+        # a thread between sessions ends now; one blocked in a header receive ends with the
+        # trainer's next header or its connection (daemon: it does not hold up the exit)
+        self._thread.join(timeout=wait_s)
 
     # --- the thread ---
     def _run(self) -> None:
@@ -140,7 +154,7 @@ class XcclReceiver:
                 self._end_session()
             with self._cond:  # a dead trainer: wait before trying its address again
                 if not self._closed and self._target == target:
-                    self._cond.wait(self.poll_s)
+                    self._cond.wait(RETRY_S)
 
     def _check(self, target) -> None:
         if self._closed or self._target != target:
@@ -181,20 +195,22 @@ class XcclReceiver:
                 self.group = members["group"]
                 self._cond.notify_all()
             log.info("xccl %s: in group %s as rank %d of %d", self.replica, self.group, rank, world)
-            k = 0
+            header = torch.zeros(xccl.HEADER_LEN, dtype=torch.int64, device=self.staging_device)
             while True:
-                header = xccl.loads(self._wait_key(store, f"g{epoch}/send/{k}", target))
-                k += 1
-                if "next" in header:
-                    log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, header["next"])
+                self._check(target)
+                xccl.set_timeout(self._pg, IDLE_TIMEOUT_S)
+                self._pg.broadcast(header, 0).wait()
+                kind, value, digest = xccl.read_header(header)
+                if kind == "end":
+                    log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, value)
                     break
-                self._receive(header, rank, world)
-            xccl.abort_group(self._pg)
-            self._pg = None
+                xccl.set_timeout(self._pg, self.timeout_s)
+                self._receive(value, digest, rank, world)
+            box, self._pg = [self._pg], None
+            xccl.abort_group(box)
             with self._cond:
                 self.group = None
-            epoch = header["next"] - 1
-            log.info("xccl %s: old group aborted", self.replica)
+            epoch = value - 1
 
     def _prepare(self, plan_doc: dict) -> None:
         if plan_doc["digest"] == self.digest and self._sets:
@@ -224,7 +240,7 @@ class XcclReceiver:
                     return self._staged.pop(v).buffers
         return xccl.alloc_buckets(self.plan, self.staging_device)  # unreachable while loads are serial
 
-    def _receive(self, header: dict, rank: int, world: int) -> None:
+    def _receive(self, version: int, digest: tuple[int, int], rank: int, world: int) -> None:
         t0 = time.perf_counter()
         buffers = self._free_set()
         wait = xccl.timeout(self.timeout_s)
@@ -232,20 +248,22 @@ class XcclReceiver:
             self._pg.broadcast(buf, 0).wait(wait)
         if self.staging_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        ok = header["digest"] == self.digest
+        # a header of another layout than our plan: receive its bytes (the collective must
+        # complete) but never stage them; the flag tells the trainer to list us out
+        ok = digest == xccl.digest_ints(self.digest)
         flag_device = self.staging_device
         flags = torch.zeros(world, dtype=torch.int64, device=flag_device)
         flags[rank] = 1 if ok else 0
         self._pg.allreduce(flags).wait(wait)
         if ok and int(flags[0]) == 1:
             with self._cond:
-                self._staged[header["version"]] = Staged(header["version"], self.group, self.digest, buffers)
+                self._staged[version] = Staged(version, self.group, self.digest, buffers)
                 self._cond.notify_all()
         self.last_receive_s = time.perf_counter() - t0
 
     def _end_session(self) -> None:
-        xccl.abort_group(self._pg)
-        self._pg = None
+        box, self._pg = [self._pg], None
+        xccl.abort_group(box)
         with self._cond:
             self.group = None
             self._staged = {v: s for v, s in self._staged.items() if s.claimed}

@@ -1,24 +1,26 @@
 """The trainer's end of the XCCL weight sync: rank 0 of a group of the replicas that joined.
 
-Per version (`send`, blocking; the trainer runs it in a thread beside the object upload):
+Per version (`send`, blocking; publish.py runs it in a thread):
 
-    new joins or new layout?  -> re-form: tell the old group to move on, abort it, write
+    new joins or new layout?  -> re-form: send the old group an END header, drop it, write
                                  g<e>/members + g<e>/plan, build the group (waits for every
                                  member, at most `timeout_s`)
     pack the adapter into the preallocated buckets
-    g<e>/send/<k> = {version, digest}   (members wait on this key, not inside a collective,
-                                         so a long training step never trips a timeout)
+    broadcast the header [VERSION, version, digest]   (members block in this receive between
+                                                        versions: the collective notifies them)
     broadcast every bucket; all-reduce one flag per rank ("I have every byte")
 
 It returns the `XcclPayload` for the event: `ranks` lists exactly the members whose flag came
 back set, so a replica named there has the whole version staged and a replica not named falls
 back to the object copy. Any failure (a member died, timed out, a rendezvous never completed)
-aborts the group, forgets the members and returns a handle with no ranks: the version reaches
-everyone through the object copy, and the survivors re-join for the next version.
+drops the group (its connections close, so the survivors' pending receives fail at once),
+forgets the members and returns a handle with no ranks: the version reaches everyone through
+the object copy, and the survivors re-join for the next version.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -59,13 +61,14 @@ class XcclSender:
         self.epoch = 0
         self.members: dict[str, int] = {}
         self.pg = None
-        self.sends = 0
         self.digest = ""
         self.plan: list[xccl.Bucket] = []
         self.buffers: list[torch.Tensor] = []
         self.joins_read = 0
         self._group_digest = ""
         self.stats = SendStats()
+        self.durable: concurrent.futures.Future | None = None
+        """the durable copy of the last version while it uploads (publish.py); `close` waits"""
         self._lock = threading.Lock()
 
     @property
@@ -91,7 +94,6 @@ class XcclSender:
         self._drop_group(reason_next=self.epoch + 1)
         self.epoch += 1
         self.members = {name: i + 1 for i, name in enumerate(members)}
-        self.sends = 0
         e = self.epoch
         self.store.set(f"g{e}/plan", xccl.dumps({
             "manifest": [[s.name, list(s.shape), s.dtype] for s in manifest],
@@ -105,10 +107,14 @@ class XcclSender:
 
     def _drop_group(self, reason_next: int | None = None) -> None:
         if self.pg is not None and reason_next is not None:
-            # members wait on the next send key: point them at the next group instead
-            self.store.set(f"g{self.epoch}/send/{self.sends}", xccl.dumps({"next": reason_next}))
-        xccl.abort_group(self.pg)
-        self.pg = None
+            # members wait in the header receive: point them at the next group (they leave
+            # cleanly and read its members from the store); a broken group just closes
+            try:
+                self.pg.broadcast(xccl.end_header(reason_next), 0).wait(xccl.timeout(self.timeout_s))
+            except Exception as exc:
+                log.info("xccl: group %s did not take its END header (%s)", self.group_name, exc)
+        box, self.pg = [self.pg], None
+        xccl.abort_group(box)
 
     # --- one version ---
     def send(self, version: int, tensors: dict[str, torch.Tensor]) -> XcclPayload:
@@ -144,9 +150,8 @@ class XcclSender:
                 torch.cuda.current_stream().synchronize()
             t2 = time.perf_counter()
             st.pack_s = t2 - t1
-            self.store.set(f"g{self.epoch}/send/{self.sends}", xccl.dumps({"version": version, "digest": digest}))
-            self.sends += 1
             wait = xccl.timeout(self.timeout_s)
+            self.pg.broadcast(xccl.version_header(version, digest).to(self._flag_device()), 0).wait(wait)
             for buf in self.buffers:
                 self.pg.broadcast(buf, 0).wait(wait)
             flags = torch.zeros(len(self.members) + 1, dtype=torch.int64, device=self._flag_device())
@@ -171,6 +176,8 @@ class XcclSender:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
+        if self.durable is not None:  # the last version's object copy finishes uploading first
+            concurrent.futures.wait([self.durable], timeout=max(60.0, self.timeout_s))
         with self._lock:
             self._drop_group(reason_next=self.epoch + 1 if self.pg is not None else None)
             self.members = {}
