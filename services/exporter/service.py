@@ -18,7 +18,7 @@ import nats.js.errors
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
-from services.common import streams
+from services.common import streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.store import store_for_uri
@@ -109,7 +109,10 @@ class Exporter:
     def _fetch_and_convert(self, payload: ObjectPayload, event: AdapterReady) -> PeftFiles:
         with _stage("fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
-            data = store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes)
+            # under xccl the event may precede its object by an upload time
+            data = xccl.fetch_when_stored(
+                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes),
+                what=payload.uri)
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 

@@ -43,7 +43,7 @@ from proto.messages import (
     ReplicaHeartbeat,
     Trajectory,
 )
-from services.common import streams
+from services.common import streams, xccl
 from services.common.config_schema import LorabusConfig
 from services.common.data import Prompt, epoch_order
 from services.rollout import metrics
@@ -210,7 +210,9 @@ class RolloutService:
                     if ev.object_payload() is None:
                         raise ValueError(f"{ev.adapter_name}: no object payload and this replica "
                                          "did not receive it by xccl")
-                    data = await asyncio.to_thread(self.fetch, ev)
+                    # under xccl the event may precede its object by an upload time
+                    data = await asyncio.to_thread(
+                        xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
                     await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()

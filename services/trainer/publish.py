@@ -1,22 +1,40 @@
-"""Announcing an adapter version: upload the safetensors once, then publish `AdapterReady`.
+"""Announcing an adapter version: the durable safetensors copy plus `AdapterReady`.
 
 The event's msg_id is `adapter-v<N>`, and before publishing the trainer asks the ADAPTERS
 stream whether `adapter.v<N>.ready` is already there: a retry or a restarted trainer can
 therefore never announce one version twice, even after JetStream's dedup window.
+
+Order (`deliver`):
+- object path: upload, then the event (it never names an object that is not stored).
+- XCCL with members: broadcast, and beside it the sha256 of the bytes and a small
+  `announced` marker under the version's key; then the event (the members hold the version
+  already, the event carries the object's uri/bytes/sha256); then the upload, in the
+  background (`sender.durable`). Readers of the object tolerate it appearing up to an upload
+  time after the event (`xccl.fetch_when_stored`). The marker keeps the store the ledger of
+  taken version numbers (`parse_adapter_version` counts it), so a trainer dying inside the
+  upload window resumes above N instead of re-using N for other weights; if it resumes at N
+  with the same bytes (its checkpoint), `publish_adapter` uploads the missing object.
+  The next version's `deliver` waits for this upload and raises its failure.
+- XCCL with nobody in the group (v0, after a failure): upload first, as the object path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
+import threading
 import time
 
 import nats.js.errors
 
-from proto import subjects
+from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, streams
 from services.common.store import ObjectRef
 
+log = logging.getLogger(__name__)
+ANNOUNCED_NAME = "announced.sha256"
 
 def adapter_key(run: str, version: int) -> str:
     return f"{run}/adapters/v{version}/{adapter_io.WEIGHTS_NAME}"
@@ -26,13 +44,20 @@ def adapter_msg_id(version: int) -> str:
     return f"adapter-v{version}"
 
 
+def announced_key(run: str, version: int) -> str:
+    return f"{run}/adapters/v{version}/{ANNOUNCED_NAME}"
+
+
 def parse_adapter_version(run: str, key: str) -> int | None:
-    """`<run>/adapters/v<N>/adapter_model.safetensors` -> N; None for any other key."""
-    prefix, suffix = f"{run}/adapters/v", f"/{adapter_io.WEIGHTS_NAME}"
-    if not (key.startswith(prefix) and key.endswith(suffix)):
-        return None
-    number = key[len(prefix) : -len(suffix)]
-    return int(number) if number.isdigit() else None
+    """`<run>/adapters/v<N>/adapter_model.safetensors` (or its `announced.sha256` marker) -> N;
+    None for any other key: the version numbers the store says are taken."""
+    prefix = f"{run}/adapters/v"
+    for name in (adapter_io.WEIGHTS_NAME, ANNOUNCED_NAME):
+        suffix = f"/{name}"
+        if key.startswith(prefix) and key.endswith(suffix):
+            number = key[len(prefix) : -len(suffix)]
+            return int(number) if number.isdigit() else None
+    return None
 
 
 def build_payloads(ref: ObjectRef, xccl: XcclPayload | None = None) -> list[Payload]:
@@ -46,8 +71,8 @@ def build_payloads(ref: ObjectRef, xccl: XcclPayload | None = None) -> list[Payl
 
 
 def adapter_event(
-    *, run: str, lora_name: str, version: int, ref: ObjectRef, lora: LoraSpec, trainer_step: int,
-    xccl: XcclPayload | None = None,
+    *, run: str, lora_name: str, version: int, payloads: list[Payload], lora: LoraSpec,
+    trainer_step: int,
 ) -> AdapterReady:
     return AdapterReady(
         run=run,
@@ -57,39 +82,120 @@ def adapter_event(
         trainer_step=trainer_step,
         created_at=time.time(),
         lora=lora,
-        payloads=build_payloads(ref, xccl),
+        payloads=payloads,
     )
 
 
-async def already_published(bus, run: str, version: int) -> bool:
+async def published_event(bus, run: str, version: int) -> tuple[bool, AdapterReady | None]:
+    """(whether `adapter.v<N>.ready` is in the stream, the event if it decodes)."""
     try:
-        await bus.js.get_last_msg(streams.ADAPTERS(run), subjects.adapter_ready(run, version))
+        msg = await bus.js.get_last_msg(streams.ADAPTERS(run), subjects.adapter_ready(run, version))
     except nats.js.errors.NotFoundError:
-        return False
-    return True
+        return False, None
+    try:
+        return True, codec.decode(msg.data, AdapterReady)
+    except codec.DecodeError:
+        return True, None
+
+
+async def already_published(bus, run: str, version: int) -> bool:
+    return (await published_event(bus, run, version))[0]
+
+
+def _checked_put(store, key: str, weights: bytes, sha256: str) -> ObjectRef:
+    ref = store.put_bytes(key, weights)
+    if ref.sha256 != sha256:
+        raise RuntimeError(f"store returned sha256 {ref.sha256} for {key}, expected {sha256}; "
+                           "the object store corrupted the upload")
+    return ref
+
+
+def _claim(store, run: str, version: int, key: str, weights: bytes) -> ObjectRef:
+    """The object's reference before it is stored, and the marker that takes its number."""
+    sha = adapter_io.sha256(weights)
+    store.put_bytes(announced_key(run, version), sha.encode())
+    return ObjectRef(uri=store.uri_for(key), bytes=len(weights), sha256=sha)
+
+
+def _upload_in_background(store, key: str, weights: bytes, sha256: str) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(_checked_put(store, key, weights, sha256))
+        except BaseException as exc:  # surfaced at the next version / close
+            log.error("durable copy %s failed: %r", key, exc)
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=f"upload-{key}", daemon=False).start()
+    return fut
+
+
+async def deliver(
+    store, *, run: str, version: int, weights: bytes, publish, sender=None, tensors=None,
+) -> list[Payload]:
+    """Store and broadcast `weights`/`tensors` as `version` and call `publish(payloads)` (an
+    async callable that sends the event) at the earliest moment the order in the module
+    docstring allows; returns the payloads."""
+    key = adapter_key(run, version)
+    if sender is None:
+        ref = await asyncio.to_thread(_checked_put, store, key, weights, adapter_io.sha256(weights))
+        payloads = build_payloads(ref)
+        await publish(payloads)
+        return payloads
+    previous, sender.durable = sender.durable, None
+    if previous is not None:  # one upload in flight at most; its failure stops the trainer
+        await asyncio.wrap_future(previous)
+    ref, xp = await asyncio.gather(
+        asyncio.to_thread(_claim, store, run, version, key, weights),
+        asyncio.to_thread(sender.send, version, tensors),
+    )
+    payloads = build_payloads(ref, xp)
+    if not xp.ranks:  # nobody holds it yet: everyone reads the object, so store it first
+        await asyncio.to_thread(_checked_put, store, key, weights, ref.sha256)
+        await publish(payloads)
+        return payloads
+    await publish(payloads)
+    sender.durable = _upload_in_background(store, key, weights, ref.sha256)
+    return payloads
+
+
+async def _repair(store, event: AdapterReady | None, run: str, version: int, weights: bytes) -> None:
+    """A version announced before its upload finished (XCCL) by a trainer that then died:
+    store the object now when these are the announced bytes."""
+    obj = event.object_payload() if event is not None else None
+    key = adapter_key(run, version)
+    if obj is None or await asyncio.to_thread(store.exists, key):
+        return
+    sha = adapter_io.sha256(weights)
+    if sha != obj.sha256:
+        log.error("v%d was announced with sha256 %s but never stored, and the weights at hand "
+                  "are %s: readers of v%d cannot get its object copy", version, obj.sha256[:12],
+                  sha[:12], version)
+        return
+    await asyncio.to_thread(_checked_put, store, key, weights, sha)
+    log.info("v%d: stored the object copy its event named (the announcing trainer died first)", version)
 
 
 async def publish_adapter(
     bus, store, *, run: str, lora_name: str, version: int, weights: bytes, lora: LoraSpec,
     trainer_step: int, sender=None, tensors=None,
 ) -> AdapterReady | None:
-    """Upload `weights` as version `version` and announce it; returns the event, or None when
-    this version had been announced already (nothing is uploaded or published then).
-
-    With an `XcclSender`, `tensors` are broadcast to its group while the upload runs; the
-    event goes out once both are done, so it never names an object that is not stored yet
-    and its `ranks` are the replicas that already hold the whole version."""
-    if await already_published(bus, run, version):
+    """Store `weights` as version `version` and announce it (see `deliver` for the order);
+    returns the event, or None when this version had been announced already (then only a
+    missing object copy of the same bytes is stored)."""
+    found, previous = await published_event(bus, run, version)
+    if found:
+        await _repair(store, previous, run, version, weights)
         return None
-    upload = asyncio.to_thread(store.put_bytes, adapter_key(run, version), weights)
-    if sender is not None:
-        ref, xccl = await asyncio.gather(upload, asyncio.to_thread(sender.send, version, tensors))
-    else:
-        ref, xccl = await upload, None
-    if ref.sha256 != adapter_io.sha256(weights):
-        raise RuntimeError(f"store returned sha256 {ref.sha256} for v{version}, expected "
-                           f"{adapter_io.sha256(weights)}; the object store corrupted the upload")
-    event = adapter_event(run=run, lora_name=lora_name, version=version, ref=ref, lora=lora,
-                          trainer_step=trainer_step, xccl=xccl)
-    await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
-    return event
+    sent: list[AdapterReady] = []
+
+    async def publish(payloads: list[Payload]) -> None:
+        event = adapter_event(run=run, lora_name=lora_name, version=version, payloads=payloads,
+                              lora=lora, trainer_step=trainer_step)
+        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
+        sent.append(event)
+
+    await deliver(store, run=run, version=version, weights=weights, publish=publish,
+                  sender=sender, tensors=tensors)
+    return sent[0]
