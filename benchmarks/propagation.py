@@ -5,19 +5,25 @@
 One run on this machine with the real nats-server and the real S3 server (`weed mini`):
 adapters of ~4 MB (Qwen2.5-0.5B r=4), 37 MB (Qwen2.5-1.5B r=16, the issue's 18.5 M params)
 and ~148 MB (Qwen2.5-1.5B r=64), all-linear, bf16; 1, 2, 4, 8 replicas. A replica is a process
-holding a preallocated slot buffer of the adapter's shape; "serves it" = the version's tensors
-copied into that buffer (the embedded engine's in-place slot copy; the head re-merge, a GEMM
-per module on the GPU, is timed by gpu_xccl_single.py) and an ack published on NATS.
+holding a preallocated slot buffer of the adapter's shape; "serves it" = the replica has the
+version's AdapterReady event and the version's tensors are copied into that buffer (the
+embedded engine's in-place slot copy; the head re-merge, a GEMM per module on the GPU, is
+timed by gpu_xccl_single.py), acked on NATS. That is the moment it can serve a request naming
+version N: no request names N before the event (the registry grants from events), and the
+XCCL replicas hold the staged bytes earlier, at the end of the broadcast.
 
 Paths (all through the real proto events on the real nats-server):
   s3      lorabus object path: safetensors bytes -> S3 put -> AdapterReady -> N gets (sha256
           verified) -> parse -> slot copy
   local   the same through the local-directory store
-  xccl    lorabus XCCL path (XcclSender/XcclReceiver over gloo): bucket pack + broadcast, with
-          the durable copy written to the local directory store in parallel, event after both,
-          replicas swap the staged buckets into the slot
-  xccl_only  the same without the durable copy (event right after the broadcast): how much of
-          "xccl" is the broadcast and how much the parallel durable write
+  xccl    lorabus XCCL path as the trainer runs it: safetensors bytes (the trainer serialises
+          before publishing), then `publish.deliver`: header + bucket broadcast (XcclSender ->
+          XcclReceiver over gloo) beside sha256 + the `announced` marker, the event, and the
+          durable copy to the local directory store in the background (it overlaps the
+          replicas' swap; the next rep waits for it). Replicas swap the staged buckets into the
+          slot when the event arrives
+  xccl_only  the broadcast and the event alone (no serialising, no durable copy): the
+          share of "xccl" that is the safetensors bytes + sha256
   peft    AReaL-style: peft save_pretrained to a shared directory, each replica peft
           load_adapter + set_adapter + delete_adapter of the previous one. peft needs a model to
           load into and the real base models are 3-6 GB per process (x8 on 2 cores): each
@@ -198,8 +204,8 @@ async def replica_main(index: int, nats_url: str) -> None:
                              cmd["nbytes"], cmd["prefix"]), daemon=True).start()
             ack("bare-ready")
         elif op == "bare_end":
-            xccl.abort_group(st["bare"])
-            st["bare"] = None
+            box, st["bare"] = [st["bare"]], None
+            xccl.abort_group(box)
             ack("bare-end")
         elif op == "exit":
             os._exit(0)
@@ -261,7 +267,7 @@ async def run_bench(args) -> dict:
     from services.common.nats_server import start_nats_server
     from services.common.s3_server import start_weed_s3
     from services.common.store import open_store
-    from services.trainer.publish import build_payloads
+    from services.trainer.publish import build_payloads, deliver
     from services.trainer.xccl_sender import XcclSender
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-"))
@@ -312,7 +318,7 @@ async def run_bench(args) -> dict:
                         await cmd(idle, "idle", op="idle")
                     await cmd(active, "setup", op="setup", manifest=manifest, size=size,
                               store=store_cfg, xccl=path.startswith("xccl"), peft=path == "peft")
-                    times, trainer, vias = [], [], set()
+                    times, trainer, vias, sends = [], [], set(), []
                     sender = None
                     if path in ("xccl", "xccl_only"):
                         sender = XcclSender(address="127.0.0.1", port=0, backend="gloo",
@@ -355,14 +361,20 @@ async def run_bench(args) -> dict:
                                 version += 1
                                 tag = version
                                 t0 = time.perf_counter()
-                            if path == "xccl":
-                                ref, xp = await asyncio.gather(asyncio.to_thread(durable),
-                                                               asyncio.to_thread(sender.send, version, tensors))
-                            else:  # the broadcast alone: the durable copy's share of "xccl"
+                            if path == "xccl":  # the trainer's own order (publish.deliver)
+                                async def publish(payloads, v=version):
+                                    ev = AdapterReady(run="bench", lora_name="bench", version=v, trainer_step=v,
+                                                      created_at=time.time(), lora=lora, payloads=payloads)
+                                    await nc.publish(EVENT, codec.encode(ev))
+
+                                weights = await asyncio.to_thread(adapter_io.to_bytes, tensors)
+                                await deliver(local_store, run="bench", version=version, weights=weights,
+                                              publish=publish, sender=sender, tensors=tensors)
+                            else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
-                            ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
-                                              created_at=time.time(), lora=lora, payloads=build_payloads(ref, xp))
-                            await nc.publish(EVENT, codec.encode(ev))
+                                ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
+                                                  created_at=time.time(), lora=lora, payloads=build_payloads(ref, xp))
+                                await nc.publish(EVENT, codec.encode(ev))
                         elif path == "peft":
                             d = work / "peft" / f"v{version}"
                             await asyncio.to_thread(trainer_peft.save_pretrained, str(d))
@@ -375,21 +387,32 @@ async def run_bench(args) -> dict:
                             await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
                         t_trainer = time.perf_counter() - t0
                         t_end, via = await acks.wait(tag, n)
+                        if sender is not None and sender.durable is not None:  # not into the next rep
+                            await asyncio.wrap_future(sender.durable)
+                            sender.durable = None
                         vias.update(via)
                         if rep >= warm:
                             times.append(t_end - t0)
                             trainer.append(t_trainer)
+                            if sender is not None:
+                                st = sender.stats
+                                sends.append({"form_s": st.form_s, "pack_s": st.pack_s,
+                                              "broadcast_s": st.broadcast_s})
                     if sender is not None:
                         sender.close()
                     if path == "gloo_bare":
-                        xccl.abort_group(pg)
+                        box, pg = [pg], None
+                        xccl.abort_group(box)
                         await cmd(active, "bare-end", op="bare_end")
                     row = {"size": size, "bytes": nbytes, "replicas": n, "path": path,
                            "median_s": statistics.median(times), "min_s": min(times),
                            "trainer_s": statistics.median(trainer), "reps": len(times), "via": sorted(vias)}
+                    if sends:  # the sender's own share: pack, header + buckets + flag
+                        row["send_s"] = {k: statistics.median(x[k] for x in sends) for k in sends[0]}
                     results.append(row)
                     print(f"{size:>6} n={n} {path:<9} {row['median_s']*1e3:8.1f} ms  trainer "
-                          f"{row['trainer_s']*1e3:7.1f} ms  via {row['via']}", flush=True)
+                          f"{row['trainer_s']*1e3:7.1f} ms  via {row['via']}  "
+                          f"{ {k: round(v * 1e3, 1) for k, v in row.get('send_s', {}).items()} or ''}", flush=True)
     finally:
         for i in range(n_max):
             await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
@@ -418,15 +441,19 @@ def summarize(rows: list[dict]) -> list[dict]:
             "floor": floor["path"] if floor else None,
             "ratio_to_floor": r["median_s"] / floor["median_s"] if floor else None,
             "trainer_ratio_vs_1": r["trainer_s"] / one["trainer_s"] if one else None,
+            "floor_trainer_ratio_vs_1": (floor["trainer_s"] / floor_one["trainer_s"]
+                                         if floor and (floor_one := by.get((size, 1, floor["path"]))) else None),
         })
     return out
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"\n{'size':>6} {'n':>2} {'path':<9} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}")
+    print(f"\n{'size':>6} {'n':>2} {'path':<9} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}"
+          f" {'floor xN/x1':>11}")
     for s in summary:
         print(f"{s['size']:>6} {s['replicas']:>2} {s['path']:<9} {s['median_s']*1e3:9.1f} "
-              f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}")
+              f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}"
+              f" {s['floor_trainer_ratio_vs_1'] or 0:11.2f}")
 
 
 def main() -> int:

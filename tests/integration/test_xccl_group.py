@@ -296,6 +296,60 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_versi
     assert replica.event(3, p3) == {"version": 3, "via": "xccl", "sha": digest(v3)}
 
 
+def test_deliver_announces_after_the_broadcast_and_stores_the_object_behind_the_event(tmp_path):
+    """publish.deliver's order: nobody in the group -> object stored before the event; members
+    -> event once they hold it, carrying the object's sha256, with the `announced` marker
+    already taking the number and the object following in the background."""
+    import asyncio
+
+    from services.common import adapter_io
+    from services.common.config_schema import StoreConfig
+    from services.common.store import open_store
+    from services.rollout.xccl_receiver import XcclReceiver
+    from services.trainer import publish as pub
+
+    store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
+    sender = in_process_sender()
+    rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
+    seen: list[tuple] = []
+
+    def deliver(version: int):
+        tensors = adapter(version)
+        weights = adapter_io.to_bytes(tensors)
+
+        async def publish(payloads):
+            seen.append((version, payloads, store.exists(pub.adapter_key("run", version)),
+                         store.exists(pub.announced_key("run", version))))
+
+        asyncio.run(pub.deliver(store, run="run", version=version, weights=weights,
+                                publish=publish, sender=sender, tensors=tensors))
+        return weights
+
+    try:
+        w0 = deliver(0)
+        v, payloads, stored, announced = seen[-1]
+        assert payloads[1].ranks == {} and stored and announced  # the object path's order
+        rx.observe(payloads[1], 0)
+        wait_joins(sender, 1)
+        w1 = deliver(1)
+        v, payloads, stored, announced = seen[-1]
+        obj, xp = payloads
+        assert xp.ranks == {"r0": 1} and announced
+        assert obj.sha256 == adapter_io.sha256(w1) and obj.bytes == len(w1)
+        assert obj.uri == store.uri_for(pub.adapter_key("run", 1))
+        got = rx.take(1, xp)
+        assert got is not None and digest(got) == digest(adapter(1))
+        rx.release(1)
+        sender.durable.result(timeout=10)  # the background upload lands, verified
+        assert store.get_bytes(obj.uri, sha256=obj.sha256) == w1
+        assert w0 != w1
+        # the marker counts as a taken number for a resuming trainer
+        assert pub.parse_adapter_version("run", pub.announced_key("run", 7)) == 7
+    finally:
+        sender.close()
+        rx.close()
+
+
 if __name__ == "__main__":
     import argparse
 
