@@ -1,4 +1,5 @@
-"""What the vLLM and SGLang engines share: HTTP calls with retries, and adapter directories.
+"""What the vLLM and SGLang engines share: HTTP calls with retries, adapter directories, and
+the per-replica bookkeeping of which version each server serves (`ServerEngine`).
 
 Both servers read an adapter from a directory, so the sidecar writes each version into its own
 directory (`<adapter_dir>/<lora_name>-v<N>/`) and tells the server the path as the server sees
@@ -10,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 import torch
 
 from proto.messages import LoraSpec, adapter_name
 from services.common import adapter_io
+from services.rollout.engines.base import GenRequest, GenResult
 
 T = TypeVar("T")
 
@@ -221,3 +224,102 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --- what both server engines do the same way ------------------------------------------------
+
+
+class ServerEngine:
+    """An engine driving one or more inference servers over HTTP, each data-parallel replica
+    loaded on its own. Subclasses say how one replica loads, unloads, generates and reports
+    what it forgot (`_load_on`, `_unload_on`, `_generate_on`, `missing_versions`, `health`)."""
+
+    name: str
+
+    def __init__(self, urls: Sequence[str], dirs: AdapterDirs, *, http: Http):
+        self.urls = normalize_urls(list(urls))
+        self.dirs = dirs
+        self.http = http
+        self._on: dict[str, dict[int, str]] = {u: {} for u in self.urls}
+        """replica -> version -> server path it was loaded from (what we know it serves)"""
+        self._next = itertools.count()
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    @classmethod
+    def from_config(cls, cfg, urls: Sequence[str] | None = None) -> Self:
+        ro = cfg.rollout
+        dirs = AdapterDirs(ro.lora_name, ro.adapter_dir, ro.server_adapter_dir)
+        return cls(urls or ro.server_urls, dirs, http=Http(timeout_s=ro.request_timeout_s))
+
+    def _lock(self, version: int) -> asyncio.Lock:
+        return self._locks.setdefault(version, asyncio.Lock())
+
+    async def _load_on(self, url: str, version: int, path: str) -> None:
+        raise NotImplementedError
+
+    async def _unload_on(self, url: str, version: int, _: None) -> None:
+        raise NotImplementedError
+
+    async def _generate_on(self, url: str, req: GenRequest, version: int) -> list[GenResult]:
+        raise NotImplementedError
+
+    async def missing_versions(self) -> dict[int, list[str]]:
+        raise NotImplementedError
+
+    # --- versions ---
+    async def load_version(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> None:
+        async with self._lock(version):
+            path = await asyncio.to_thread(self.dirs.write, version, weights, lora)
+            await self._on_every_replica(self._load_on, version, path, what="load")
+
+    async def unload_version(self, version: int) -> None:
+        async with self._lock(version):
+            await self._on_every_replica(self._unload_on, version, None, what="unload")
+            # Only now: a replica that still served it might reload it from there (LRU).
+            await asyncio.to_thread(self.dirs.remove, version)
+
+    async def _on_every_replica(self, step, version: int, arg, *, what: str) -> None:
+        results = await asyncio.gather(*(step(url, version, arg) for url in self.urls), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if len(failed) == 1:
+            raise failed[0]
+        if failed:
+            raise AdapterError(
+                f"v{version}: {what} failed on {len(failed)} of {len(self.urls)} replicas: "
+                + "; ".join(map(str, failed))
+            ) from failed[0]
+
+    async def loaded_versions(self) -> list[int]:
+        """Versions every replica serves, as far as we know (see `missing_versions`)."""
+        sets = [set(v) for v in self._on.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    async def reload_missing(self, admissible: Collection[int]) -> list[int]:
+        """Re-load, from their directories, the admissible versions a replica forgot; the rest
+        are unloaded everywhere (their directories removed). Returns the versions re-loaded."""
+        reloaded = []
+        for version, urls in sorted((await self.missing_versions()).items()):
+            if version in admissible and self.dirs.exists(version):
+                async with self._lock(version):
+                    for url in urls:
+                        await self._load_on(url, version, self.dirs.server(version))
+                reloaded.append(version)
+            else:
+                await self.unload_version(version)
+        return reloaded
+
+    # --- generation ---
+    async def generate(self, requests: list[GenRequest], version: int) -> list[list[GenResult]]:
+        """Each request on one replica that serves `version`, round-robin."""
+        urls = [u for u in self.urls if version in self._on[u]]
+        if not urls:
+            raise VersionNotLoaded(version, ",".join(self.urls), "not loaded by this engine")
+        start = next(self._next)
+        return list(
+            await asyncio.gather(
+                *(self._generate_on(urls[(start + i) % len(urls)], r, version) for i, r in enumerate(requests))
+            )
+        )
+
+    async def close(self) -> None:
+        await self.http.close()

@@ -17,53 +17,24 @@ Verified against the protocol server in tests/fixtures/sglang_server.py, not a r
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
-from torch import Tensor
-
-from proto.messages import LoraSpec
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.engines.http import (
-    AdapterDirs,
     AdapterError,
-    Http,
+    ServerEngine,
     ServerError,
     VersionNotLoaded,
-    normalize_urls,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _NOT_LOADED = "not loaded"
 
 
-class SglangEngine:
+class SglangEngine(ServerEngine):
     name = "sglang"
 
-    def __init__(self, urls: Sequence[str], dirs: AdapterDirs, *, http: Http):
-        self.urls = normalize_urls(list(urls))
-        self.dirs = dirs
-        self.http = http
-        self._on: dict[str, dict[int, str]] = {u: {} for u in self.urls}
-        self._next = itertools.count()
-        self._locks: dict[int, asyncio.Lock] = {}
-
-    @classmethod
-    def from_config(cls, cfg, urls: Sequence[str] | None = None) -> SglangEngine:
-        ro = cfg.rollout
-        dirs = AdapterDirs(ro.lora_name, ro.adapter_dir, ro.server_adapter_dir)
-        return cls(urls or ro.server_urls, dirs, http=Http(timeout_s=ro.request_timeout_s))
-
-    def _lock(self, version: int) -> asyncio.Lock:
-        return self._locks.setdefault(version, asyncio.Lock())
-
     # --- versions ---
-    async def load_version(self, version: int, weights: bytes | dict[str, Tensor], lora: LoraSpec) -> None:
-        async with self._lock(version):
-            path = await asyncio.to_thread(self.dirs.write, version, weights, lora)
-            await self._every_replica(self._load_on, version, path, "load")
-
     async def _load_on(self, url: str, version: int, path: str) -> None:
         if self._on[url].get(version) == path:
             return
@@ -80,11 +51,6 @@ class SglangEngine:
                 raise AdapterError(f"v{version}: loading {name!r} from {path} on {url} failed: {e}{where}") from e
         self._on[url][version] = path
 
-    async def unload_version(self, version: int) -> None:
-        async with self._lock(version):
-            await self._every_replica(self._unload_on, version, None, "unload")
-            await asyncio.to_thread(self.dirs.remove, version)
-
     async def _unload_on(self, url: str, version: int, _: None) -> None:
         name = self.dirs.name(version)
         try:
@@ -95,21 +61,6 @@ class SglangEngine:
                 raise AdapterError(f"v{version}: unloading {name!r} on {url} failed: {e}") from e
             # not registered there (a restarted server): the goal is reached
         self._on[url].pop(version, None)
-
-    async def _every_replica(self, step, version: int, arg, what: str) -> None:
-        results = await asyncio.gather(*(step(u, version, arg) for u in self.urls), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if len(failed) == 1:
-            raise failed[0]
-        if failed:
-            raise AdapterError(
-                f"v{version}: {what} failed on {len(failed)} of {len(self.urls)} replicas: "
-                + "; ".join(map(str, failed))
-            ) from failed[0]
-
-    async def loaded_versions(self) -> list[int]:
-        sets = [set(v) for v in self._on.values()]
-        return sorted(set.intersection(*sets)) if sets else []
 
     # --- servers that forgot ---
     async def missing_versions(self) -> dict[int, list[str]]:
@@ -131,20 +82,6 @@ class SglangEngine:
                         raise
         return missing
 
-    async def reload_missing(self, admissible: Collection[int]) -> list[int]:
-        """Re-load, from their directories, the admissible versions a replica forgot; unload the
-        rest everywhere. Returns the versions re-loaded."""
-        reloaded = []
-        for version, urls in sorted((await self.missing_versions()).items()):
-            if version in admissible and self.dirs.exists(version):
-                async with self._lock(version):
-                    for url in urls:
-                        await self._load_on(url, version, self.dirs.server(version))
-                reloaded.append(version)
-            else:
-                await self.unload_version(version)
-        return reloaded
-
     async def health(self) -> bool:
         try:
             for url in self.urls:
@@ -154,17 +91,6 @@ class SglangEngine:
         return True
 
     # --- generation ---
-    async def generate(self, requests: list[GenRequest], version: int) -> list[list[GenResult]]:
-        urls = [u for u in self.urls if version in self._on[u]]
-        if not urls:
-            raise VersionNotLoaded(version, ",".join(self.urls), "not loaded by this engine")
-        start = next(self._next)
-        return list(
-            await asyncio.gather(
-                *(self._generate_on(urls[(start + i) % len(urls)], r, version) for i, r in enumerate(requests))
-            )
-        )
-
     async def _generate_on(self, url: str, req: GenRequest, version: int) -> list[GenResult]:
         name = self.dirs.name(version)
         try:
@@ -175,9 +101,6 @@ class SglangEngine:
                 raise VersionNotLoaded(version, url, e.message) from e
             raise
         return parse_generate(answer, req.n, url)
-
-    async def close(self) -> None:
-        await self.http.close()
 
 
 def generate_body(name: str, req: GenRequest) -> dict:

@@ -21,52 +21,25 @@ found for <path>" (literally `<path>`), 404 "The lora adapter '<n>' cannot be fo
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
-from torch import Tensor
-
-from proto.messages import LoraSpec
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.engines.http import (
-    AdapterDirs,
     AdapterError,
-    Http,
+    ServerEngine,
     ServerError,
     VersionNotLoaded,
-    normalize_urls,
 )
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class VllmEngine:
+class VllmEngine(ServerEngine):
     name = "vllm"
 
-    def __init__(self, urls: Sequence[str], dirs: AdapterDirs, *, http: Http):
-        self.urls = normalize_urls(list(urls))
-        self.dirs = dirs
-        self.http = http
-        self._on: dict[str, dict[int, str]] = {u: {} for u in self.urls}
-        """replica -> version -> server path it was loaded from (what we know it serves)"""
-        self._next = itertools.count()
-        self._locks: dict[int, asyncio.Lock] = {}
-
-    @classmethod
-    def from_config(cls, cfg, urls: Sequence[str] | None = None) -> VllmEngine:
-        ro = cfg.rollout
-        dirs = AdapterDirs(ro.lora_name, ro.adapter_dir, ro.server_adapter_dir)
-        return cls(urls or ro.server_urls, dirs, http=Http(timeout_s=ro.request_timeout_s))
-
     # --- versions ---
-    async def load_version(self, version: int, weights: bytes | dict[str, Tensor], lora: LoraSpec) -> None:
-        async with self._lock(version):
-            path = await asyncio.to_thread(self.dirs.write, version, weights, lora)
-            await self._on_every_replica(self._load_on, version, path, what="load")
-
     async def _load_on(self, url: str, version: int, path: str) -> None:
         if self._on[url].get(version) == path:
             return
@@ -88,12 +61,6 @@ class VllmEngine:
                 ) from e
         self._on[url][version] = path
 
-    async def unload_version(self, version: int) -> None:
-        async with self._lock(version):
-            await self._on_every_replica(self._unload_on, version, None, what="unload")
-            # Only now: a replica that still served it might reload it from there (LRU).
-            await asyncio.to_thread(self.dirs.remove, version)
-
     async def _unload_on(self, url: str, version: int, _: None) -> None:
         name = self.dirs.name(version)
         try:
@@ -103,27 +70,6 @@ class VllmEngine:
             if e.status != 404:
                 raise AdapterError(f"v{version}: unloading {name!r} on {url} failed: {e}") from e
         self._on[url].pop(version, None)
-
-    async def _on_every_replica(self, step, version: int, arg, *, what: str) -> None:
-        results = await asyncio.gather(
-            *(step(url, version, arg) for url in self.urls), return_exceptions=True
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            if len(failed) == 1:
-                raise failed[0]
-            raise AdapterError(
-                f"v{version}: {what} failed on {len(failed)} of {len(self.urls)} replicas: "
-                + "; ".join(str(f) for f in failed)
-            ) from failed[0]
-
-    def _lock(self, version: int) -> asyncio.Lock:
-        return self._locks.setdefault(version, asyncio.Lock())
-
-    async def loaded_versions(self) -> list[int]:
-        """Versions every replica serves, as far as we know (see `missing_versions`)."""
-        sets = [set(v) for v in self._on.values()]
-        return sorted(set.intersection(*sets)) if sets else []
 
     # --- servers that forgot ---
     async def _served(self, url: str) -> dict[str, str]:
@@ -143,22 +89,6 @@ class VllmEngine:
                     missing.setdefault(version, []).append(url)
         return missing
 
-    async def reload_missing(self, admissible: Collection[int]) -> list[int]:
-        """Re-load, from their directories, the admissible versions a replica forgot; the rest
-        are unloaded everywhere (their directories removed). Returns the versions re-loaded."""
-        missing = await self.missing_versions()
-        reloaded = []
-        for version, urls in sorted(missing.items()):
-            if version in admissible and self.dirs.exists(version):
-                path = self.dirs.server(version)
-                async with self._lock(version):
-                    for url in urls:
-                        await self._load_on(url, version, path)
-                reloaded.append(version)
-            else:
-                await self.unload_version(version)
-        return reloaded
-
     async def health(self) -> bool:
         try:
             for url in self.urls:
@@ -169,18 +99,7 @@ class VllmEngine:
         return True
 
     # --- generation ---
-    async def generate(self, requests: list[GenRequest], version: int) -> list[list[GenResult]]:
-        urls = [u for u in self.urls if version in self._on[u]]
-        if not urls:
-            raise VersionNotLoaded(version, ",".join(self.urls), "not loaded by this engine")
-        start = next(self._next)
-        return list(
-            await asyncio.gather(
-                *(self._complete(urls[(start + i) % len(urls)], r, version) for i, r in enumerate(requests))
-            )
-        )
-
-    async def _complete(self, url: str, req: GenRequest, version: int) -> list[GenResult]:
+    async def _generate_on(self, url: str, req: GenRequest, version: int) -> list[GenResult]:
         name = self.dirs.name(version)
         body = completion_body(name, req)
         try:
@@ -191,9 +110,6 @@ class VllmEngine:
                 raise VersionNotLoaded(version, url, e.message) from e
             raise
         return parse_completion(answer, req.n, url)
-
-    async def close(self) -> None:
-        await self.http.close()
 
 
 def completion_body(model: str, req: GenRequest) -> dict:
@@ -240,7 +156,6 @@ def parse_completion(answer: dict, n: int, url: str) -> list[GenResult]:
             )
         )
     return out
-
 
 
 def from_config(cfg, urls: Sequence[str] | None = None) -> VllmEngine:
