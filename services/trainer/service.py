@@ -239,7 +239,7 @@ async def serve(
 ) -> int:
     """Rank 0's loop, after `restore`; returns the last published version. `initial` is the
     untrained adapter (gathered on every rank beforehand: a collective under FSDP2)."""
-    run, lora_name = cfg.run, cfg.gconfig.lora_name
+    run = cfg.run
     ckpt_dir = cfg.actor.checkpoint_dir
     highest = await asyncio.to_thread(_highest_stored_version, store, run)
     version, unchanged = resume_plan(ckpt, highest)
