@@ -10,7 +10,6 @@ import uuid
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from proto import subjects
 from proto.messages import (
@@ -41,19 +40,15 @@ from services.common.store import LocalStore
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.service import RolloutService
+from tests.fixtures.tiny import tiny_qwen2
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, EOS, KEEP = 4, 8.0, 96, 2
 SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
 
 
-def tiny_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=256,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_model():
+    return tiny_qwen2()
 
 
 def peft_version(base, seed: int):

@@ -4,25 +4,20 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.rollout.engines.base import GenRequest
 from services.rollout.engines.embedded import EmbeddedEngine
+from tests.fixtures.tiny import tiny_qwen2
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, EOS = 4, 8.0, 96
 SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
 
 
-def tiny_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=256,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_model():
+    return tiny_qwen2()
 
 
 def peft_adapter(base, seed: int):

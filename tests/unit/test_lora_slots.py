@@ -3,44 +3,26 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services.rollout.lora_slots import LoraSlots, SlotLinear
+from tests.fixtures.tiny import merged_reference as tiny_merged
+from tests.fixtures.tiny import random_lora, tiny_qwen2
 from services.rollout.versions import NoFreeSlot
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK, SCALE = 4, 2.0
 
 
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_model(seed: int = 0):
+    return tiny_qwen2(seed, max_position_embeddings=128)
 
 
-def random_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, mod.in_features, generator=g) * 0.1
-            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(mod.out_features, RANK, generator=g) * 0.1
-    return out
+def random_adapter(model, seed: int) -> dict[str, torch.Tensor]:
+    return random_lora(model, seed, RANK, 0.1, TARGETS)
 
 
-def merged_reference(base: nn.Module, adapter: dict[str, torch.Tensor]) -> nn.Module:
-    """A plain copy of the base model with W = W0 + s B A written into it."""
-    ref = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, mod in ref.named_modules():
-            key = f"base_model.model.{name}.lora_A.weight"
-            if key in adapter:
-                b = adapter[key.replace("lora_A", "lora_B")]
-                mod.weight += SCALE * b @ adapter[key]
-    return ref
+def merged_reference(base, adapter: dict[str, torch.Tensor]):
+    return tiny_merged(base, adapter, SCALE)
 
 
 def logits(model, ids):

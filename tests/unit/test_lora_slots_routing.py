@@ -9,43 +9,25 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services.rollout.lora_slots import LoraSlots
 from services.rollout.sampling import DecodeGraphs, Row, decode, static_unsupported
+from tests.fixtures.tiny import merged_reference, random_lora, tiny_qwen2
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK, SCALE, VOCAB = 4, 2.0, 97
 
 
-def tiny_model(**over) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, **over,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_model(**over):
+    return tiny_qwen2(vocab_size=VOCAB, **over)
 
 
-def random_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, mod.in_features, generator=g) * 0.2
-            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(mod.out_features, RANK, generator=g) * 0.2
-    return out
+def random_adapter(model, seed: int) -> dict[str, torch.Tensor]:
+    return random_lora(model, seed, RANK, 0.2, TARGETS)
 
 
-def merged(base: nn.Module, adapter: dict[str, torch.Tensor]) -> nn.Module:
-    ref = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, mod in ref.named_modules():
-            key = f"base_model.model.{name}.lora_A.weight"
-            if key in adapter:
-                mod.weight += SCALE * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]
-    return ref
+def merged(base, adapter: dict[str, torch.Tensor]):
+    return merged_reference(base, adapter, SCALE)
 
 
 def rows_of(prompts, new_tokens=9, stop=()):
