@@ -8,9 +8,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -28,6 +25,7 @@ from services.common import adapter_io, streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig, StoreConfig
 from services.common.store import open_store
+from tests.fixtures.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -38,32 +36,9 @@ MODEL = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hid
                     max_position_embeddings=64)
 
 
-class ExporterProcess:
+class ExporterProcess(ServiceProcess):
     def __init__(self, config: Path, log: Path):
-        self.config, self.log = config, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.exporter", "--config", str(self.config)],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__("services.exporter", config, log)
 
     def metrics(self) -> str:
         ports = re.findall(r"metrics on port (\d+)", self.log_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,42 +34,15 @@ from services.common import streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
 from services.registry.status import RegistryStatus, StatusRequest
+from tests.fixtures.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 LORA = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj"], base_model="tiny")
 
 
-class Registry:
-    """One registry process; `kill()` is SIGKILL (a crash), `start()` starts a new one."""
-
+class Registry(ServiceProcess):
     def __init__(self, config: Path, log: Path):
-        self.config, self.log = config, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.registry", "--config", str(self.config)],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+        super().__init__("services.registry", config, log, stop_timeout_s=10.0)
 
 
 @pytest.fixture
