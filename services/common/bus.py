@@ -50,6 +50,8 @@ RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
 FETCH_TIMEOUT_S = 1.0
+CLOSE_TIMEOUT_S = 5.0
+"""how long close() waits for consumers to stop and the connection to drain"""
 BURST_WAIT_S = 0.005
 """how long a consumer waits for more of a burst once one message has arrived"""
 """long-poll length of one pull; bounds how long `close()` waits for a consumer to notice"""
@@ -208,15 +210,17 @@ class Bus:
         tasks = list(self._consumers)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # a consumer's last unsubscribe needs the server: never let a lost server hold close()
+        await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S) if tasks else None
         if self.nc.is_closed:
             return
         if not self.nc.is_connected:  # draining needs the server; don't wait for a reconnect
             await self.nc.close()
             return
         try:
-            await self.nc.drain()
-        except (nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
+            await asyncio.wait_for(self.nc.drain(), CLOSE_TIMEOUT_S)
+        except (asyncio.TimeoutError, nats.errors.ConnectionClosedError,
+                nats.errors.FlushTimeoutError, nats.errors.DrainTimeoutError):
             await self.nc.close()
 
     # --- streams and KV -----------------------------------------------------------------

@@ -280,6 +280,7 @@ async def test_key_value_put_get(bus, run):
     assert rev == 2 and (await kv.get("head")).value == b"4"
 
 
+@pytest.mark.timeout(90)
 async def test_bus_survives_server_restart(nats_server_factory, run):
     server = nats_server_factory()
     service = "restarter"
