@@ -2,8 +2,11 @@
 
 What it adds over nats-py: messages are encoded/decoded with `proto.codec`; anything a
 service cannot decode, or keeps failing on, goes to the run's dead-letter stream instead of
-blocking the consumer or being dropped silently; JetStream publishes carry a `Nats-Msg-Id`
-so retries are deduplicated; and every message is counted for Prometheus.
+blocking the consumer or being dropped silently (`services.common.pull`); JetStream publishes
+carry a `Nats-Msg-Id` so retries are deduplicated; and every message is counted for Prometheus.
+
+It is the only module that talks to nats-py: services call its methods, never `nc`/`js`
+(the attributes stay for tests and tools).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_type_hints
 
 import msgspec
 import nats
@@ -38,6 +41,9 @@ from proto.messages import DeadLetter
 from services.common import streams
 from services.common.config_schema import BusConfig
 
+if TYPE_CHECKING:
+    from services.common.pull import Puller
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -49,12 +55,9 @@ DEAD_LETTER_ERROR_CHARS = 2000
 RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
-FETCH_TIMEOUT_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
-BURST_WAIT_S = 0.005
-"""how long a consumer waits for more of a burst once one message has arrived"""
-"""long-poll length of one pull; bounds how long `close()` waits for a consumer to notice"""
+_WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
 
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
@@ -79,7 +82,7 @@ _DELIVER = {
 }
 
 # Errors that mean "the server is not reachable right now": worth retrying, not a bug.
-_TRANSIENT = (
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
     nats.errors.ConnectionClosedError,
@@ -93,6 +96,19 @@ _TRANSIENT = (
 
 class BusError(RuntimeError):
     pass
+
+
+class SequenceMismatch(BusError):
+    """A `publish_expect` found the stream past the expected sequence: someone else wrote."""
+
+
+class StoredMsg(msgspec.Struct, frozen=True):
+    """A message read back from a stream by sequence or subject."""
+
+    subject: str
+    seq: int
+    data: bytes
+    headers: dict[str, str] | None
 
 
 class MsgMeta(msgspec.Struct, frozen=True):
@@ -204,6 +220,10 @@ class Bus:
     def is_connected(self) -> bool:
         return self.nc.is_connected
 
+    @property
+    def is_closed(self) -> bool:
+        return self.nc.is_closed
+
     async def close(self) -> None:
         """Stop consumers (un-acked messages are redelivered to the next owner of the
         durable), then drain: pending publishes are flushed, subscriptions finish."""
@@ -284,7 +304,7 @@ class Bus:
                 )
                 MESSAGES.labels(self.service, "published").inc()
                 return ack.seq
-            except _TRANSIENT as exc:
+            except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
                     raise BusError(
                         f"publish {subject}: no JetStream ack within {timeout}s "
@@ -297,6 +317,11 @@ class Bus:
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
         await self.nc.publish(subject, codec.encode(msg))
+        MESSAGES.labels(self.service, "published").inc()
+
+    async def send_raw(self, subject: str, data: bytes) -> None:
+        """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
+        await self.nc.publish(subject, data)
         MESSAGES.labels(self.service, "published").inc()
 
     async def dead_letter(
@@ -331,7 +356,7 @@ class Bus:
         reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
         MESSAGES.labels(self.service, "published").inc()
         MESSAGES.labels(self.service, "consumed").inc()
-        return codec.decode(reply.data, reply_type)
+        return decode(reply.data, reply_type)
 
     async def serve(
         self,
@@ -348,15 +373,15 @@ class Bus:
         async def on_request(nats_msg: Msg) -> None:
             MESSAGES.labels(self.service, "consumed").inc()
             try:
-                request = codec.decode(nats_msg.data, request_type)
+                request = decode(nats_msg.data, request_type)
             except codec.DecodeError as exc:
-                await self._dead_letter_quietly(nats_msg.subject, exc.reason, str(exc), nats_msg.data)
+                await self.dead_letter_quietly(nats_msg.subject, exc.reason, str(exc), nats_msg.data)
                 return
             try:
                 reply = await handler(request)
             except Exception as exc:
                 log.exception("bus: handler for %s failed", subject)
-                await self._dead_letter_quietly(nats_msg.subject, "handler", repr(exc), nats_msg.data)
+                await self.dead_letter_quietly(nats_msg.subject, "handler", repr(exc), nats_msg.data)
                 return
             if nats_msg.reply:
                 await nats_msg.respond(codec.encode(reply))
@@ -368,6 +393,15 @@ class Bus:
 
     # --- subscriptions ------------------------------------------------------------------
 
+    async def subscribe_raw(
+        self, subject: str, cb: Callable[[Msg], Awaitable[None]], *, queue: str = ""
+    ) -> Subscription:
+        """Core subscription handing over the undecoded `Msg` (a reply deferred past the
+        callback, or a tool that shows what it cannot decode). Prefer `subscribe`/`serve`."""
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        self._subs.append(sub)
+        return sub
+
     async def subscribe(self, subject: str, msg_type: type[T] | Any, handler: Handler) -> Subscription:
         """Ephemeral core subscription (live events only, no replay, no acks).
         `handler(msg, meta)`; undecodable messages are dead-lettered, handler errors logged."""
@@ -375,9 +409,9 @@ class Bus:
         async def on_msg(nats_msg: Msg) -> None:
             MESSAGES.labels(self.service, "consumed").inc()
             try:
-                msg = codec.decode(nats_msg.data, msg_type)
+                msg = decode(nats_msg.data, msg_type)
             except codec.DecodeError as exc:
-                await self._dead_letter_quietly(nats_msg.subject, exc.reason, str(exc), nats_msg.data)
+                await self.dead_letter_quietly(nats_msg.subject, exc.reason, str(exc), nats_msg.data)
                 return
             headers = nats_msg.headers or {}
             meta = MsgMeta(nats_msg.subject, 0, 1, headers.get(MSG_ID_HEADER))
@@ -389,6 +423,54 @@ class Bus:
         sub = await self.nc.subscribe(subject, cb=on_msg)
         self._subs.append(sub)
         return sub
+
+    async def pull(
+        self,
+        consumer: streams.Consumer,
+        msg_type: type[T] | Any,
+        *,
+        batch: int = 64,
+        deliver: Literal["all", "new", "last_per_subject"] = "all",
+        retry_delay_s: float = 0.5,
+        keep_open: bool = False,
+    ) -> Puller[T]:
+        """Create (or bind to) the durable `consumer` and return its burst reader: decoded
+        deliveries, undecodable ones dead-lettered already (see `services.common.pull`)."""
+        from services.common.pull import Puller
+
+        if deliver not in _DELIVER:
+            raise BusError(f"deliver: {deliver!r} is not one of {sorted(_DELIVER)}")
+        c = consumer
+        if batch < 1 or c.max_deliver == 0 or c.max_deliver < -1 or c.ack_wait_s <= 0:
+            raise BusError(
+                f"consume {c.durable}: batch ({batch}) and max_deliver ({c.max_deliver}) must be "
+                f">= 1 (max_deliver -1: unlimited) and ack_wait_s ({c.ack_wait_s}) > 0"
+            )
+        config = ConsumerConfig(
+            durable_name=c.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=_DELIVER[deliver],
+            ack_wait=c.ack_wait_s,
+            max_deliver=c.max_deliver,
+            filter_subject=c.filter_subject,
+            max_ack_pending=c.max_ack_pending,
+        )
+        try:
+            await self.js.add_consumer(c.stream, config)
+        except nats.js.errors.NotFoundError as exc:
+            raise BusError(
+                f"consume {c.durable}: stream {c.stream!r} does not exist; call ensure_streams() "
+                "first, with stream names from services.common.streams"
+            ) from exc
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(
+                f"consume {c.durable}: existing durable on {c.stream} has an incompatible config "
+                f"({exc.description}); pick a new durable name or delete the old one"
+            ) from exc
+        reader = Puller(self, self.nc, c.stream, c.durable, msg_type, batch=batch,
+                        max_deliver=c.max_deliver, retry_delay_s=retry_delay_s, keep_open=keep_open)  # fmt: skip
+        await reader.start()
+        return reader
 
     async def consume(
         self,
@@ -404,79 +486,38 @@ class Bus:
         max_deliver: int = 5,
         retry_delay_s: float = 0.5,
     ) -> asyncio.Task:
-        """Run a durable pull consumer in a background task; returns the task (cancel it to
-        stop this consumer; the durable keeps its position on the server).
+        """`dispatch` over a durable made from these arguments (a consumer outside
+        `streams`' table: evaluators, tools, tests)."""
+        consumer = streams.Consumer(
+            durable=durable, stream=stream, filter_subject=filter_subject, ack_wait_s=ack_wait_s,
+            max_deliver=max_deliver, max_ack_pending=max(batch, 1000),
+        )  # fmt: skip
+        reader = await self.pull(consumer, msg_type, batch=batch, deliver=deliver, retry_delay_s=retry_delay_s)
+        return self.dispatch(reader, handler)
 
-        Messages are handled one at a time in stream order. `handler(msg, meta)` returning
-        acks; raising naks with a delay of `retry_delay_s * 2**(n-1)` (n = deliveries so
-        far) and, on the `max_deliver`-th failure, dead-letters and terminates the message.
-        An undecodable message is dead-lettered and terminated at once.
+    def dispatch(self, reader: Puller, handler: Handler) -> asyncio.Task:
+        """Run `handler(msg, meta)` on every delivery of `reader` in a background task; returns
+        the task (cancel it to stop; the durable keeps its position on the server).
+
+        Deliveries are handled one at a time in stream order. Returning acks; raising naks
+        with a delay of `retry_delay_s * 2**(n-1)` (n = deliveries so far) and, on the
+        `max_deliver`-th failure, dead-letters and terminates the message.
         """
-        if deliver not in _DELIVER:
-            raise BusError(f"deliver: {deliver!r} is not one of {sorted(_DELIVER)}")
-        if batch < 1 or max_deliver < 1 or ack_wait_s <= 0:
-            raise BusError(
-                f"consume {durable}: batch ({batch}) and max_deliver ({max_deliver}) must be "
-                f">= 1 and ack_wait_s ({ack_wait_s}) > 0"
-            )
-        config = ConsumerConfig(
-            durable_name=durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=_DELIVER[deliver],
-            ack_wait=ack_wait_s,
-            max_deliver=max_deliver,
-            filter_subject=filter_subject,
-            max_ack_pending=max(batch, 1000),
-        )
-        try:
-            await self.js.add_consumer(stream, config)
-        except nats.js.errors.NotFoundError as exc:
-            raise BusError(
-                f"consume {durable}: stream {stream!r} does not exist; call ensure_streams() "
-                "first, with stream names from services.common.streams"
-            ) from exc
-        except nats.js.errors.BadRequestError as exc:
-            raise BusError(
-                f"consume {durable}: existing durable on {stream} has an incompatible config "
-                f"({exc.description}); pick a new durable name or delete the old one"
-            ) from exc
-        psub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
 
         async def run() -> None:
             try:
                 while True:
-                    try:
-                        # nats-py's fetch(n > 1) on an empty stream lingers until its
-                        # timeout collecting a full batch, so a trickle of messages would
-                        # wait up to FETCH_TIMEOUT_S each: long-poll for one, then take
-                        # whatever burst is already there with a short second pull.
-                        msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
-                        if batch > 1:
-                            try:
-                                msgs += await psub.fetch(batch - 1, timeout=BURST_WAIT_S)
-                            except nats.errors.TimeoutError:
-                                pass
-                    except nats.errors.TimeoutError:
-                        continue
-                    except _TRANSIENT as exc:  # server restarting: nats-py reconnects
-                        log.debug("bus: fetch on %s/%s: %r", stream, durable, exc)
-                        await asyncio.sleep(RECONNECT_WAIT_S)
-                        continue
-                    except nats.js.errors.APIError as exc:  # e.g. the durable was deleted
-                        log.warning("bus: fetch on %s/%s failed: %s", stream, durable, exc)
-                        await asyncio.sleep(RECONNECT_WAIT_S * 4)
-                        continue
-                    for nats_msg in msgs:
-                        await self._handle_delivery(
-                            nats_msg, msg_type, handler, max_deliver, retry_delay_s
-                        )
+                    for delivery in await reader.burst():
+                        try:
+                            await handler(delivery.msg, delivery.meta)
+                        except Exception as exc:
+                            await delivery.retry(repr(exc))
+                            continue
+                        await delivery.ack()
             finally:
-                try:
-                    await psub.unsubscribe()
-                except Exception:  # connection already gone: nothing left to unsubscribe
-                    pass
+                await reader.stop()
 
-        task = asyncio.create_task(run(), name=f"consume:{stream}/{durable}")
+        task = asyncio.create_task(run(), name=f"consume:{reader.stream}/{reader.durable}")
         self._consumers.add(task)
         task.add_done_callback(self._consumer_done)
         return task
@@ -486,66 +527,90 @@ class Bus:
         if not task.cancelled() and task.exception() is not None:
             log.error("bus: consumer %s stopped", task.get_name(), exc_info=task.exception())
 
-    async def _handle_delivery(
-        self,
-        nats_msg: Msg,
-        msg_type: Any,
-        handler: Handler,
-        max_deliver: int,
-        retry_delay_s: float,
-    ) -> None:
-        MESSAGES.labels(self.service, "consumed").inc()
-        info = nats_msg.metadata
-        headers = nats_msg.headers or {}
-        meta = MsgMeta(
-            subject=nats_msg.subject,
-            stream_seq=info.sequence.stream,
-            num_delivered=info.num_delivered,
-            msg_id=headers.get(MSG_ID_HEADER),
-        )
-        # Derived from the stream position, so a redelivered poison message is recorded once.
-        letter_id = f"{info.stream}:{meta.stream_seq}:{self.service}"
+    async def consumer_backlog(self, stream: str, durable: str) -> int | None:
+        """Messages of the durable not yet acked (pending + delivered un-acked); None when the
+        durable does not exist."""
         try:
-            msg = codec.decode(nats_msg.data, msg_type)
-        except codec.DecodeError as exc:
-            await self._dead_letter_or_retry(nats_msg, meta, exc.reason, str(exc), letter_id)
-            return
+            info = await self.js.consumer_info(stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        return info.num_pending + info.num_ack_pending
+
+    # --- reading streams back -------------------------------------------------------------
+
+    async def last_seq(self, stream: str) -> int:
+        """The stream's last sequence (0 when it never held a message)."""
+        return (await self.js.stream_info(stream)).state.last_seq
+
+    async def message(self, stream: str, seq: int, subject: str | None = None) -> StoredMsg | None:
+        """The message at `seq`; with `subject`, the first one at or after `seq` on it; None
+        if there is none."""
         try:
-            await handler(msg, meta)
-        except Exception as exc:
-            if meta.num_delivered >= max_deliver:
-                log.exception("bus: handler failed on %s, giving up", meta.subject)
-                await self._dead_letter_or_retry(nats_msg, meta, "handler", repr(exc), letter_id)
+            if subject is None:
+                raw = await self.js.get_msg(stream, seq=seq)
             else:
-                log.warning(
-                    "bus: handler failed on %s (delivery %d of %d): %r",
-                    meta.subject, meta.num_delivered, max_deliver, exc,
-                )  # fmt: skip
-                await self._settle(nats_msg.nak(delay=retry_delay_s * 2 ** (meta.num_delivered - 1)))
-            return
-        await self._settle(nats_msg.ack())
+                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return StoredMsg(raw.subject or "", raw.seq or 0, raw.data or b"", raw.headers)
 
-    async def _dead_letter_or_retry(
-        self, nats_msg: Msg, meta: MsgMeta, reason: str, error: str, letter_id: str
-    ) -> None:
+    async def last_raw(self, stream: str, subject: str | None = None) -> StoredMsg | None:
+        """The newest message of the stream (on `subject`, if given); None if there is none."""
+        if subject is None:
+            info = (await self.js.stream_info(stream)).state
+            if not info.last_seq or not info.messages:
+                return None
+            return await self.message(stream, info.last_seq)
         try:
-            await self.dead_letter(meta.subject, reason, error, nats_msg.data, msg_id=letter_id)
-        except (BusError, *_TRANSIENT) as exc:
-            # Never drop a message we could not record: let the server deliver it again.
-            log.error("bus: could not dead-letter %s (%r); will retry", meta.subject, exc)
-            await self._settle(nats_msg.nak(delay=1.0))
-            return
-        await self._settle(nats_msg.term())
+            raw = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
 
-    async def _settle(self, ack: Awaitable[None]) -> None:
-        """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
+    async def last(self, stream: str, msg_type: type[T] | Any, subject: str | None = None) -> T | None:
+        """The newest message of the stream (on `subject`, if given), decoded; None if there is
+        none; `codec.DecodeError` if it does not decode as `msg_type`."""
+        raw = await self.last_raw(stream, subject)
+        return None if raw is None else decode(raw.data, msg_type)
+
+    async def publish_expect(
+        self, subject: str, data: bytes, *, expected_last_seq: int, msg_id: str, rollup: bool = False,
+        timeout: float = 2.0,
+    ) -> int:
+        """One JetStream publish that is stored only if the stream's last sequence is still
+        `expected_last_seq` (compare-and-set); `rollup` makes the server drop every older
+        message. Raises `SequenceMismatch` when someone else wrote first; no retries."""
+        headers = {MSG_ID_HEADER: msg_id, "Nats-Expected-Last-Sequence": str(expected_last_seq)}
+        if rollup:
+            headers["Nats-Rollup"] = "all"
         try:
-            await ack
-        except (nats.errors.Error, *_TRANSIENT) as exc:
-            log.debug("bus: ack not sent: %r", exc)
+            return (await self.js.publish(subject, data, headers=headers, timeout=timeout)).seq
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _WRONG_LAST_SEQUENCE:
+                raise SequenceMismatch(f"publish {subject}: stream is past sequence {expected_last_seq}") from exc
+            raise
 
-    async def _dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
+    async def publish_all(self, msgs: list[tuple[str, bytes, str]], *, timeout: float) -> list[int | BaseException]:
+        """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
+        then gather every PubAck within `timeout`: a sequence, or the error, per message."""
+        futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
+                   for subject, data, msg_id in msgs]  # fmt: skip
+        acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
+        MESSAGES.labels(self.service, "published").inc(len(msgs))
+        return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
+
+    async def dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
+        """`dead_letter` for messages nothing redelivers (core requests): log what fails."""
         try:
             await self.dead_letter(subject, reason, error, raw)
-        except (BusError, *_TRANSIENT) as exc:
+        except (BusError, *TRANSIENT_ERRORS) as exc:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
+
+
+def decode(data: bytes, msg_type: type[T] | Any) -> T:
+    """`codec.decode`; a payload nested deeper than the decoder's stack is undecodable too
+    (`DecodeError` "decode"), not a `RecursionError` escaping the consumer."""
+    try:
+        return codec.decode(data, msg_type)
+    except RecursionError as exc:
+        raise codec.DecodeError("decode", f"nested too deeply to decode ({exc})") from None

@@ -1,8 +1,9 @@
-"""JetStream streams and KV buckets of one run: names, subjects, retention.
+"""JetStream streams, KV buckets and durable consumers of one run: names, subjects, retention.
 
 Every persisted subject family of `proto.subjects` is captured by exactly one stream. The
 admission request/reply subject is deliberately in none: a stream capturing it would answer
-the rollout's request with a PubAck before the registry could reply.
+the rollout's request with a PubAck before the registry could reply. Every durable consumer a
+service runs is a row of `_CONSUMERS`; `deploy/nats/nats.conf` grants the API calls they need.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import msgspec
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from proto import subjects
@@ -103,6 +105,51 @@ def stream_configs(run: str) -> list[StreamConfig]:
         )
         for name, subject, max_age, per_subject in _LAYOUT
     ]
+
+
+class Consumer(msgspec.Struct, frozen=True):
+    """One durable pull consumer: where it reads and how the server redelivers to it."""
+
+    durable: str
+    stream: str
+    filter_subject: str | None
+    ack_wait_s: float
+    """redelivery delay of an un-acked message (after a crash, or while a handler runs)"""
+    max_deliver: int
+    """deliveries before a failing message is dead-lettered; -1: never given up"""
+    max_ack_pending: int
+
+
+# (durable, stream, filter, ack_wait_s, max_deliver, max_ack_pending); `rollout-` is one row
+# per replica (`rollout-<replica>`).
+# The trainer holds a batch un-acked until its step is published (kept alive with in-progress
+# acks) and never gives a trajectory up; the exporter's and the rollouts' handlers fetch and
+# load adapters, which may take minutes on a large MoE model, so a redelivery waits longer.
+_CONSUMERS: list[tuple[str, Callable[[str], str], Callable[[str], str] | None, float, int, int]] = [
+    ("trainer", ACCEPTED, None, 30.0, -1, 64),
+    ("exporter", ADAPTERS, subjects.adapter_ready_all, 120.0, 5, 1000),
+    ("registry-adapters", ADAPTERS, None, 30.0, 5, 1000),
+    ("registry-reports", REPORTS, None, 30.0, 5, 1000),
+    ("registry-exports", EXPORTS, None, 30.0, 5, 1000),
+    ("registry-trajectories", TRAJECTORIES, None, 30.0, 5, 1000),
+    ("rollout-", ADAPTERS, None, 120.0, 5, 1000),
+]
+
+
+def consumer(run: str, durable: str) -> Consumer:
+    """The consumer named `durable` of `run` (`rollout-<replica>` for a rollout replica)."""
+    for name, stream, filter_subject, ack_wait_s, max_deliver, max_ack_pending in _CONSUMERS:
+        if durable == name or (name.endswith("-") and durable.startswith(name) and len(durable) > len(name)):
+            return Consumer(
+                durable=durable,
+                stream=stream(run),
+                filter_subject=filter_subject(run) if filter_subject else None,
+                ack_wait_s=ack_wait_s,
+                max_deliver=max_deliver,
+                max_ack_pending=max_ack_pending,
+            )
+    known = ", ".join(name + ("<replica>" if name.endswith("-") else "") for name, *_ in _CONSUMERS)
+    raise ValueError(f"durable: {durable!r} is not a consumer of lorabus; use one of {known}")
 
 
 def subjects_overlap(a: str, b: str) -> bool:

@@ -204,6 +204,44 @@ async def test_undecodable_messages_are_dead_lettered_and_consumer_goes_on(bus, 
     assert got.steps() == [5], "dead-lettered messages are not redelivered"
 
 
+async def test_burst_consumer_loses_nothing_when_the_burst_pull_times_out(bus, run, monkeypatch):
+    """nats-py's fetch(n > 1) can raise a bare asyncio.TimeoutError (when its no-wait answer
+    comes after the deadline) with a message already taken from the server: that message must
+    still be handled at once and in order, not come back after ack_wait."""
+    from nats.js.client import JetStreamContext
+
+    fetch = JetStreamContext.PullSubscription.fetch
+
+    async def slow_burst(self, batch: int = 1, timeout: float | None = 5, heartbeat=None):
+        if batch > 1:
+            raise asyncio.TimeoutError  # what nats-py raises when `deadline <= 0`
+        return await fetch(self, batch, timeout, heartbeat)
+
+    monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", slow_burst)
+    for i in range(3):
+        await bus.publish(subjects.trainer_step(run), step(i, run))
+    got = Collector()
+    await bus.consume(streams.TRAINER(run), "bursty", TrainerStep, got, batch=16, ack_wait_s=30.0)
+    await got.wait_for(lambda c: len(c.got) == 3)
+    await bus.publish(subjects.trainer_step(run), step(3, run))
+    await got.wait_for(lambda c: len(c.got) == 4)
+    assert got.steps() == [0, 1, 2, 3]
+    assert all(meta.num_delivered == 1 for _, meta in got.got)
+
+
+async def test_deeply_nested_message_is_dead_lettered(bus, run):
+    subject = subjects.trainer_step(run)
+    depth = 100_000  # deeper than the decoder's recursion limit, well under the size limit
+    nested = b'{"schema_version":"1.0","x":' + b"[" * depth + b"]" * depth + b"}"
+    await bus.js.publish(subject, nested)
+    await bus.publish(subject, step(1, run))
+    got = Collector()
+    await bus.consume(streams.TRAINER(run), "deep", TrainerStep, got)
+    await got.wait_for(lambda c: c.steps() == [1])
+    [letter] = await dead_letters(bus, "tester", 1)
+    assert letter.reason == "decode" and letter.subject == subject
+
+
 async def test_oversized_message_is_dead_lettered(nats_server_factory, tmp_path, run):
     # The server may allow more than the codec's 1 MiB (a peer's deployment choice): the
     # receiver must still refuse it, as too-large, without stalling.

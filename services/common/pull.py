@@ -1,0 +1,263 @@
+"""Durable pull consumers read in bursts, with the one delivery policy every service follows.
+
+A `Puller` hands out decoded `Delivery`s. What does not decode (bad JSON, wrong schema, too
+large, nested too deep) never reaches the caller: it is dead-lettered and terminated here. A
+caller settles each delivery with `ack()`, `nak(delay)`, `in_progress()`, `reject(reason,
+error)` (dead-letter + terminate) or `retry(error)` (nak with backoff, dead-letter on the
+`max_deliver`-th failure). Nothing is ever dropped unrecorded: a dead letter that cannot be
+stored turns into a nak, so the server delivers the message again.
+
+Two ways to pull (`keep_open`):
+- kept open (the registry's trajectories): one pull request of `batch` stays open and is
+  refilled at half, so a burst never waits a round trip; messages arrive while the caller works.
+- fetched (everything else): a long poll for one message, then a no-wait pull for the rest of
+  the burst. Nothing is delivered between bursts, so a stopped reader leaves behind only what
+  it handed out, and that comes back after `ack_wait` in stream order.
+
+Pull requests are plain core requests on `$JS.API.CONSUMER.MSG.NEXT` with a reply inbox per
+request, so a status (408 expired, 404 no messages, 409) ends exactly the request it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from proto import codec
+from services.common.bus import MESSAGES, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, BusError, MsgMeta, decode
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PULL_EXPIRES_S = 2.0
+"""lifetime of one open pull request on the server; a new one is sent when it ends"""
+FETCH_TIMEOUT_S = 1.0
+"""long-poll length of one fetch; bounds how long `stop()` waits for a reader to notice"""
+NO_WAIT_S = 1.0
+"""how long a no-wait pull may take to answer before the burst goes on without it"""
+IDLE_S = 0.5
+"""pause after a pull request the server refused (deleted durable, no responders)"""
+_ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end of a pull
+
+
+class Delivery(Generic[T]):
+    """One decoded message of a durable consumer, to be settled exactly once."""
+
+    __slots__ = ("msg", "meta", "_raw", "_reader")
+
+    def __init__(self, msg: T, meta: MsgMeta, raw: Msg, reader: Puller[T]):
+        self.msg, self.meta, self._raw, self._reader = msg, meta, raw, reader
+
+    @property
+    def data(self) -> bytes:
+        """The bytes as stored (what a republish or a dead letter carries)."""
+        return self._raw.data
+
+    async def ack(self) -> None:
+        await _settle(self._raw.ack())
+
+    async def nak(self, delay: float | None = None) -> None:
+        await _settle(self._raw.nak(delay=delay))
+
+    async def in_progress(self) -> None:
+        """Restart the server's ack_wait clock: the message is still being worked on."""
+        await _settle(self._raw.in_progress())
+
+    async def reject(self, reason: str, error: str) -> None:
+        """Dead-letter and terminate; if the dead letter cannot be stored, nak instead."""
+        await self._reader.reject(self._raw, self.meta, reason, error)
+
+    async def retry(self, error: str) -> None:
+        """The handler failed: nak with backoff, or dead-letter at the last delivery."""
+        reader, n = self._reader, self.meta.num_delivered
+        if 0 < reader.max_deliver <= n:
+            log.error("bus: handler failed on %s, giving up: %s", self.meta.subject, error)
+            await self.reject("handler", error)
+            return
+        log.warning("bus: handler failed on %s (delivery %d of %s): %s", self.meta.subject, n,
+                    reader.max_deliver if reader.max_deliver > 0 else "unlimited", error)  # fmt: skip
+        await self.nak(delay=reader.retry_delay_s * 2 ** (n - 1))
+
+
+async def _settle(ack: Awaitable[None]) -> None:
+    """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
+    try:
+        await ack
+    except Exception as exc:
+        log.debug("bus: ack not sent: %r", exc)
+
+
+class Puller(Generic[T]):
+    """A durable pull consumer read in bursts (create with `Bus.pull`)."""
+
+    def __init__(self, bus: Bus, nc: Client, stream: str, durable: str, msg_type: type[T] | Any,
+                 *, batch: int, max_deliver: int, retry_delay_s: float, keep_open: bool):  # fmt: skip
+        self.bus, self.stream, self.durable, self.msg_type = bus, stream, durable, msg_type
+        self.batch, self.max_deliver, self.retry_delay_s = batch, max_deliver, retry_delay_s
+        self.keep_open = keep_open
+        self._nc = nc
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._inbox = nc.new_inbox()
+        self._buf: list[Msg] = []
+        self._ready = asyncio.Event()
+        """set when a message arrives or a pull request ends"""
+        self._credit = 0
+        """messages the open pull request(s) may still deliver"""
+        self._requests = 0
+        self._current = ""
+        """the reply subject of the last request sent (a fetch has one open at a time)"""
+        self._ended = True
+        self._open_until = 0.0
+        """when the last request has ended on the server at the latest (a lost one ends too)"""
+        self._refused: str | None = None
+        self._last_pull = 0.0
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self._buf.append(msg)
+            self._credit -= 1
+            if self._credit <= 0:
+                self._ended = True
+        elif status == "100":  # idle heartbeat
+            return
+        else:
+            if status not in _ENDS_QUIETLY:  # 409 max-ack-pending, deleted durable, 503, ...
+                self._refused = status
+                log.debug("bus: pull on %s/%s ended: %s %s", self.stream, self.durable, status,
+                          msg.headers.get("Description", ""))  # fmt: skip
+            if self.keep_open:
+                self._credit = 0
+            elif msg.subject == self._current:  # a late status of an earlier fetch ends nothing
+                self._credit, self._ended = 0, True
+        self._ready.set()
+
+    async def _pull(self, n: int, *, expires_s: float | None) -> None:
+        """One pull request for `n` messages; without `expires_s` the server answers at once."""
+        self._requests += 1
+        self._current = f"{self._inbox}.{self._requests}"
+        request: dict[str, Any] = {"batch": n}
+        if expires_s is None:
+            request["no_wait"] = True  # the server ignores no_wait when expires is present
+        else:
+            request["expires"] = int(expires_s * 1e9)
+        self._credit = n if not self.keep_open else self._credit + n
+        self._ended = False
+        self._last_pull = time.monotonic()
+        self._open_until = self._last_pull + (NO_WAIT_S if expires_s is None else expires_s) + 0.5
+        await self._nc.publish(self._next, msgspec.json.encode(request), reply=self._current)
+
+    async def _wait(self, timeout: float) -> None:
+        self._ready.clear()
+        try:
+            await asyncio.wait_for(self._ready.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            pass
+
+    def _done(self) -> bool:
+        return self._ended or time.monotonic() > self._open_until
+
+    async def _until_ended(self) -> None:
+        while not self._done():
+            await self._wait(self._open_until - time.monotonic())
+
+    # --- the two ways to pull ---------------------------------------------------------------
+
+    async def _fill_open(self, deadline: float | None) -> None:
+        """Keep one request open; return once something arrived (or at `deadline`)."""
+        stale = time.monotonic() - self._last_pull > PULL_EXPIRES_S + 1.0
+        if self._credit <= 0 or stale:  # also covers a request lost in a server restart
+            await self._pull(self.batch, expires_s=PULL_EXPIRES_S)
+        if not self._buf:
+            wait = PULL_EXPIRES_S + 1.0
+            await self._wait(wait if deadline is None else min(wait, deadline - time.monotonic()))
+
+    async def _fetch(self, want: int, deadline: float | None) -> None:
+        """Long-poll for one message, then take the rest of the burst that is already there."""
+        if not self._buf:
+            wait = FETCH_TIMEOUT_S if deadline is None else min(FETCH_TIMEOUT_S, deadline - time.monotonic())
+            if wait <= 0:
+                return
+            if self._done():  # else the previous long poll is still open: wait on it
+                await self._pull(1, expires_s=wait)
+            await self._until_ended()
+        if self._buf and want > len(self._buf) and self._done():
+            await self._pull(want - len(self._buf), expires_s=None)
+            await self._until_ended()
+
+    async def burst(self, max_n: int | None = None, timeout: float | None = None) -> list[Delivery[T]]:
+        """Every decodable message that has arrived, at least one and at most `max_n` (default
+        `batch`); [] only when `timeout` passes first."""
+        want = self.batch if max_n is None else max_n
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.keep_open:
+                    await self._fill_open(deadline)
+                else:
+                    await self._fetch(want, deadline)
+            except TRANSIENT_ERRORS as exc:  # server restarting: nats-py reconnects
+                log.debug("bus: pull on %s/%s: %r", self.stream, self.durable, exc)
+                self._credit, self._ended = 0, True
+                await asyncio.sleep(IDLE_S)
+            raw, self._buf = self._buf[:want], self._buf[want:]
+            if self._buf:
+                self._ready.set()
+            deliveries = [d for m in raw if (d := await self._decode(m)) is not None]
+            if self.keep_open and deliveries and self._credit <= self.batch // 2:
+                await self._pull(self.batch - self._credit, expires_s=PULL_EXPIRES_S)  # no wait next time
+            if deliveries:
+                return deliveries
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+            if not raw and self._refused is not None:
+                self._refused = None
+                await asyncio.sleep(IDLE_S)  # e.g. the durable was deleted: do not spin
+
+    async def _decode(self, raw: Msg) -> Delivery[T] | None:
+        MESSAGES.labels(self.bus.service, "consumed").inc()
+        info = raw.metadata
+        meta = MsgMeta(
+            subject=raw.subject,
+            stream_seq=info.sequence.stream,
+            num_delivered=info.num_delivered,
+            msg_id=(raw.headers or {}).get(MSG_ID_HEADER),
+        )
+        try:
+            msg = decode(raw.data, self.msg_type)
+        except codec.DecodeError as exc:
+            await self.reject(raw, meta, exc.reason, str(exc))
+            return None
+        return Delivery(msg, meta, raw, self)
+
+    async def reject(self, raw: Msg, meta: MsgMeta, reason: str, error: str) -> None:
+        # Derived from the stream position, so a redelivered poison message is recorded once.
+        letter_id = f"{self.stream}:{meta.stream_seq}:{self.bus.service}"
+        try:
+            await self.bus.dead_letter(meta.subject, reason, error, raw.data, msg_id=letter_id)
+        except (BusError, *TRANSIENT_ERRORS) as exc:
+            # Never drop a message we could not record: let the server deliver it again.
+            log.error("bus: could not dead-letter %s (%r); will retry", meta.subject, exc)
+            await _settle(raw.nak(delay=1.0))
+            return
+        await _settle(raw.term())
