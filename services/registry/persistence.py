@@ -33,8 +33,6 @@ import time
 from typing import Union
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from msgspec import Struct
 
 from proto.messages import (
@@ -43,6 +41,7 @@ from proto.messages import (
     ExportDone,
     RolloutReport,
 )
+from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
 from services.registry import metrics, policy
 from services.registry.policy import DecisionInput, Ledger, PolicyConfig
 
@@ -56,17 +55,6 @@ while keeping the snapshot's cost (encode the whole ledger) off almost every com
 RETRY_FOR_S = 30.0
 """how long a write keeps retrying while the server is unreachable before the registry stops
 (its memory then holds changes it cannot persist; a restart rebuilds from what was stored)"""
-
-_WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
-_TRANSIENT = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    asyncio.TimeoutError,
-)
 
 
 class LedgerConflict(RuntimeError):
@@ -184,7 +172,7 @@ class Journal:
     flight at a time and carries every op applied while the previous one was in flight.
     """
 
-    def __init__(self, bus, bucket: str, ledger: Ledger, cfg: PolicyConfig, *, seq: int,
+    def __init__(self, bus: Bus, bucket: str, ledger: Ledger, cfg: PolicyConfig, *, seq: int,
                  revision: int, snapshot_every: int = SNAPSHOT_EVERY):  # fmt: skip
         self.bus = bus
         self.stream = f"KV_{bucket}"
@@ -207,15 +195,15 @@ class Journal:
     # --- opening: snapshot + replay ---------------------------------------------------------
 
     @classmethod
-    async def open(cls, bus, bucket: str, run: str, cfg: PolicyConfig, **kw) -> Journal:
+    async def open(cls, bus: Bus, bucket: str, run: str, cfg: PolicyConfig, **kw) -> Journal:
         await bus.key_value(bucket)  # creates the bucket (and its stream) if missing
         stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
-        last = (await bus.js.stream_info(stream)).state.last_seq
-        try:
-            raw = await bus.js.get_last_msg(stream, prefix + SNAPSHOT_KEY)
+        last = await bus.last_seq(stream)
+        raw = await bus.last_raw(stream, prefix + SNAPSHOT_KEY)
+        if raw is not None:
             snap = decode_snapshot(raw.data)
             start = raw.seq + 1
-        except nats.js.errors.NotFoundError:
+        else:
             snap = Snapshot(ledger=policy.new_ledger(run), cfg=cfg, revision=0)
             start = 1
         if snap.ledger.run != run:
@@ -226,10 +214,8 @@ class Journal:
         ledger, revision, replayed = snap.ledger, snap.revision, 0
         seq = start
         while seq <= last:
-            try:
-                raw = await bus.js.get_msg(stream, seq=seq, subject=prefix + JOURNAL_PREFIX + ".>",
-                                           next=True)  # fmt: skip
-            except nats.js.errors.NotFoundError:
+            raw = await bus.message(stream, seq, prefix + JOURNAL_PREFIX + ".>")
+            if raw is None:
                 break
             for op in decode_entry(raw.data).ops:
                 apply(ledger, op, snap.cfg)
@@ -289,7 +275,7 @@ class Journal:
                         raise
                     return
                 for subject, data in batch.outbox:
-                    await self.bus.nc.publish(subject, data)
+                    await self.bus.send_raw(subject, data)
                 if batch.done is not None and not batch.done.done():
                     batch.done.set_result(None)
         finally:
@@ -314,16 +300,13 @@ class Journal:
 
     async def _write(self, data: bytes, key: str, *, rollup: bool = False) -> None:
         msg_id = f"{self._token}:{self.seq + 1}"
-        headers = {"Nats-Msg-Id": msg_id, "Nats-Expected-Last-Sequence": str(self.seq)}
-        if rollup:
-            headers["Nats-Rollup"] = "all"
         deadline = time.monotonic() + RETRY_FOR_S
         delay = 0.05
         while True:
             try:
-                self.seq = await self._publish_once(self.prefix + key, data, headers, msg_id)
+                self.seq = await self._publish_once(self.prefix + key, data, msg_id, rollup)
                 break
-            except _TRANSIENT as exc:
+            except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
                     raise
                 log.warning("registry: ledger write failed (%r); retrying", exc)
@@ -334,18 +317,14 @@ class Journal:
             self.snapshots += 1
         metrics.LEDGER_WRITES.inc()
 
-    async def _publish_once(self, subject: str, data: bytes, headers: dict, msg_id: str) -> int:
+    async def _publish_once(self, subject: str, data: bytes, msg_id: str, rollup: bool) -> int:
         try:
-            return (await self.bus.js.publish(subject, data, headers=headers, timeout=2.0)).seq
-        except nats.js.errors.APIError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
-                raise
+            return await self.bus.publish_expect(subject, data, expected_last_seq=self.seq,
+                                                 msg_id=msg_id, rollup=rollup)  # fmt: skip
+        except SequenceMismatch as exc:
             # Our previous attempt may have been stored with its ack lost: then the message
             # after our last known sequence is ours and we adopt it; else another writer.
-            try:
-                last = await self.bus.js.get_msg(self.stream, seq=self.seq + 1)
-            except nats.js.errors.NotFoundError:
-                last = None
+            last = await self.bus.message(self.stream, self.seq + 1)
             if last is None or (last.headers or {}).get("Nats-Msg-Id") != msg_id:
                 raise LedgerConflict(
                     f"ledger: stream {self.stream} was written by someone else after "

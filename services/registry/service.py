@@ -21,7 +21,8 @@ Throughput comes from batching every step around that rule, not from weakening i
   as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
   for one commit, republishes the accepted ones' original bytes with async JetStream
   publishes (all PubAcks gathered), publishes the decisions, then acks each message.
-  This uses `bus.js`/`bus.nc` directly because `Bus.consume` hands over one message at a time.
+  The pull request stays open between bursts (`Bus.pull(keep_open=True)`); the delivery
+  policy (dead letters, retries) is the bus's, as for every consumer.
 
 Writes are compare-and-set on the stream sequence: a second registry for the same run makes
 the first one's next write fail, and it stops instead of interleaving with the other.
@@ -42,10 +43,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import codec, subjects
 from proto.messages import (
@@ -57,6 +55,8 @@ from proto.messages import (
     Trajectory,
 )
 from services.common import streams
+from services.common.bus import Bus, MsgMeta, decode
+from services.common.pull import Delivery, Puller
 from services.registry import metrics, policy
 from services.registry.persistence import (
     AdapterOp,
@@ -78,79 +78,11 @@ log = logging.getLogger(__name__)
 SERVICE = "registry"
 PULL_BATCH = 256
 """messages one open pull request may deliver; a burst is whatever has arrived of it"""
-PULL_EXPIRES_S = 2.0
-"""lifetime of one pull request on the server; a new one is sent when it ends"""
-TRAJECTORY_DURABLE = "registry-trajectories"
-ACK_WAIT_S = 30.0
-MAX_DELIVER = 5
 PUBLISH_TIMEOUT_S = 10.0
 
 
-class Puller:
-    """A durable pull consumer read in bursts: keeps one pull request of `batch` messages open
-    and hands out everything that has arrived since the last call (at least one message)."""
-
-    def __init__(self, bus, stream: str, durable: str, batch: int):
-        self.bus, self.stream, self.durable, self.batch = bus, stream, durable, batch
-        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self._inbox = bus.nc.new_inbox()
-        self._buf: list[Msg] = []
-        self._ready = asyncio.Event()
-        self._credit = 0
-        self._last_pull = 0.0
-        self._sub = None
-
-    async def start(self) -> None:
-        self._sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
-
-    async def _on_msg(self, msg: Msg) -> None:
-        status = msg.headers.get("Status") if msg.headers else None
-        if status is None:
-            self._credit -= 1
-            self._buf.append(msg)
-            self._ready.set()
-        elif status != "100":  # 408 expired, 409 e.g. max-ack-pending or leader change
-            self._credit = 0
-            self._ready.set()  # let `burst` send the next pull
-
-    async def _pull(self) -> None:
-        request = {"batch": self.batch, "expires": int(PULL_EXPIRES_S * 1e9)}
-        await self.bus.nc.publish(self._next, msgspec.json.encode(request), reply=self._inbox)
-        self._credit = self.batch
-        self._last_pull = time.monotonic()
-
-    async def burst(self) -> list[Msg]:
-        while True:
-            if self._buf:
-                msgs, self._buf = self._buf, []
-                self._ready.clear()
-                if self._credit <= self.batch // 2:
-                    await self._pull()  # refill early so the next burst does not wait a round trip
-                return msgs
-            stale = time.monotonic() - self._last_pull > PULL_EXPIRES_S + 1.0
-            if self._credit <= 0 or stale:  # also covers a request lost in a server restart
-                try:
-                    await self._pull()
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                        nats.errors.OutboundBufferLimitError):  # fmt: skip
-                    await asyncio.sleep(0.5)
-                    continue
-            self._ready.clear()
-            try:
-                await asyncio.wait_for(self._ready.wait(), PULL_EXPIRES_S + 1.0)
-            except asyncio.TimeoutError:
-                pass
-
-
 class RegistryService:
-    def __init__(self, bus, cfg: PolicyConfig, *, clock: Callable[[], float] = time.time,
+    def __init__(self, bus: Bus, cfg: PolicyConfig, *, clock: Callable[[], float] = time.time,
                  snapshot_every: int | None = None):  # fmt: skip
         self.bus = bus
         self.run = bus.run
@@ -161,7 +93,7 @@ class RegistryService:
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
         self._subs = []
-        self._puller: Puller | None = None
+        self._puller: Puller[Trajectory] | None = None
         self._accepted = subjects.accepted(self.run)
         self._encode = msgspec.json.Encoder().encode
 
@@ -182,38 +114,25 @@ class RegistryService:
             self.cfg.max_head_offpolicyness, self.cfg.consumer_batch_size,
         )  # fmt: skip
         metrics.observe_ledger(led)
-        consume = self.bus.consume
+        bus, run = self.bus, self.run
         self._tasks += [
-            await consume(streams.ADAPTERS(self.run), "registry-adapters", AdapterReady,
-                          self._on_adapter, batch=16),
-            await consume(streams.REPORTS(self.run), "registry-reports", RolloutReport,
-                          self._on_report, batch=64),
-            await consume(streams.EXPORTS(self.run), "registry-exports", ExportDone,
-                          self._on_export, batch=16),
+            bus.dispatch(await bus.pull(streams.consumer(run, "registry-adapters"), AdapterReady, batch=16),
+                         self._on_adapter),
+            bus.dispatch(await bus.pull(streams.consumer(run, "registry-reports"), RolloutReport, batch=64),
+                         self._on_report),
+            bus.dispatch(await bus.pull(streams.consumer(run, "registry-exports"), ExportDone, batch=16),
+                         self._on_export),
         ]  # fmt: skip
-        stream = streams.TRAJECTORIES(self.run)
-        await self._ensure_trajectory_consumer(stream)
-        self._puller = Puller(self.bus, stream, TRAJECTORY_DURABLE, PULL_BATCH)
-        await self._puller.start()
+        self._puller = await bus.pull(streams.consumer(run, "registry-trajectories"), Trajectory,
+                                      batch=PULL_BATCH, keep_open=True)  # fmt: skip
         self._tasks.append(asyncio.create_task(self._trajectory_loop(), name="registry-trajectories"))
         self._subs.append(
-            await self.bus.nc.subscribe(
-                subjects.admission(self.run), queue="registry", cb=self._on_admission
-            )
+            await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry")
         )
         self._subs.append(
             await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status)
         )
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
-
-    async def _ensure_trajectory_consumer(self, stream: str) -> None:
-        # The same definition `Bus.consume` gives a durable, so either can own it.
-        config = ConsumerConfig(
-            durable_name=TRAJECTORY_DURABLE, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER,
-            max_ack_pending=max(PULL_BATCH, 1000),
-        )  # fmt: skip
-        await self.bus.js.add_consumer(stream, config)
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -242,13 +161,13 @@ class RegistryService:
 
     # --- rare events (one at a time through Bus.consume) ------------------------------------
 
-    async def _refuse(self, meta, error: str, msg) -> None:
+    async def _refuse(self, meta: MsgMeta, error: str, msg: msgspec.Struct) -> None:
         await self.bus.dead_letter(
             meta.subject, "validation", error, codec.encode(msg),
             msg_id=f"{meta.subject}:{meta.stream_seq}:{SERVICE}:policy",
         )  # fmt: skip
 
-    async def _on_adapter(self, event: AdapterReady, meta) -> None:
+    async def _on_adapter(self, event: AdapterReady, meta: MsgMeta) -> None:
         applied = self.journal.apply(AdapterOp(event))
         if applied.changed:
             await self._commit()
@@ -257,7 +176,7 @@ class RegistryService:
         if applied.error:
             await self._refuse(meta, applied.error, event)
 
-    async def _on_report(self, report: RolloutReport, meta) -> None:
+    async def _on_report(self, report: RolloutReport, meta: MsgMeta) -> None:
         applied = self.journal.apply(ReportOp(report))
         if applied.changed:
             await self._commit()
@@ -265,7 +184,7 @@ class RegistryService:
         if applied.error:
             await self._refuse(meta, applied.error, report)
 
-    async def _on_export(self, event: ExportDone, meta) -> None:
+    async def _on_export(self, event: ExportDone, meta: MsgMeta) -> None:
         applied = self.journal.apply(ExportOp(event))
         if applied.changed:
             await self._commit()
@@ -276,15 +195,15 @@ class RegistryService:
 
     async def _on_admission(self, msg: Msg) -> None:
         try:
-            request = codec.decode(msg.data, AdmissionRequest)
+            request = decode(msg.data, AdmissionRequest)
         except codec.DecodeError as exc:
-            await self._dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
+            await self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
             return
         try:
             reply = self.journal.apply(AdmitOp(request, self.clock()))
         except Exception as exc:
             log.exception("registry: admission failed")
-            await self._dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
+            await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
             return
         if not msg.reply:
             return
@@ -294,38 +213,28 @@ class RegistryService:
             self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
             metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
-            await self.bus.nc.publish(msg.reply, self._encode(reply))
-
-    async def _dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
-        try:
-            await self.bus.dead_letter(subject, reason, error, raw)
-        except Exception as exc:
-            log.error("registry: could not dead-letter %s (%r)", subject, exc)
+            await self.bus.send_raw(msg.reply, self._encode(reply))
 
     # --- trajectories -----------------------------------------------------------------------
 
     async def _trajectory_loop(self) -> None:
         while True:
-            msgs = await self._puller.burst()
+            deliveries = await self._puller.burst()
             try:
-                await self._decide_burst(msgs)
+                await self._decide_burst(deliveries)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # not acked: JetStream redelivers after ack_wait
-                log.warning("registry: burst of %d trajectories not finished: %r", len(msgs), exc)
+                log.warning("registry: burst of %d trajectories not finished: %r", len(deliveries), exc)
                 if self.journal.fatal is not None:
                     return
 
-    async def _decide_burst(self, msgs: list[Msg]) -> None:
+    async def _decide_burst(self, deliveries: list[Delivery[Trajectory]]) -> None:
         started = time.perf_counter()
-        decided = []  # (nats message, trajectory, decision, republish?)
+        decided = []  # (delivery, decision, republish?)
         now = self.clock()
-        for m in msgs:
-            try:
-                trajectory = codec.decode(m.data, Trajectory)
-            except codec.DecodeError as exc:
-                await self._dead_letter_and_term(m, exc.reason, str(exc))
-                continue
+        for d in deliveries:
+            trajectory = d.msg
             try:
                 first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
                 if first is None:
@@ -336,72 +245,38 @@ class RegistryService:
                 else:
                     decision = first
             except Exception as exc:
-                log.exception("registry: deciding %s failed", m.subject)
-                await self._retry_or_dead_letter(m, repr(exc))
+                log.exception("registry: deciding %s failed", d.meta.subject)
+                await d.retry(repr(exc))
                 continue
             # A redelivery may come from a crash between the commit and the republish, so it
             # is sent again; the msg_id makes JetStream drop it if the first one got through.
-            again = decision.verdict == "accepted" and (
-                first is None or m.metadata.num_delivered > 1
-            )
-            decided.append((m, trajectory, decision, again))
+            again = decision.verdict == "accepted" and (first is None or d.meta.num_delivered > 1)
+            decided.append((d, decision, again))
         if not decided:
             return
         await self._commit()
-        js, nc = self.bus.js, self.bus.nc
-        pending = [
-            (m, await js.publish_async(self._accepted, m.data,
-                                       headers={"Nats-Msg-Id": t.trajectory_id}))  # fmt: skip
-            for m, t, _, again in decided if again
-        ]
+        resend = [d for d, _, again in decided if again]
+        acks = await self.bus.publish_all(
+            [(self._accepted, d.data, d.msg.trajectory_id) for d in resend], timeout=PUBLISH_TIMEOUT_S
+        )
         # The decision is a notification (the DECISIONS stream records it); its source of
         # truth is the ledger, and a resent trajectory gets it again.
-        for _, t, decision, _ in decided:
-            await nc.publish(subjects.decision(self.run, t.replica), self._encode(decision))
+        for d, decision, _ in decided:
+            await self.bus.send_raw(subjects.decision(self.run, d.msg.replica), self._encode(decision))
         failed = set()
-        if pending:
-            acks = await asyncio.wait_for(
-                asyncio.gather(*(f for _, f in pending), return_exceptions=True),
-                PUBLISH_TIMEOUT_S,
-            )
-            for (m, _), ack in zip(pending, acks):
-                if isinstance(ack, BaseException):  # redelivered later, republished then
-                    log.warning("registry: accepted copy of %s not stored: %r", m.subject, ack)
-                    failed.add(id(m))
-        for m, _, _, _ in decided:
-            if id(m) in failed:
-                await self._settle(m.nak(delay=1.0))
+        for d, ack in zip(resend, acks):
+            if isinstance(ack, BaseException):  # redelivered later, republished then
+                log.warning("registry: accepted copy of %s not stored: %r", d.meta.subject, ack)
+                failed.add(id(d))
+        for d, _, _ in decided:
+            if id(d) in failed:
+                await d.nak(delay=1.0)
             else:
-                await self._settle(m.ack())
+                await d.ack()
         metrics.IN_FLIGHT.set(self.ledger.running)
         elapsed = time.perf_counter() - started
         for _ in decided:
             metrics.DECISION_SECONDS.observe(elapsed)
-
-    async def _dead_letter_and_term(self, m: Msg, reason: str, error: str) -> None:
-        seq = m.metadata.sequence.stream
-        try:
-            await self.bus.dead_letter(m.subject, reason, error, m.data,
-                                       msg_id=f"{self._puller.stream}:{seq}:{SERVICE}")  # fmt: skip
-        except Exception as exc:  # never drop what we could not record: redeliver it
-            log.error("registry: could not dead-letter %s (%r); will retry", m.subject, exc)
-            await self._settle(m.nak(delay=1.0))
-            return
-        await self._settle(m.term())
-
-    async def _retry_or_dead_letter(self, m: Msg, error: str) -> None:
-        n = m.metadata.num_delivered
-        if n >= MAX_DELIVER:
-            await self._dead_letter_and_term(m, "handler", error)
-        else:
-            await self._settle(m.nak(delay=0.5 * 2 ** (n - 1)))
-
-    @staticmethod
-    async def _settle(ack) -> None:
-        try:
-            await ack
-        except Exception as exc:  # connection gone: the server redelivers after ack_wait
-            log.debug("registry: ack not sent: %r", exc)
 
     # --- status and expiry ------------------------------------------------------------------
 
