@@ -223,13 +223,12 @@ async def accepted_unconsumed(bus, run: str) -> int | None:
     """Accepted trajectories the trainer has not (yet) acknowledged: nothing accepted is lost,
     it is either trained on or still here for the next run."""
     from services.common import streams
-    from services.trainer.service import DURABLE
 
+    trainer = streams.consumer(run, "trainer")
     try:
-        info = await bus.js.consumer_info(streams.ACCEPTED(run), DURABLE)
-    except Exception:  # no trainer consumer yet (the run stopped before it started)
+        return await bus.consumer_backlog(trainer.stream, trainer.durable)
+    except Exception:  # server gone: the summary reports it unknown
         return None
-    return info.num_pending + info.num_ack_pending
 
 
 def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: float) -> dict:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from proto import codec
 from proto import messages as m
 from proto import subjects
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 _BY_FAMILY: dict[str, type] = {
     "adapter": m.AdapterReady,
@@ -76,15 +79,15 @@ async def watch(cfg, as_json: bool, include_trajectories: bool,
     from services.common.bus import Bus
 
     bus = await Bus.connect(cfg.bus, run=cfg.run, service="watch")
-    nc = bus.nc  # raw core subscription: show every message, even ones this build can't decode
 
-    async def on_msg(msg) -> None:
+    # a raw subscription: show every message, even ones this build cannot decode
+    async def on_msg(msg: Msg) -> None:
         if not include_trajectories and ".trajectory." in msg.subject:
             return
         out(f"{msg.subject} {msg.data.decode(errors='replace')}" if as_json
             else describe(msg.subject, msg.data))
 
-    await nc.subscribe(f"{subjects.run_prefix(cfg.run)}.>", cb=on_msg)
+    await bus.subscribe_raw(f"{subjects.run_prefix(cfg.run)}.>", on_msg)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (2, 15):

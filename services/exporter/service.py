@@ -14,9 +14,7 @@ import contextlib
 import logging
 import time
 
-import nats.js.errors
-
-from proto import codec, subjects
+from proto import subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
 from services.common import streams, xccl
 from services.common.bus import Bus, MsgMeta
@@ -38,8 +36,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "exporter"
 DURABLE = "exporter"
-ACK_WAIT_S = 120.0
-"""a large MoE adapter takes a while to fetch and convert; redelivery before that is waste"""
 
 
 @contextlib.contextmanager
@@ -129,14 +125,9 @@ class Exporter:
 
     async def _publish_once(self, done: ExportDone) -> bool:
         subject = subjects.export_done(done.run, done.version)
-        try:
-            last = await self.bus.js.get_last_msg(streams.EXPORTS(done.run), subject)
-        except nats.js.errors.NotFoundError:
-            last = None
-        if last is not None and last.data:
-            previous = codec.decode(last.data, ExportDone)
-            if (previous.uri, previous.sha256) == (done.uri, done.sha256):
-                return False
+        previous = await self.bus.last(streams.EXPORTS(done.run), ExportDone, subject)
+        if previous is not None and (previous.uri, previous.sha256) == (done.uri, done.sha256):
+            return False
         await self.bus.publish(subject, done, msg_id=f"export-v{done.version}")
         return True
 
@@ -147,15 +138,9 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
     try:
         await bus.ensure_streams()
         exporter = Exporter(cfg, bus)
-        consumer = await bus.consume(
-            streams.ADAPTERS(cfg.run),
-            DURABLE,
-            AdapterReady,
-            exporter.handle,
-            filter_subject=subjects.adapter_ready_all(cfg.run),
-            batch=1,  # a fetched message not yet handled at shutdown waits ack_wait to return
-            ack_wait_s=ACK_WAIT_S,
-        )
+        # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
+        reader = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
+        consumer = bus.dispatch(reader, exporter.handle)
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -165,5 +150,5 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         async with exporter.busy:  # let a running export finish (and ack) before closing
             await bus.close()
     finally:
-        if not bus.nc.is_closed:
+        if not bus.is_closed:
             await bus.close()

@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 
-import nats.js.errors
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
@@ -89,13 +88,10 @@ def adapter_event(
 async def published_event(bus, run: str, version: int) -> tuple[bool, AdapterReady | None]:
     """(whether `adapter.v<N>.ready` is in the stream, the event if it decodes)."""
     try:
-        msg = await bus.js.get_last_msg(streams.ADAPTERS(run), subjects.adapter_ready(run, version))
-    except nats.js.errors.NotFoundError:
-        return False, None
-    try:
-        return True, codec.decode(msg.data, AdapterReady)
+        event = await bus.last(streams.ADAPTERS(run), AdapterReady, subjects.adapter_ready(run, version))
     except codec.DecodeError:
         return True, None
+    return event is not None, event
 
 
 async def already_published(bus, run: str, version: int) -> bool:

@@ -26,13 +26,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch.distributed as dist
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from proto import codec, subjects
+from proto import subjects
 from proto.messages import TrainerStep, Trajectory
 from services.common import adapter_io, streams
+from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.pull import Delivery, Puller
 from services.trainer import checkpoint, metrics
 from services.trainer.batching import to_samples
 from services.trainer.publish import parse_adapter_version, publish_adapter
@@ -40,8 +42,6 @@ from services.trainer.publish import parse_adapter_version, publish_adapter
 log = logging.getLogger(__name__)
 
 DURABLE = "trainer"
-ACK_WAIT_S = 30.0
-"""redelivery delay after a crash; held messages are kept alive with in-progress acks"""
 FETCH_TIMEOUT_S = 1.0
 
 
@@ -126,24 +126,18 @@ class AcceptedQueue:
     """The durable pull consumer on the ACCEPTED stream, with acks deferred until the batch
     has been trained and published (`Bus.consume` acks per message, too early for us)."""
 
-    def __init__(self, bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str]):
+    def __init__(self, bus: Bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str]):
         self.bus, self.cfg, self.vocab_size = bus, cfg, vocab_size
         self.skip_ids = skip_ids
-        self.held: list = []
-        self.psub = None
+        self.held: list[Delivery[Trajectory]] = []
+        self.reader: Puller[Trajectory] | None = None
+        self.consumer = streams.consumer(cfg.run, DURABLE)
+        # room for a few batches beyond the one held, so the next pull does not stall
+        pending = max(4 * cfg.rollout.consumer_batch_size, self.consumer.max_ack_pending)
+        self.consumer = msgspec.structs.replace(self.consumer, max_ack_pending=pending)
 
     async def open(self) -> None:
-        run = self.cfg.run
-        config = ConsumerConfig(
-            durable_name=DURABLE,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ACK_WAIT_S,
-            max_deliver=-1,
-            max_ack_pending=max(4 * self.cfg.rollout.consumer_batch_size, 64),
-        )
-        await self.bus.js.add_consumer(streams.ACCEPTED(run), config)
-        self.psub = await self.bus.js.pull_subscribe_bind(durable=DURABLE, stream=streams.ACCEPTED(run))
+        self.reader = await self.bus.pull(self.consumer, Trajectory, batch=self.cfg.rollout.consumer_batch_size)
 
     def _problem(self, traj: Trajectory) -> str | None:
         if traj.run != self.cfg.run:
@@ -165,52 +159,34 @@ class AcceptedQueue:
         while len(groups) < size:
             if stop.is_set():
                 return None
-            try:
-                msgs = await self.psub.fetch(size - len(groups), timeout=FETCH_TIMEOUT_S)
-            except TimeoutError:  # nats.errors.TimeoutError, or a bare one from a batch fetch
-                continue
-            for msg in msgs:
-                try:
-                    traj = codec.decode(msg.data, Trajectory)
-                except codec.DecodeError as exc:
-                    await self._reject(msg, exc.reason, str(exc))
+            for d in await self.reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+                if d.msg.trajectory_id in self.skip_ids:
+                    log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
+                    await d.ack()
                     continue
-                if traj.trajectory_id in self.skip_ids:
-                    log.info("trajectory %s was trained before the restart; acking", traj.trajectory_id)
-                    await msg.ack()
+                if (problem := self._problem(d.msg)) is not None:
+                    await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {problem}")
                     continue
-                problem = self._problem(traj)
-                if problem is not None:
-                    await self._reject(msg, "validation", f"trajectory {traj.trajectory_id}: {problem}")
-                    continue
-                self.held.append(msg)
-                groups.append(traj)
+                self.held.append(d)
+                groups.append(d.msg)
         return groups
-
-    async def _reject(self, msg, reason: str, error: str) -> None:
-        log.warning("dead-lettering a message on %s: %s", msg.subject, error)
-        await self.bus.dead_letter(msg.subject, reason, error, msg.data)
-        await msg.term()
 
     async def keep_alive(self) -> None:
         """Tell the server the held messages are still being worked on (a step may outlast
         ack_wait); runs until cancelled."""
         while True:
-            await asyncio.sleep(ACK_WAIT_S / 3)
-            for msg in list(self.held):
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+            await asyncio.sleep(self.consumer.ack_wait_s / 3)
+            for d in list(self.held):
+                await d.in_progress()
 
     async def close(self) -> None:
-        """Unsubscribe before the bus drains: nats-py's drain waits (30 s) on a pull
-        subscription's leftover status messages that no fetch will ever take."""
-        if self.psub is not None:
-            with contextlib.suppress(Exception):
-                await self.psub.unsubscribe()
+        """Unsubscribe the reader before the bus drains (nothing of it is left to deliver)."""
+        if self.reader is not None:
+            await self.reader.stop()
 
     async def ack_held(self) -> None:
-        for msg in self.held:
-            await msg.ack()
+        for d in self.held:
+            await d.ack()
         self.held = []
 
 

@@ -1,0 +1,284 @@
+"""The adapter follower of a rollout replica: which versions its engine serves, and why.
+
+A durable consumer of the ADAPTERS stream (one per replica, `rollout-<replica>`). On start the
+newest AdapterReady in the stream is loaded first, so a late or restarted replica serves the
+head at once; older events replayed after it are skipped when outside the keep window. Every
+load is fetched from the store (or taken from the XCCL receiver), sha256-verified and loaded
+as `{lora_name}-v{N}`, with retries and backoff; each failure is reported (AdapterFailed), the
+last one re-raised so the bus redelivers or dead-letters the event: a version is never
+silently skipped. A version leaves the engine only outside the keep window and unpinned.
+
+Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
+versions still admissible, so a grant's version is served again rather than dropped.
+
+The work side (`service.RolloutService`) pins versions in `book`, waits on `changed`, and
+calls `restore()` when a generation finds its version gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from proto import codec, subjects
+from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded
+from services.common import streams, xccl
+from services.common.bus import Bus
+from services.common.config_schema import LorabusConfig
+from services.rollout import metrics
+from services.rollout.engines.base import Engine
+from services.rollout.versions import VersionBook
+
+if TYPE_CHECKING:
+    from services.rollout.xccl_receiver import XcclReceiver
+
+log = logging.getLogger(__name__)
+
+
+class AdapterFollower:
+    def __init__(
+        self,
+        cfg: LorabusConfig,
+        replica: str,
+        engine: Engine,
+        bus: Bus,
+        *,
+        keep: int,
+        fetch: Callable[[AdapterReady], bytes],
+        engine_name: str,
+        load_attempts: int,
+        retry_base_s: float,
+        xccl: XcclReceiver | None = None,
+    ):
+        self.cfg, self.run_id, self.replica = cfg, cfg.run, replica
+        self.engine, self.bus, self.fetch, self.engine_name = engine, bus, fetch, engine_name
+        self.keep = keep
+        self.book = VersionBook(keep)
+        self.load_attempts, self.retry_base_s = load_attempts, retry_base_s
+        self.newest_seen = -1
+        self.changed = asyncio.Condition()
+        """notified when a version is loaded or unpinned"""
+        self._events: dict[int, AdapterReady] = {}
+        """the event of every loaded version: what re-loading a version the engine lost reads"""
+        self._loading: int | None = None
+        self._restore_failures: dict[int, int] = {}
+        self._restoring = asyncio.Lock()
+        # collect() runs from the load path and after every generation: one at a time, or two
+        # callers would both try to unload the same version
+        self._collecting = asyncio.Lock()
+        self._load_lock = asyncio.Lock()
+        self.xccl = xccl
+        """the XcclReceiver (created in `start` under weight_update_mode: xccl)"""
+
+    def loaded(self) -> list[int]:
+        return self.book.loaded()
+
+    def _make_receiver(self) -> None:
+        if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
+            return
+        if self.engine_name != "embedded":
+            log.info("rollout %s: engine %s takes adapters from the object copy only",
+                     self.replica, self.engine_name)
+            return
+        from services.rollout.xccl_receiver import XcclReceiver
+
+        device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        self.xccl = XcclReceiver(self.replica, device=device, timeout_s=self.cfg.actor.xccl_timeout_s)
+
+    async def start(self) -> asyncio.Task:
+        """Load the newest version, then follow the stream from its start; returns the
+        consumer task."""
+        self._make_receiver()
+        consumer = streams.consumer(self.run_id, f"rollout-{self.replica}")
+        try:
+            head = await self.bus.last(consumer.stream, AdapterReady)
+        except codec.DecodeError:
+            head = None  # the consumer dead-letters it when it gets there
+        if head is not None:
+            try:
+                await self.on_adapter(head)
+            except Exception:  # reported already; the consumer below delivers it again
+                log.exception("rollout %s: initial load of v%d failed", self.replica, head.version)
+        reader = await self.bus.pull(consumer, AdapterReady, batch=1)
+        return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
+
+    async def close(self) -> None:
+        if self.xccl is not None:
+            await asyncio.to_thread(self.xccl.close)
+
+    async def on_adapter(self, ev: AdapterReady) -> None:
+        async with self._load_lock:
+            self.newest_seen = max(self.newest_seen, ev.version)
+            if ev.version in self.book.loaded():
+                return
+            if ev.version <= self.newest_seen - self.keep:
+                log.info("rollout %s: skip v%d (outside the keep window of v%d)",
+                         self.replica, ev.version, self.newest_seen)
+                return
+            if ev.lora_name != self.cfg.rollout.lora_name and self.cfg.rollout.lora_name:
+                raise ValueError(
+                    f"adapter {ev.adapter_name}: lora_name {ev.lora_name!r} is not this run's "
+                    f"rollout.lora_name {self.cfg.rollout.lora_name!r}"
+                )
+            self._events[ev.version] = ev
+            self._loading = ev.version
+            try:
+                await self._load_with_retries(ev)
+            except BaseException:
+                self._events.pop(ev.version, None)
+                raise
+            finally:
+                self._loading = None
+            await self.collect()
+
+    async def _load_xccl(self, ev: AdapterReady) -> bool:
+        """Swap in the version staged by the XCCL receiver; False: take the object copy."""
+        payload = ev.xccl_payload()
+        if payload is None or self.xccl is None:
+            return False
+        tensors = await asyncio.to_thread(self.xccl.take, ev.version, payload)
+        if tensors is None:
+            return False
+        try:
+            await self.engine.load_version(ev.version, tensors, ev.lora)
+        except Exception as exc:
+            log.warning("rollout %s: staged %s does not load (%r); object copy instead",
+                        self.replica, ev.adapter_name, exc)
+            return False
+        finally:
+            self.xccl.release(ev.version)
+        return True
+
+    async def _load_with_retries(self, ev: AdapterReady) -> None:
+        if self.xccl is not None and ev.xccl_payload() is not None:
+            self.xccl.observe(ev.xccl_payload(), ev.version)
+        for attempt in range(1, self.load_attempts + 1):
+            t0 = time.time()
+            via = "object"
+            try:
+                await self._make_room()
+                if attempt == 1 and await self._load_xccl(ev):
+                    via = "xccl"
+                else:
+                    if ev.object_payload() is None:
+                        raise ValueError(f"{ev.adapter_name}: no object payload and this replica "
+                                         "did not receive it by xccl")
+                    # under xccl the event may precede its object by an upload time
+                    data = await asyncio.to_thread(
+                        xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
+                    await self.engine.load_version(ev.version, data, ev.lora)
+            except Exception as exc:
+                metrics.LOAD_FAILURES.labels(self.replica).inc()
+                retry = attempt < self.load_attempts
+                log.warning("rollout %s: load of %s failed (attempt %d): %r",
+                            self.replica, ev.adapter_name, attempt, exc)
+                await self._report("failed", AdapterFailed(
+                    run=self.run_id, replica=self.replica, version=ev.version,
+                    reason=f"{type(exc).__name__}: {exc}"[:1000], attempt=attempt,
+                    will_retry=retry, failed_at=time.time(),
+                ), msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}")
+                if not retry:
+                    raise
+                await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
+                continue
+            now = time.time()
+            async with self.changed:
+                self.book.mark_loaded(ev.version)
+                self.changed.notify_all()
+            log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, via, now - t0)
+            metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
+            metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
+            metrics.LOADED_VERSION.labels(self.replica).set(self.book.head())
+            await self._report("loaded", AdapterLoaded(
+                run=self.run_id, replica=self.replica, version=ev.version, via=via,
+                load_seconds=now - t0, loaded_at=now,
+            ), msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}")
+            return
+
+    async def _make_room(self) -> None:
+        """Wait until a slot is free: old versions go as soon as their requests finish."""
+        while len(self.book.loaded()) >= self.keep + 1:
+            await self.collect()
+            if len(self.book.loaded()) < self.keep + 1:
+                return
+            async with self.changed:
+                await self.changed.wait()
+
+    async def collect(self) -> None:
+        """Unload every version outside the keep window that nobody pins."""
+        async with self._collecting:
+            await self._collect()
+
+    async def _collect(self) -> None:
+        for version in self.book.to_unload():
+            await self.engine.unload_version(version)
+            self.book.mark_unloaded(version)
+            self._events.pop(version, None)
+            await self._report("unloaded", AdapterUnloaded(
+                run=self.run_id, replica=self.replica, version=version,
+                reason=f"outside the keep window of {self.keep}", unloaded_at=time.time(),
+            ), msg_id=f"{self.replica}-unloaded-v{version}-{uuid.uuid4().hex[:8]}")
+
+    async def _report(self, kind: str, msg: msgspec.Struct, msg_id: str) -> None:
+        await self.bus.publish(subjects.rollout_report(self.run_id, self.replica, kind), msg, msg_id=msg_id)
+
+    # --- servers that forget ---
+    async def restore(self) -> list[int]:
+        """Load again the still-admissible versions the engine no longer serves (a restarted
+        server, a lost replica); returns them. Server engines only (`reload_missing`); a
+        failure is reported with will_retry and tried again at the next call."""
+        reload_missing = getattr(self.engine, "reload_missing", None)
+        if reload_missing is None:
+            return []
+        # _collecting: no unload of a version while we decide whether to bring it back
+        async with self._restoring, self._collecting:
+            admissible = set(self.book.loaded()) | ({self._loading} - {None})
+            restored: list[int] = []
+            try:
+                restored = list(await reload_missing(sorted(admissible)))
+            except Exception as exc:
+                log.warning("rollout %s: checking the server's adapters failed: %r", self.replica, exc)
+            # versions the engine dropped without getting back (a reload that failed above, or
+            # a generation that found one gone): re-loaded from their events
+            serving = set(await self.engine.loaded_versions())
+            for version in self.book.loaded():
+                ev = self._events.get(version)
+                if version in serving or version in restored or version == self._loading or ev is None:
+                    continue
+                try:
+                    data = await asyncio.to_thread(self.fetch, ev)
+                    await self.engine.load_version(version, data, ev.lora)
+                except Exception as exc:
+                    attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
+                    await self._report("failed", AdapterFailed(
+                        run=self.run_id, replica=self.replica, version=version,
+                        reason=f"re-load after the server forgot it: {type(exc).__name__}: {exc}"[:1000],
+                        attempt=attempt, will_retry=True, failed_at=time.time(),
+                    ), msg_id=f"{self.replica}-failed-v{version}-r{attempt}-{uuid.uuid4().hex[:8]}")
+                    continue
+                restored.append(version)
+            for version in restored:
+                self._restore_failures.pop(version, None)
+                log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
+                await self._report("loaded", AdapterLoaded(
+                    run=self.run_id, replica=self.replica, version=version, via="object",
+                    load_seconds=0.0, loaded_at=time.time(),
+                ), msg_id=f"{self.replica}-reloaded-v{version}-{uuid.uuid4().hex[:8]}")
+            return restored
+
+    async def watch_engine_loop(self, stop: asyncio.Event) -> None:
+        if getattr(self.engine, "reload_missing", None) is None:
+            return
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.rollout.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            if not stop.is_set():
+                await self.restore()
