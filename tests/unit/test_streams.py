@@ -90,3 +90,21 @@ def test_bad_run_is_refused_with_the_field_name():
 def test_subjects_overlap(a, b, expected):
     assert streams.subjects_overlap(a, b) is expected
     assert streams.subjects_overlap(b, a) is expected
+
+
+def test_every_consumer_reads_a_stream_of_the_run():
+    names = {c.name for c in streams.stream_configs(RUN)}
+    for durable in ("trainer", "exporter", "registry-adapters", "registry-reports",
+                    "registry-exports", "registry-trajectories", "rollout-r0"):
+        consumer = streams.consumer(RUN, durable)
+        assert consumer.durable == durable and consumer.stream in names
+        if consumer.filter_subject is not None:
+            assert streams.stream_for_subject(RUN, consumer.filter_subject.replace("*", "0")) == consumer.stream
+    assert streams.consumer(RUN, "rollout-r0").stream == streams.ADAPTERS(RUN)
+    assert streams.consumer(RUN, "trainer").max_deliver == -1  # an accepted group is never given up
+
+
+def test_unknown_consumer_names_the_known_ones():
+    for durable in ("rollout-", "nobody"):
+        with pytest.raises(ValueError, match="rollout-<replica>"):
+            streams.consumer(RUN, durable)
