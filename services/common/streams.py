@@ -139,8 +139,11 @@ _CONSUMERS: list[tuple[str, Callable[[str], str], Callable[[str], str] | None, f
 def consumer(run: str, durable: str) -> Consumer:
     """The consumer named `durable` of `run` (`rollout-<replica>` for a rollout replica)."""
     for name, stream, filter_subject, ack_wait_s, max_deliver, max_ack_pending in _CONSUMERS:
-        per_replica = name.endswith("-")
-        if durable == name if not per_replica else durable.startswith(name) and len(durable) > len(name):
+        if name.endswith("-"):  # one durable per replica: `rollout-<replica>`
+            matches = durable.startswith(name) and len(durable) > len(name)
+        else:
+            matches = durable == name
+        if matches:
             return Consumer(
                 durable=durable,
                 stream=stream(run),
