@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.metrics import start_metrics_server
     from services.trainer import service
     from services.trainer.engines import make_engine
-    from services.trainer.engines.fsdp2 import collective_timeout_s
+    from services.trainer.engines.base import collective_timeout_s
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         follow_parent()
@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             port = start_metrics_server(cfg.metrics)
-            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, engine.lora.rank,
-                     ",".join(engine.lora.target_modules), engine.device, engine.world_size)
+            lora = engine.lora_spec()
+            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, lora.rank,
+                     ",".join(lora.target_modules), engine.device, engine.world_size)
             asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers))
         finally:
             followers.stop()  # however rank 0 ends, the followers must stop too
