@@ -421,7 +421,7 @@ def init_megatron(seed: int, device: torch.device):
 
 
 def gpu_run(report: Report, args) -> None:
-    from services.trainer.engines.fsdp2 import make_optimizer
+    from services.trainer.engines.base import make_optimizer
     from services.common.config_schema import ActorConfig, LorabusConfig
     from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
     from services.trainer.engines.megatron.step import train_step

@@ -11,6 +11,10 @@ import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.trainer.engines.base import TrainEngine
 
 log = logging.getLogger("services.trainer")
 
@@ -36,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from services.common.metrics import start_metrics_server
-    from services.trainer import service
+    from services.trainer import ranks, service
     from services.trainer.engines import make_engine
-    from services.trainer.engines.fsdp2 import collective_timeout_s
+    from services.trainer.engines.base import collective_timeout_s
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         follow_parent()
@@ -47,25 +51,26 @@ def main(argv: list[str] | None = None) -> int:
     # the untrained adapter is v0; gathering it is a collective, so every rank takes part
     initial = engine.adapter_state() if ckpt is None else None
     if engine.rank != 0:
-        service.worker_loop(engine)
+        ranks.worker_loop(engine)
         return leave(engine)
-    followers = service.Followers(engine.world_size, wait_s=min(30.0, collective_timeout_s()))
+    followers = ranks.Followers(engine.world_size, wait_s=min(30.0, collective_timeout_s()))
     try:
         try:
             port = start_metrics_server(cfg.metrics)
-            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, engine.lora.rank,
-                     ",".join(engine.lora.target_modules), engine.device, engine.world_size)
+            lora = engine.lora_spec()
+            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, lora.rank,
+                     ",".join(lora.target_modules), engine.device, engine.world_size)
             asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers))
         finally:
             followers.stop()  # however rank 0 ends, the followers must stop too
-    except service.PeerLost as exc:
+    except ranks.PeerLost as exc:
         log.error("%s", exc, exc_info=exc)
         logging.shutdown()
         os._exit(1)  # a send is stuck in gloo: a normal exit would wait for it
     return leave(engine)
 
 
-def leave(engine) -> int:
+def leave(engine: TrainEngine) -> int:
     if engine.world_size > 1:
         import torch.distributed as dist
 

@@ -15,6 +15,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,8 +34,8 @@ class Checkpoint:
     version: int
     """the adapter version these weights were published as"""
     adapter_bytes: bytes
-    optimizer: dict
-    rng: dict = field(default_factory=dict)
+    optimizer: dict[str, Any]
+    rng: dict[str, Any] = field(default_factory=dict)
     trained_ids: list[str] = field(default_factory=list)
     """trajectory ids of the last step: if their acks were lost, the redelivery is skipped"""
 
@@ -43,14 +44,14 @@ class Checkpoint:
         return adapter_io.from_bytes(self.adapter_bytes)
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "python" in state:

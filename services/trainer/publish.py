@@ -25,12 +25,20 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, streams
-from services.common.store import ObjectRef
+from services.common.store import ObjectRef, ObjectStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.common.bus import Bus
+    from services.trainer.xccl_sender import XcclSender
 
 log = logging.getLogger(__name__)
 ANNOUNCED_NAME = "announced.sha256"
@@ -94,11 +102,11 @@ async def published_event(bus, run: str, version: int) -> tuple[bool, AdapterRea
     return event is not None, event
 
 
-async def already_published(bus, run: str, version: int) -> bool:
+async def already_published(bus: Bus, run: str, version: int) -> bool:
     return (await published_event(bus, run, version))[0]
 
 
-def _checked_put(store, key: str, weights: bytes, sha256: str) -> ObjectRef:
+def _checked_put(store: ObjectStore, key: str, weights: bytes, sha256: str) -> ObjectRef:
     ref = store.put_bytes(key, weights)
     if ref.sha256 != sha256:
         raise RuntimeError(f"store returned sha256 {ref.sha256} for {key}, expected {sha256}; "
@@ -106,14 +114,14 @@ def _checked_put(store, key: str, weights: bytes, sha256: str) -> ObjectRef:
     return ref
 
 
-def _claim(store, run: str, version: int, key: str, weights: bytes) -> ObjectRef:
+def _claim(store: ObjectStore, run: str, version: int, key: str, weights: bytes) -> ObjectRef:
     """The object's reference before it is stored, and the marker that takes its number."""
     sha = adapter_io.sha256(weights)
     store.put_bytes(announced_key(run, version), sha.encode())
     return ObjectRef(uri=store.uri_for(key), bytes=len(weights), sha256=sha)
 
 
-def _upload_in_background(store, key: str, weights: bytes, sha256: str) -> concurrent.futures.Future:
+def _upload_in_background(store: ObjectStore, key: str, weights: bytes, sha256: str) -> concurrent.futures.Future:
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -128,7 +136,9 @@ def _upload_in_background(store, key: str, weights: bytes, sha256: str) -> concu
 
 
 async def deliver(
-    store, *, run: str, version: int, weights: bytes, publish, sender=None, tensors=None,
+    store: ObjectStore, *, run: str, version: int, weights: bytes,
+    publish: Callable[[list[Payload]], Awaitable[None]], sender: XcclSender | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> list[Payload]:
     """Store and broadcast `weights`/`tensors` as `version` and call `publish(payloads)` (an
     async callable that sends the event) at the earliest moment the order in the module
@@ -139,6 +149,8 @@ async def deliver(
         payloads = build_payloads(ref)
         await publish(payloads)
         return payloads
+    if tensors is None:
+        raise ValueError(f"v{version}: tensors: None with an XCCL sender; pass the adapter's tensors to broadcast")
     previous, sender.durable = sender.durable, None
     if previous is not None:  # one upload in flight at most; its failure stops the trainer
         await asyncio.wrap_future(previous)
@@ -156,7 +168,7 @@ async def deliver(
     return payloads
 
 
-async def _repair(store, event: AdapterReady | None, run: str, version: int, weights: bytes) -> None:
+async def _repair(store: ObjectStore, event: AdapterReady | None, run: str, version: int, weights: bytes) -> None:
     """A version announced before its upload finished (XCCL) by a trainer that then died:
     store the object now when these are the announced bytes."""
     obj = event.object_payload() if event is not None else None
@@ -174,8 +186,9 @@ async def _repair(store, event: AdapterReady | None, run: str, version: int, wei
 
 
 async def publish_adapter(
-    bus, store, *, run: str, lora_name: str, version: int, weights: bytes, lora: LoraSpec,
-    trainer_step: int, sender=None, tensors=None,
+    bus: Bus, store: ObjectStore, *, run: str, lora_name: str, version: int, weights: bytes,
+    lora: LoraSpec, trainer_step: int, sender: XcclSender | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> AdapterReady | None:
     """Store `weights` as version `version` and announce it (see `deliver` for the order);
     returns the event, or None when this version had been announced already (then only a

@@ -1,15 +1,10 @@
-"""The trainer service: accepted trajectories in, adapter versions out.
+"""The trainer service: accepted trajectories in, adapter versions out (rank 0's step loop).
 
-Rank 0 alone talks to NATS and the object store; under torchrun it broadcasts each batch to
-the other ranks, which run `worker_loop`: they ignore SIGTERM/SIGINT and stop when rank 0
-says so, so a signal to torchrun ends every rank after the current step. Per step:
+Rank 0 alone talks to NATS and the object store; under torchrun the other ranks follow its
+broadcasts (`ranks.py`). Per step:
 
     pull B accepted groups -> train_step -> gather adapter -> checkpoint (if due)
       -> upload + announce v<N+1> -> TrainerStep -> ack the B messages
-
-While rank 0 waits for trajectories it broadcasts a heartbeat every few seconds: an idle
-follower never sits in one collective longer than the process-group timeout, so that timeout
-can stay short enough to turn a stuck or dead peer into an error instead of a hang.
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
 the restarted trainer: accepted trajectories are never lost. The checkpoint comes before the
@@ -22,99 +17,34 @@ import asyncio
 import contextlib
 import logging
 import signal
-import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch.distributed as dist
+import torch
 
 from proto import subjects
-from proto.messages import TrainerStep, Trajectory
+from proto.messages import AdapterReady, TrainerStep, Trajectory
 from services.common import adapter_io, streams
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Delivery, Puller
 from services.trainer import checkpoint, metrics
 from services.trainer.batching import to_samples
+from services.trainer.engines.base import StepStats, TrainEngine
 from services.trainer.publish import parse_adapter_version, publish_adapter
+from services.trainer.ranks import Followers, Work, run_step
+
+if TYPE_CHECKING:
+    from services.common.store import ObjectStore
+    from services.trainer.xccl_sender import XcclSender
 
 log = logging.getLogger(__name__)
 
 DURABLE = "trainer"
 FETCH_TIMEOUT_S = 1.0
-
-
-@dataclass
-class Work:
-    """What rank 0 broadcasts to the other ranks for one step (None = stop)."""
-
-    groups: list[Trajectory]
-    version: int
-    """the head version being trained (staleness is measured against it)"""
-    save_checkpoint: bool
-
-
-class Heartbeat:
-    """Rank 0 is alive and still waiting for a batch."""
-
-
-def heartbeat_s() -> float:
-    from services.trainer.engines.fsdp2 import collective_timeout_s
-
-    return min(5.0, collective_timeout_s() / 4)
-
-
-class PeerLost(RuntimeError):
-    """A broadcast to the other ranks was not taken: one of them died or hangs."""
-
-
-class Followers:
-    """Rank 0's side of the broadcasts. The followers are idle in `worker_loop` whenever rank
-    0 sends, so a broadcast not taken within `wait_s` means a peer died or hangs: it is
-    raised as `PeerLost` at once instead of after the process-group timeout, and nothing is
-    sent afterwards (the group is unusable; the stuck send stays in a daemon thread)."""
-
-    def __init__(self, world_size: int, wait_s: float):
-        self.world_size, self.wait_s = world_size, wait_s
-        self.broken = self.stopped = False
-
-    def send(self, work: Work | Heartbeat | None) -> None:
-        if self.world_size == 1:
-            return
-        if self.broken:
-            raise PeerLost("rank 0: an earlier broadcast to the other ranks failed")
-        done, errors = threading.Event(), []
-
-        def target() -> None:
-            try:
-                broadcast_work(work, 0)
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
-                errors.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=target, name="broadcast", daemon=True).start()
-        taken = done.wait(self.wait_s)
-        if not taken or errors:
-            self.broken = True
-            why = f"failed ({errors[0]})" if errors else f"was not taken within {self.wait_s:.0f}s"
-            raise PeerLost(
-                f"rank 0: a broadcast to the other ranks {why}: a rank died or hangs; see "
-                "torchrun's failure report"
-            ) from (errors[0] if errors else None)
-
-    def stop(self) -> None:
-        """Tell the followers to exit (once); skipped when the group is already broken."""
-        if self.world_size > 1 and not (self.broken or self.stopped):
-            self.stopped = True
-            self.send(None)
-
-
-def broadcast_work(work: Work | Heartbeat | None, rank: int) -> Work | Heartbeat | None:
-    box = [work if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def checkpoint_due(cfg: LorabusConfig, step: int) -> bool:
@@ -190,7 +120,7 @@ class AcceptedQueue:
         self.held = []
 
 
-def _highest_stored_version(store, run: str) -> int | None:
+def _highest_stored_version(store: ObjectStore, run: str) -> int | None:
     versions = [v for key in store.list(f"{run}/adapters/") if (v := parse_adapter_version(run, key)) is not None]
     return max(versions, default=None)
 
@@ -209,35 +139,57 @@ def resume_plan(ckpt: checkpoint.Checkpoint | None, highest_stored: int | None) 
     return ckpt.version, True
 
 
-async def serve(
-    cfg: LorabusConfig, engine, bus, store, stop: asyncio.Event,
-    ckpt: checkpoint.Checkpoint | None, initial: dict | None, followers: Followers,
-) -> int:
-    """Rank 0's loop, after `restore`; returns the last published version. `initial` is the
-    untrained adapter (gathered on every rank beforehand: a collective under FSDP2)."""
-    run = cfg.run
-    ckpt_dir = cfg.actor.checkpoint_dir
-    highest = await asyncio.to_thread(_highest_stored_version, store, run)
-    version, unchanged = resume_plan(ckpt, highest)
-    trained_ids: list[str] = []
-    if ckpt is not None:
-        log.info("resuming from %s step %d (v%d)", ckpt_dir, ckpt.step, ckpt.version)
+@dataclass(frozen=True)
+class Resume:
+    """Where rank 0's loop starts: the version to announce first (`resume_plan`), its weights
+    as bytes and as tensors, and the trajectories of the checkpoint's last step (a redelivery
+    of those is acked, not trained twice)."""
+
+    version: int
+    weights: bytes
+    tensors: dict[str, torch.Tensor]
+    trained_ids: frozenset[str]
+
+    @classmethod
+    def plan(
+        cls, ckpt: checkpoint.Checkpoint | None, initial: dict[str, torch.Tensor] | None,
+        highest_stored: int | None,
+    ) -> Resume:
+        """`initial` is the untrained adapter, needed when there is no checkpoint."""
+        version, unchanged = resume_plan(ckpt, highest_stored)
+        if ckpt is None:
+            if initial is None:
+                raise ValueError("initial: None without a checkpoint; gather the untrained adapter "
+                                 "(engine.adapter_state() on every rank) before serving")
+            return cls(version, adapter_io.to_bytes(initial), initial, frozenset())
         tensors = ckpt.adapter
-        weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(ckpt.adapter)
-        trained_ids = ckpt.trained_ids
-    else:
-        tensors = initial
-        weights = adapter_io.to_bytes(tensors)
-    sender = make_sender(cfg, engine)
-    try:
-        return await _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids,
-                            sender, followers)
-    finally:
-        if sender is not None:
-            await asyncio.to_thread(sender.close)
+        weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
+        return cls(version, weights, tensors, frozenset(ckpt.trained_ids))
 
 
-def make_sender(cfg: LorabusConfig, engine):
+@dataclass(frozen=True)
+class Rank0:
+    """Rank 0's collaborators, for as long as its loop runs."""
+
+    cfg: LorabusConfig
+    engine: TrainEngine
+    bus: Bus
+    store: ObjectStore
+    stop: asyncio.Event
+    """set by SIGTERM/SIGINT: the loop ends after the current step"""
+    followers: Followers
+    sender: XcclSender | None
+    """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
+
+    async def announce(self, version: int, weights: bytes, tensors: dict[str, torch.Tensor]) -> AdapterReady | None:
+        """Store (or broadcast) and announce `version`; None when it was announced already."""
+        return await publish_adapter(
+            self.bus, self.store, run=self.cfg.run, lora_name=self.cfg.gconfig.lora_name, version=version,
+            weights=weights, lora=self.engine.lora_spec(), trainer_step=self.engine.step,
+            sender=self.sender, tensors=tensors)
+
+
+def make_sender(cfg: LorabusConfig, engine: TrainEngine) -> XcclSender | None:
     """The XCCL group host when `actor.weight_update_mode: xccl` (rank 0 only)."""
     if cfg.actor.weight_update_mode != "xccl":
         return None
@@ -255,40 +207,48 @@ def make_sender(cfg: LorabusConfig, engine):
     return sender
 
 
-async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, trained_ids, sender,
-                 followers) -> int:
-    run, lora_name = cfg.run, cfg.gconfig.lora_name
-    ckpt_dir = cfg.actor.checkpoint_dir
-    event = await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
-                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step,
-                                  sender=sender, tensors=tensors)
+@contextlib.asynccontextmanager
+async def sender_for(cfg: LorabusConfig, engine: TrainEngine) -> AsyncIterator[XcclSender | None]:
+    """`make_sender`, closed (its last upload awaited) when the loop ends."""
+    sender = make_sender(cfg, engine)
+    try:
+        yield sender
+    finally:
+        if sender is not None:
+            await asyncio.to_thread(sender.close)
+
+
+async def serve(ctx: Rank0, start: Resume) -> int:
+    """Rank 0's loop: announce `start`, then one step per batch until `total_train_steps` or
+    `ctx.stop`; returns the last published version."""
+    cfg, engine, bus, followers = ctx.cfg, ctx.engine, ctx.bus, ctx.followers
+    run, version = cfg.run, start.version
+    event = await ctx.announce(version, start.weights, start.tensors)
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.set(version)
 
-    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(trained_ids))
+    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids))
     await queue.open()
     keep_alive = asyncio.create_task(queue.keep_alive())
     try:
         while engine.step < cfg.total_train_steps:
-            groups = await next_batch_alive(queue, cfg.rollout.consumer_batch_size, stop, followers)
+            groups = await followers.heartbeat_while(
+                queue.next_batch(cfg.rollout.consumer_batch_size, ctx.stop))
             if groups is None:
                 break
             step_index = engine.step
-            save = checkpoint_due(cfg, step_index + 1)
-            work = Work(groups=groups, version=version, save_checkpoint=save)
+            work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
             await asyncio.to_thread(followers.send, work)
             stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
             version += 1
             t0 = time.perf_counter()
             weights = adapter_io.to_bytes(adapter)
             ids = [g.trajectory_id for g in groups]
-            if save:
-                await asyncio.to_thread(checkpoint.save, ckpt_dir, checkpoint.Checkpoint(
+            if optim is not None:  # gathered by run_step because this step is checkpoint_due
+                await asyncio.to_thread(checkpoint.save, cfg.actor.checkpoint_dir, checkpoint.Checkpoint(
                     step=engine.step, version=version, adapter_bytes=weights, optimizer=optim,
                     rng=checkpoint.rng_state(), trained_ids=ids))
-            await publish_adapter(bus, store, run=run, lora_name=lora_name, version=version,
-                                  weights=weights, lora=engine.lora_spec(), trainer_step=engine.step,
-                                  sender=sender, tensors=adapter)
+            await ctx.announce(version, weights, adapter)
             metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
             await bus.publish(subjects.trainer_step(run), TrainerStep(
                 run=run, step=step_index, version=version, loss=stats.loss,
@@ -307,31 +267,7 @@ async def _serve(cfg, engine, bus, store, stop, version, weights, tensors, train
     return version
 
 
-async def next_batch_alive(queue: AcceptedQueue, size: int, stop: asyncio.Event,
-                           followers: Followers):
-    """`queue.next_batch`, with a heartbeat to the followers while it waits."""
-    fetch = asyncio.create_task(queue.next_batch(size, stop))
-    if followers.world_size == 1:
-        return await fetch
-    try:
-        while True:
-            done, _ = await asyncio.wait({fetch}, timeout=heartbeat_s())
-            if done:
-                return fetch.result()
-            await asyncio.to_thread(followers.send, Heartbeat())
-    finally:
-        fetch.cancel()
-
-
-def run_step(engine, work: Work):
-    """The collective part of a step, identical on every rank."""
-    stats = engine.train_step(work.groups, head_version=work.version)
-    adapter = engine.adapter_state()
-    optim = engine.optimizer_state() if work.save_checkpoint else None
-    return stats, adapter, optim
-
-
-def record(stats, version: int) -> None:
+def record(stats: StepStats, version: int) -> None:
     metrics.STEP_SECONDS.observe(stats.step_seconds)
     metrics.TOKENS_PER_SECOND.set(stats.tokens / max(stats.step_seconds, 1e-9))
     metrics.VERSION.set(version)
@@ -340,23 +276,7 @@ def record(stats, version: int) -> None:
     metrics.STEPS.inc()
 
 
-def worker_loop(engine) -> None:
-    """Ranks > 0: follow rank 0's broadcasts until it says stop. torchrun signals every rank
-    at once; stopping here mid-step would break rank 0's collectives, so rank 0 decides."""
-    def defer(signum, _frame):
-        log.info("rank %d: %s; stopping when rank 0 does", engine.rank, signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, defer)
-    while True:
-        work = broadcast_work(None, engine.rank)
-        if work is None:
-            return
-        if isinstance(work, Work):
-            run_step(engine, work)
-
-
-def restore(engine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
+def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
     """Every rank loads the newest checkpoint itself (same host, same directory)."""
     ckpt = checkpoint.load_latest(cfg.actor.checkpoint_dir)
     if ckpt is not None:
@@ -366,10 +286,13 @@ def restore(engine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
 
 
 async def run_rank0(
-    cfg: LorabusConfig, engine, ckpt: checkpoint.Checkpoint | None, initial: dict | None,
-    followers: Followers,
+    cfg: LorabusConfig, engine: TrainEngine, ckpt: checkpoint.Checkpoint | None,
+    initial: dict[str, torch.Tensor] | None, followers: Followers,
 ) -> int:
-    """The caller calls `followers.stop()` too, for the ways out that never get here."""
+    """Connect, plan the start from `ckpt` (after `restore`) or `initial` (the untrained
+    adapter, gathered on every rank beforehand: a collective under FSDP2) and `serve`;
+    returns the last published version. The caller calls `followers.stop()` too, for the
+    ways out that never get here."""
     from services.common.bus import Bus
     from services.common.store import open_store
 
@@ -383,7 +306,12 @@ async def run_rank0(
         await bus.ensure_streams()
         store = open_store(cfg.store)
         try:
-            return await serve(cfg, engine, bus, store, stop, ckpt, initial, followers)
+            highest = await asyncio.to_thread(_highest_stored_version, store, cfg.run)
+            start = Resume.plan(ckpt, initial, highest)
+            if ckpt is not None:
+                log.info("resuming from %s step %d (v%d)", cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
+            async with sender_for(cfg, engine) as sender:
+                return await serve(Rank0(cfg, engine, bus, store, stop, followers, sender), start)
         finally:  # before the bus drains: the followers need not wait for it
             await asyncio.to_thread(followers.stop)
     finally:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.messages import XcclPayload
+from proto.messages import TensorSpec, XcclPayload
 from services.common import xccl
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class XcclSender:
     def group_name(self) -> str:
         return f"{self.token}-g{self.epoch}"
 
-    def handle(self, manifest, ranks: dict[str, int]) -> XcclPayload:
+    def handle(self, manifest: list[TensorSpec], ranks: dict[str, int]) -> XcclPayload:
         return XcclPayload(
             backend=self.backend, master_address=self.address, master_port=self.port,
             world_size=len(ranks) + 1 if ranks else 1, group_name=self.group_name,
@@ -90,7 +90,7 @@ class XcclSender:
         self.joins_read = total
         return list(dict.fromkeys(names))
 
-    def _reform(self, members: list[str], manifest) -> None:
+    def _reform(self, members: list[str], manifest: list[TensorSpec]) -> None:
         self._drop_group(reason_next=self.epoch + 1)
         self.epoch += 1
         self.members = {name: i + 1 for i, name in enumerate(members)}

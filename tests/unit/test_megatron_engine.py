@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import msgspec
@@ -307,3 +308,116 @@ def test_train_step_takes_a_real_gradient_step_on_adapter_only():
 
 def test_benchmark_cpu_check_passes(tmp_path):
     assert bench.main(["--cpu-check", "--out", str(tmp_path)]) == 0
+
+
+# --- `python -m services.trainer` on the Megatron backend ------------------------------------
+
+ENGINE_MODULE = "services.trainer.engines.megatron.engine"
+
+
+class FakeBridgeLoRA:
+    """megatron-bridge's `LoRA` transform as far as the engine uses it: `dim`, not `rank`."""
+
+    def __init__(self, target_modules: list[str], dim: int, alpha: float, dropout: float):
+        self.target_modules, self.dim, self.alpha, self.dropout = target_modules, dim, alpha, dropout
+
+    def __call__(self, chunks: list[nn.Module], training: bool) -> list[nn.Module]:
+        for chunk in chunks:
+            bench.attach_lora(chunk, rank=self.dim, alpha=self.alpha, targets=tuple(self.target_modules))
+        return chunks
+
+
+class FakeProvider:
+    """`bridge.to_megatron_provider(...)`: takes the parallel settings, builds a CPU model."""
+
+    def finalize(self) -> None:
+        pass
+
+    def provide_distributed_model(self, wrap_with_ddp: bool) -> list[nn.Module]:
+        return [TinyMegatronLM(vocab=32, hidden=16)]
+
+
+class FakeAutoBridge:
+    def __init__(self) -> None:
+        from transformers import Qwen2Config
+
+        config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2)
+        self.hf_pretrained = type("HF", (), {"config": config})()
+
+    @classmethod
+    def from_hf_pretrained(cls, path: str, **kwargs: object) -> FakeAutoBridge:
+        return cls()
+
+    def to_megatron_provider(self, load_weights: bool) -> FakeProvider:
+        return FakeProvider()
+
+
+def _fake_megatron_modules() -> dict[str, types.ModuleType]:
+    one_rank = {"get_tensor_model_parallel_group": None, "get_tensor_model_parallel_world_size": 1,
+                "get_data_parallel_group": None, "get_data_parallel_rank": 0,
+                "get_data_parallel_world_size": 1, "get_model_parallel_group": None}
+    parallel_state = types.SimpleNamespace(**{k: (lambda v=v: v) for k, v in one_rank.items()})
+    tensor_parallel = types.SimpleNamespace(vocab_parallel_cross_entropy=None)
+    mods = {name: types.ModuleType(name) for name in (
+        "megatron", "megatron.core", "megatron.bridge", "megatron.bridge.peft", "megatron.bridge.peft.lora")}
+    mods["megatron.core"].parallel_state = parallel_state
+    mods["megatron.core"].tensor_parallel = tensor_parallel
+    mods["megatron.bridge"].AutoBridge = FakeAutoBridge
+    mods["megatron.bridge.peft.lora"].LoRA = FakeBridgeLoRA
+    return mods
+
+
+@pytest.fixture
+def fake_megatron(monkeypatch):
+    """The Megatron engine module imported against fake megatron-core/-bridge modules, with its
+    CUDA/NCCL set-up replaced by a one-rank CPU one; both are undone afterwards."""
+    for name, mod in _fake_megatron_modules().items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    pkg = importlib.import_module("services.trainer.engines.megatron")
+    before = sys.modules.pop(ENGINE_MODULE, None)
+    try:
+        engine = importlib.import_module(ENGINE_MODULE)
+        monkeypatch.setattr(engine, "init_megatron", lambda cfg: torch.device("cpu"))
+        monkeypatch.setattr(engine, "dist", types.SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda: 1))
+        yield engine
+    finally:
+        sys.modules.pop(ENGINE_MODULE, None)
+        pkg.__dict__.pop("engine", None)
+        if before is not None:
+            sys.modules[ENGINE_MODULE] = before
+
+
+def test_megatron_trainer_main_gets_past_its_first_log_line(fake_megatron, tmp_path, monkeypatch, caplog):
+    """The start-up line reads the adapter's shape through the engine contract (`lora_spec()`),
+    not the backend's own LoRA object, which on Megatron has no `rank`."""
+    import yaml
+
+    from services.trainer import __main__ as trainer_main
+    from services.trainer import service
+
+    served = []
+
+    async def run_rank0(cfg, engine, ckpt, initial, followers) -> int:
+        served.append((engine, ckpt, initial))
+        return 0
+
+    monkeypatch.setattr(service, "run_rank0", run_rank0)
+    monkeypatch.setattr("services.common.logs.setup_logging", lambda *a, **k: None)  # keeps caplog's handler
+    monkeypatch.setattr("services.common.metrics.start_metrics_server", lambda cfg: 9999)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    config = tmp_path / "trainer.yaml"
+    config.write_text(yaml.safe_dump({
+        "experiment_name": "m", "trial_name": "t", "run": "m", "run_dir": str(tmp_path / "run"),
+        "actor": {"backend": "megatron", "path": "fake/qwen2", "device": "cpu", "dtype": "float32",
+                  "lora_rank": R, "lora_alpha": 8, "target_modules": ["linear_fc1", "linear_fc2"],
+                  "megatron": {"bridge_type": "megatron-bridge"}},
+        "train_dataset": {"path": "builtin:arith", "reward_fn": "services.common.rewards:arith_reward"},
+    }))
+    with caplog.at_level("INFO"):
+        assert trainer_main.main(["--config", str(config)]) == 0
+    [(engine, ckpt, initial)] = served
+    assert isinstance(engine, fake_megatron.MegatronEngine) and ckpt is None
+    assert sorted({adapter_io.parse_peft_key(k)[0].rsplit(".", 1)[-1] for k in initial}) == [
+        "down_proj", "gate_proj", "up_proj"]
+    assert f"LoRA r={R} on down_proj,gate_proj,up_proj; cpu, world size 1" in caplog.text

@@ -1,13 +1,15 @@
-"""Trainer engines: each owns the model, the optimizer and the train step for one backend."""
+"""Trainer engines: each owns the model, the optimizer and the train step for one backend, behind
+the `TrainEngine` contract (`base.py`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from services.common.config_schema import LorabusConfig
+from services.trainer.engines.base import TrainEngine
 
 
-def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
+def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0) -> TrainEngine:
     """The engine for `actor.backend`; `base` overrides loading `actor.path` (tests, benchmarks)."""
     if cfg.actor.backend == "fsdp2":
         from services.trainer.engines.fsdp2 import FSDP2Engine

@@ -10,10 +10,8 @@ gradients, which the loss compensates for so that the update equals the single-p
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,52 +20,11 @@ from torch import nn
 from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
 from services.trainer import batching
+from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, make_scheduler, resolve_device
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto`: this rank's GPU when CUDA is present, else CPU."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(device)
-
-
-TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
-
-
-def collective_timeout_s() -> float:
-    """How long a rank waits in one collective before failing (not hanging) when a peer is
-    stuck; `LORABUS_DIST_TIMEOUT_S` overrides it. Idle ranks are kept under it by rank 0's
-    heartbeats, so it only has to cover the longest gap between two collectives."""
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}: {raw!r} must be a number of seconds > 0")
-    return value
-
-
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size); joins the torchrun group when launched with WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=collective_timeout_s()))
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -80,39 +37,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             "HF decoder-only models (Llama/Qwen/Mistral layout)"
         )
     return list(layers)
-
-
-def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.optim.Optimizer:
-    opt = cfg.actor.optimizer
-    if opt.lr <= 0:
-        raise ValueError(f"actor.optimizer.lr: {opt.lr} must be > 0")
-    if opt.type == "adamw":
-        return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                 weight_decay=opt.weight_decay)
-    if opt.type == "adam":
-        return torch.optim.Adam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                weight_decay=opt.weight_decay)
-    if opt.type == "sgd":
-        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
-    raise ValueError(f"actor.optimizer.type: {opt.type!r} must be adamw, adam or sgd")
-
-
-@dataclass
-class StepStats:
-    step: int
-    """optimiser-step counter after this train step (0-based index of the step just done)"""
-    loss: float
-    reward_mean: float
-    groups: int
-    tokens: int
-    grad_norm: float
-    lr: float
-    step_seconds: float
-    loss_stats: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def mean_staleness(self) -> float:
-        return self.loss_stats.get("mean_staleness", 0.0)
 
 
 def _scalar(t: torch.Tensor) -> float:
@@ -151,10 +75,7 @@ class FSDP2Engine:
         self.model.train()
         self.params = [p for _, p in lora_parameters(self.model)]
         self.optimizer = make_optimizer(self.params, cfg)
-        warmup = self.actor.optimizer.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step = 0
 
     def _shard(self) -> None:
@@ -268,7 +189,7 @@ class FSDP2Engine:
     def lora_spec(self) -> LoraSpec:
         return self.lora
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -277,7 +198,7 @@ class FSDP2Engine:
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
 
-    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict | None, step: int) -> None:
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
         """Restore from a checkpoint (every rank passes the full tensors)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

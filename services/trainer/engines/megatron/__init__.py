@@ -13,7 +13,7 @@ from services.trainer.engines.megatron.deps import EXTRA_HINT, MegatronNotInstal
 __all__ = ["EXTRA_HINT", "MegatronEngine", "MegatronNotInstalled"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "MegatronEngine":
         from services.trainer.engines.megatron.engine import MegatronEngine
 

@@ -32,15 +32,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common.config import check_megatron
 from services.common.config_schema import LorabusConfig
 from services.exporter.megatron_to_hf import ModelShape, hf_target_modules
-from services.trainer.engines.fsdp2 import StepStats, make_optimizer
+from services.trainer.engines.base import StepStats, make_optimizer, make_scheduler
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import step as mstep
 from services.trainer.engines.megatron.deps import require
@@ -104,10 +106,10 @@ def init_megatron(cfg: LorabusConfig) -> torch.device:
 
 
 class MegatronEngine:
-    """Same surface as `FSDP2Engine`: train_step, adapter_state, lora_spec, optimizer_state,
-    load_state, step, rank, world_size, vocab_size."""
+    """A `TrainEngine`. `lora` is megatron-bridge's LoRA transform (it has `dim`, not `rank`);
+    the service reads the adapter's shape from `lora_spec()`."""
 
-    def __init__(self, cfg: LorabusConfig, base=None, *, pad_id: int = 0):
+    def __init__(self, cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
         if base is not None:
             raise ValueError("base: the Megatron engine builds its model from actor.path with "
                              "megatron-bridge; an in-memory HF model cannot be passed")
@@ -159,10 +161,7 @@ class MegatronEngine:
             named, lambda params: make_optimizer(params, cfg),
             dp_group=self.dp_group, mp_group=parallel_state.get_model_parallel_group(),
         )
-        warmup = self.actor.optimizer.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = make_scheduler(self.optimizer.optimizer, cfg)
         self.step = 0
         self._lora = LoraSpec(
             rank=self.actor.lora_rank, alpha=float(self.actor.lora_alpha),
@@ -206,11 +205,11 @@ class MegatronEngine:
     def lora_spec(self) -> LoraSpec:
         return self._lora
 
-    def _layout(self) -> dict:
+    def _layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "rank": self.rank, "tp": self.tp_size,
                 "pp": 1, "dp": self.dp_size}
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self) -> dict[str, Any]:
         """Writes this rank's shard and returns the reference the service checkpoint stores."""
         root = self.actor.checkpoint_dir
         shards.save_shard(root, self.step, self._layout(), self.optimizer.state_dict())
@@ -219,7 +218,7 @@ class MegatronEngine:
             shards.prune(root)
         return {"megatron_shards": {"step": self.step, "world_size": self.world_size}}
 
-    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict | None, step: int) -> None:
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
         ref = (optimizer or {}).get("megatron_shards")
         if ref is None:
             raise ValueError(

@@ -30,8 +30,8 @@ class MasterAdapterOptimizer:
         named_params: Sequence[tuple[str, nn.Parameter]],
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         *,
-        dp_group=None,
-        mp_group=None,
+        dp_group: dist.ProcessGroup | None = None,
+        mp_group: dist.ProcessGroup | None = None,
     ):
         if not named_params:
             raise ValueError("named_params: the adapter has no parameters to optimise")

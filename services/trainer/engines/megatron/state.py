@@ -66,7 +66,9 @@ def is_adapter_name(name: str) -> bool:
     return _ADAPTER.match(strip_wrappers(name)) is not None
 
 
-def adapter_named_parameters(named: Iterable[tuple[str, torch.nn.Parameter]]):
+def adapter_named_parameters(
+    named: Iterable[tuple[str, torch.nn.Parameter]],
+) -> list[tuple[str, torch.nn.Parameter]]:
     """The LoRA tensors among a Megatron model's named parameters, under their bridge names.
 
     Only adapter tensors may be trainable: a trainable base weight means LoRA was not applied

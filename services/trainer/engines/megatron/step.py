@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from proto.messages import Trajectory
 from services.common.config_schema import PPOConfig
 from services.trainer import batching
-from services.trainer.engines.fsdp2 import StepStats
+from services.trainer.engines.base import StepStats
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 
@@ -36,14 +36,14 @@ def local_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def causal_mask(length: int, device) -> Tensor:
+def causal_mask(length: int, device: torch.device | str) -> Tensor:
     """Megatron's mask convention: True where attention is NOT allowed. Right padding needs
     nothing more: a real token never attends to the pad tokens after it."""
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
 
 
 def target_logprobs(
-    model, mb: batching.MicroBatch, device, temperature: float,
+    model: nn.Module, mb: batching.MicroBatch, device: torch.device | str, temperature: float,
     cross_entropy: CrossEntropy = local_cross_entropy,
 ) -> Tensor:
     """log pi(target) on the micro-batch's target columns, sampling temperature applied."""
@@ -58,7 +58,7 @@ def target_logprobs(
 
 
 def train_step(
-    model,
+    model: nn.Module,
     optimizer: MasterAdapterOptimizer,
     groups: list[Trajectory],
     head_version: int,
@@ -66,10 +66,10 @@ def train_step(
     ppo: PPOConfig,
     dp_rank: int = 0,
     dp_size: int = 1,
-    dp_group=None,
+    dp_group: dist.ProcessGroup | None = None,
     max_tokens: int = 4096,
     pad_id: int = 0,
-    device="cpu",
+    device: torch.device | str = "cpu",
     temperature: float = 1.0,
     grad_clip: float = 1.0,
     step_index: int = 0,

@@ -1,0 +1,136 @@
+"""What every trainer engine (fsdp2, megatron) offers the trainer service, and the pieces both share.
+
+The service sees only `TrainEngine`: it never reaches into a backend's model, LoRA wrapper or
+optimizer, so a third backend needs one new file under `engines/` and nothing in the service.
+Every rank holds one engine and calls the collective methods (`train_step`, `adapter_state`,
+`optimizer_state`, `load_state`) in the same order; only rank 0 talks to the bus.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from proto.messages import LoraSpec, Trajectory
+from services.common.config_schema import LorabusConfig
+
+TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class StepStats:
+    step: int
+    """optimiser-step counter after this train step (0-based index of the step just done)"""
+    loss: float
+    reward_mean: float
+    groups: int
+    tokens: int
+    grad_norm: float
+    lr: float
+    step_seconds: float
+    loss_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.loss_stats.get("mean_staleness", 0.0)
+
+
+class TrainEngine(Protocol):
+    """What the trainer service needs from a backend; every rank holds one."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    step: int
+    """train steps completed"""
+    vocab_size: int
+    """token ids at or above it are rejected before they reach the model"""
+
+    def lora_spec(self) -> LoraSpec:
+        """The published adapter's shape, in HF PEFT terms (what every `AdapterReady` carries)."""
+        ...
+
+    def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
+        """One step on `groups` (every rank passes the same batch); collective."""
+        ...
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The whole adapter as PEFT-standard fp32 tensors on CPU; collective."""
+        ...
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """What a checkpoint stores to resume the optimizer; collective."""
+        ...
+
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
+        """Restore a checkpoint (every rank passes the full adapter); collective."""
+        ...
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto`: this rank's GPU when CUDA is present, else CPU."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def collective_timeout_s() -> float:
+    """How long a rank waits in one collective before failing (not hanging) when a peer is
+    stuck; `LORABUS_DIST_TIMEOUT_S` overrides it. Idle ranks are kept under it by rank 0's
+    heartbeats, so it only has to cover the longest gap between two collectives."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}: {raw!r} must be a number of seconds > 0")
+    return value
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size); joins the torchrun group when launched with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=collective_timeout_s()))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.optim.Optimizer:
+    opt = cfg.actor.optimizer
+    if opt.lr <= 0:
+        raise ValueError(f"actor.optimizer.lr: {opt.lr} must be > 0")
+    if opt.type == "adamw":
+        return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                 weight_decay=opt.weight_decay)
+    if opt.type == "adam":
+        return torch.optim.Adam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                weight_decay=opt.weight_decay)
+    if opt.type == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    raise ValueError(f"actor.optimizer.type: {opt.type!r} must be adamw, adam or sgd")
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LorabusConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `actor.optimizer.warmup_steps`, then constant: a pure function of the
+    step, so a resumed engine gets its learning rate back by stepping it `step` times."""
+    warmup = cfg.actor.optimizer.warmup_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+    )
