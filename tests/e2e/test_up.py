@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "services.launcher", "--config", "examples/tiny.yaml",
+        sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
         "--timeout", "780", "--progress-every", "10",
         f"run_dir={run_dir}", f"total_train_steps={STEPS}", *overrides,
     ]

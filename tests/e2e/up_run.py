@@ -15,7 +15,7 @@ MARGIN = 0.06
 
 def run_up(config: str, run_dir: Path, steps: int, *overrides: str, timeout_s: float = 420.0) -> dict:
     cmd = [
-        sys.executable, "-m", "services.launcher", "--config", config,
+        sys.executable, "-m", "services.local.launcher", "--config", config,
         "--timeout", str(timeout_s), "--progress-every", "10",
         f"run_dir={run_dir}", f"total_train_steps={steps}", *overrides,
     ]

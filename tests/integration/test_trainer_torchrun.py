@@ -179,7 +179,7 @@ def test_lorabus_up_with_two_trainer_ranks(tmp_path):
     run_dir = tmp_path / "run"
     steps = 4
     proc = subprocess.run(
-        [sys.executable, "-m", "services.launcher", "--config", "examples/tiny.yaml",
+        [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
          "--no-evaluate", "--timeout", "200", "--progress-every", "10", f"run_dir={run_dir}",
          f"total_train_steps={steps}", "actor.nproc_per_node=2", "rollout.consumer_batch_size=2",
          "rollout.replicas=1"],
