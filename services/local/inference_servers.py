@@ -115,7 +115,8 @@ async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> 
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{log_tail(child.log_path)}")
                 try:
                     if (await client.get(f"{child.url}/health")).status_code == 200:
-                        print(f"  {child.name} ready at {child.url} after {time.monotonic() - started:.0f} s", flush=True)
+                        took = time.monotonic() - started
+                        print(f"  {child.name} ready at {child.url} after {took:.0f} s", flush=True)
                         pending.remove(child)
                 except httpx.HTTPError:
                     pass
@@ -126,7 +127,7 @@ async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> 
                 raise RuntimeError(f"{names} not healthy after {timeout_s:.0f} s:\n{log_tail(pending[0].log_path)}")
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

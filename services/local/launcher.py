@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from pathlib import Path
@@ -121,7 +122,7 @@ def server_children(plans: list[inference_servers.ServerPlan], run_dir: Path) ->
 
 def child_commands(
     cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool,
-    servers: list[inference_servers.ServerPlan] = (),
+    servers: Sequence[inference_servers.ServerPlan] = (),
 ) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--config", config_path, *overrides]
@@ -387,7 +388,7 @@ async def supervise(
             return Outcome.TIMEOUT, ""
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     return Outcome.INTERRUPTED, ""
 

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.deploy.test_prometheus_scrape import free_port
+from services.local.ports import free_port
 from tests.e2e.test_up import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -21,10 +21,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 MARGIN = 0.06
@@ -43,15 +44,6 @@ def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             text=True)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def finish(proc: subprocess.Popen, run_dir: Path) -> dict:
     out, _ = proc.communicate(timeout=840)
     print(out)
@@ -64,7 +56,7 @@ def test_up_improves_heldout_score_and_survives_a_killed_replica(tmp_path):
     proc = launch(run_dir)
     try:
         # kill one replica once training is under way (v2 exported)
-        wait_for(lambda: (run_dir / "export" / "v2").is_dir(), 600, "v2 to be exported")
+        until(lambda: (run_dir / "export" / "v2").is_dir(), 600, "v2 to be exported", interval=0.5)
         pids = json.loads((run_dir / "pids.json").read_text())
         os.kill(pids["rollout-0"], signal.SIGKILL)
         summary = finish(proc, run_dir)

@@ -15,7 +15,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 
