@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proto import messages as m
 from proto import subjects
@@ -36,13 +37,16 @@ from services.common.config_schema import LorabusConfig
 from services.local import inference_servers, processes
 from services.local.ports import free_port
 
+if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
+    from services.common.bus import Bus, MsgMeta
+
 
 @dataclass
 class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     url: str | None = None
     """inference servers: the base URL"""
     env_extra: dict[str, str] = field(default_factory=dict)
@@ -62,18 +66,18 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def started(self) -> subprocess.Popen[bytes]:
+    def popen(self) -> subprocess.Popen[bytes]:
         if self.proc is None:
             raise RuntimeError(f"child {self.name}: not started; call start() first")
         return self.proc
 
     @property
     def pid(self) -> int:
-        return self.started().pid
+        return self.popen().pid
 
     @property
     def returncode(self) -> int | None:
-        return self.started().returncode
+        return self.popen().returncode
 
 
 @dataclass
@@ -195,32 +199,32 @@ def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
             child.proc.wait()
 
 
-async def follow(cfg: LorabusConfig, progress: Progress) -> list:
+async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
     """Subscribe to the run's events (core subscriptions: the launcher only watches)."""
     from services.common.bus import Bus
 
     bus = await Bus.connect(cfg.bus, run=cfg.run, service="launcher")
     run = cfg.run
 
-    async def on_ready(msg: m.AdapterReady, _meta) -> None:
+    async def on_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
         progress.head = max(progress.head, msg.version)
 
-    async def on_step(msg: m.TrainerStep, _meta) -> None:
+    async def on_step(msg: m.TrainerStep, _meta: MsgMeta) -> None:
         progress.steps.append(msg)
 
-    async def on_decision(msg: m.TrajectoryDecision, _meta) -> None:
+    async def on_decision(msg: m.TrajectoryDecision, _meta: MsgMeta) -> None:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
         if msg.verdict == "accepted" and msg.oldest_version is not None:
             staleness = msg.head_version - msg.oldest_version
             progress.max_accepted_staleness = max(progress.max_accepted_staleness, staleness)
 
-    async def on_export(msg: m.ExportDone, _meta) -> None:
+    async def on_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
         progress.exported[msg.version] = msg.uri
 
-    async def on_eval(msg: m.EvalResult, _meta) -> None:
+    async def on_eval(msg: m.EvalResult, _meta: MsgMeta) -> None:
         progress.evals[msg.version] = msg.score
 
-    async def on_report(msg: m.RolloutReport, _meta) -> None:
+    async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
         if isinstance(msg, m.AdapterLoaded):
             progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
 

@@ -181,7 +181,7 @@ class NatsServer:
     def __enter__(self) -> NatsServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
