@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .cache/vllm-venv
 CONFIG ?= examples/tiny.yaml
 
-.PHONY: install up test test-fast vllm-env prometheus schemas bench
+.PHONY: install up test test-fast lint vllm-env prometheus schemas bench
 
 install: $(VENV)/.installed
 
@@ -41,8 +41,15 @@ prometheus:
 test: install vllm-env prometheus
 	$(BIN)/python -m pytest -q
 
+# the unit tier only (tests/unit: no servers, no deployments); under two minutes on 2 cores
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m unit tests/unit
+
+# lint + format check + types; settings in pyproject.toml
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 schemas: install
 	$(BIN)/python -m proto.generate

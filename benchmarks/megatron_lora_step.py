@@ -47,146 +47,30 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto.messages import Completion, LoraSpec, Trajectory  # noqa: E402
-from services.common import adapter_io  # noqa: E402
-from services.common.config_schema import OptimizerConfig, PPOConfig  # noqa: E402
-from services.exporter.megatron_to_hf import ModelShape, hf_target_modules, target_modules_of  # noqa: E402
-from services.trainer.engines.megatron.state import (  # noqa: E402
+from proto.messages import Completion, Trajectory
+from services.common import adapter_io
+from services.common.config_schema import OptimizerConfig, PPOConfig
+from services.exporter.megatron_to_hf import ModelShape, hf_target_modules, target_modules_of
+from services.trainer.engines.megatron.state import (
     adapter_named_parameters,
     merge_tp,
     to_hf,
     tp_split,
+)
+from tests.fixtures.megatron_ref import (
+    TARGETS,
+    LoRALinear,
+    attach_lora,
+    fake_megatron_state,
+    hf_model,
+    megatron_base_to_hf,
+    peft_wrap,
 )
 
 QWEN3_0_6B = dict(hidden=1024, heads=16, groups=8, head_dim=128, ffn=3072, vocab=151936,
                   eps=1e-6, rope_theta=1_000_000.0)
 TINY = dict(hidden=64, heads=4, groups=2, head_dim=32, ffn=96, vocab=128, eps=1e-6,
             rope_theta=1_000_000.0)
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-
-# --- LoRA in megatron-bridge's structure ------------------------------------------------------
-
-
-class Adapter(nn.Module):
-    """`ParallelLinearAdapter` at tp = 1: linear_in (A, [r, in]) then linear_out (B, [out, r])."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dtype, device):
-        super().__init__()
-        self.linear_in = nn.Linear(in_features, rank, bias=False, dtype=dtype, device=device)
-        self.linear_out = nn.Linear(rank, out_features, bias=False, dtype=dtype, device=device)
-        nn.init.xavier_normal_(self.linear_in.weight)  # bridge: column_init_method="xavier"
-        nn.init.zeros_(self.linear_out.weight)  # row_init_method="zero": starts as the base
-        self.scale = alpha / rank
-
-    def forward(self, x):
-        return self.linear_out(self.linear_in(x)) * self.scale
-
-
-class LoRALinear(nn.Module):
-    """bridge's `LoRALinear`: Megatron linears return (output, bias); the bias passes through."""
-
-    def __init__(self, to_wrap: nn.Module, rank: int, alpha: float):
-        super().__init__()
-        out_features, in_features = to_wrap.weight.shape
-        self.to_wrap = to_wrap
-        self.adapter = Adapter(in_features, out_features, rank, alpha,
-                               to_wrap.weight.dtype, to_wrap.weight.device)
-
-    def forward(self, x, *args, **kwargs):
-        out, bias = self.to_wrap(x, *args, **kwargs)
-        return out + self.adapter(x).to(out.dtype), bias
-
-
-def attach_lora(model: nn.Module, rank: int, alpha: float, targets=TARGETS) -> None:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    owners = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
-              "linear_fc1": "mlp", "linear_fc2": "mlp"}
-    for layer in model.decoder.layers:
-        for name in targets:
-            owner = getattr(layer, owners[name])
-            setattr(owner, name, LoRALinear(getattr(owner, name), rank, alpha))
-
-
-# --- Megatron base weights -> HF Qwen3 ----------------------------------------------------------
-
-
-def megatron_base_to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """A local-spec GPTModel's base weights (LoRA wrappers' `to_wrap.` folded away) -> HF Qwen3."""
-    out: dict[str, torch.Tensor] = {}
-    hd, qpg, groups = shape.head_dim, shape.q_per_group, shape.num_query_groups
-    for raw, t in state.items():
-        name = raw.replace(".to_wrap.", ".")
-        if ".adapter." in name or name.endswith("_extra_state"):
-            continue
-        t = t.detach().float().cpu()
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = t
-        elif name == "output_layer.weight":
-            out["lm_head.weight"] = t
-        elif name.startswith("decoder.layers."):
-            layer, rest = name[len("decoder.layers."):].split(".", 1)
-            p = f"model.layers.{layer}."
-            if rest == "input_layernorm.weight":
-                out[p + "input_layernorm.weight"] = t
-            elif rest == "pre_mlp_layernorm.weight":
-                out[p + "post_attention_layernorm.weight"] = t
-            elif rest == "self_attention.q_layernorm.weight":
-                out[p + "self_attn.q_norm.weight"] = t
-            elif rest == "self_attention.k_layernorm.weight":
-                out[p + "self_attn.k_norm.weight"] = t
-            elif rest == "self_attention.linear_qkv.weight":
-                g = t.view(groups, qpg + 2, hd, -1)
-                q, k, v = torch.split(g, [qpg, 1, 1], dim=1)
-                for proj, part in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
-                    out[p + f"self_attn.{proj}.weight"] = part.reshape(-1, t.shape[1]).clone()
-            elif rest == "self_attention.linear_proj.weight":
-                out[p + "self_attn.o_proj.weight"] = t
-            elif rest == "mlp.linear_fc1.weight":
-                gate, up = t.chunk(2, dim=0)
-                out[p + "mlp.gate_proj.weight"] = gate.clone()
-                out[p + "mlp.up_proj.weight"] = up.clone()
-            elif rest == "mlp.linear_fc2.weight":
-                out[p + "mlp.down_proj.weight"] = t
-            else:
-                raise ValueError(f"{raw}: no HF counterpart known")
-        else:
-            raise ValueError(f"{raw}: no HF counterpart known")
-    return out
-
-
-def hf_model(shape: ModelShape, vocab: int, dims: dict, weights: dict, dtype, device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, head_dim=shape.head_dim,
-        rms_norm_eps=dims["eps"], rope_theta=dims["rope_theta"], tie_word_embeddings=False,
-        attention_bias=False, max_position_embeddings=4096, use_cache=False,
-    )
-    # transformers 5 reads rope_theta from rope_parameters; set both spellings
-    if getattr(config, "rope_parameters", None) is not None:
-        config.rope_parameters = {**config.rope_parameters, "rope_theta": dims["rope_theta"]}
-    config._attn_implementation = "eager"
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"HF Qwen3: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return model.to(dtype=dtype).eval()
-
-
-def peft_wrap(model, hf_adapter: dict[str, torch.Tensor], rank: int, alpha: float, directory: Path):
-    from peft import PeftModel
-
-    lora = LoraSpec(rank=rank, alpha=alpha, target_modules=target_modules_of(hf_adapter),
-                    base_model="megatron-lora-step")
-    adapter_io.write_peft_dir(directory, adapter_io.to_bytes(hf_adapter), lora)
-    return PeftModel.from_pretrained(model, str(directory)).eval()
 
 
 # --- random GRPO data --------------------------------------------------------------------------
@@ -284,33 +168,6 @@ def logits_agreement(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None
 
 
 # --- CPU check -------------------------------------------------------------------------------
-
-
-def fake_megatron_state(shape: ModelShape, vocab: int, rank: int, gen) -> tuple[dict, dict]:
-    """Random base weights in a local-spec GPTModel's names and layout, plus a random adapter."""
-    def rnd(*s, scale=None):
-        return torch.randn(*s, generator=gen) * (scale if scale is not None else s[-1] ** -0.5)
-
-    h, hd = shape.hidden, shape.head_dim
-    qkv_out = (shape.q_per_group + 2) * shape.num_query_groups * hd
-    base = {"embedding.word_embeddings.weight": rnd(vocab, h, scale=0.02),
-            "decoder.final_layernorm.weight": 1 + 0.1 * rnd(h, scale=1.0),
-            "output_layer.weight": rnd(vocab, h)}
-    adapter = {}
-    dims = {"self_attention.linear_qkv": (h, qkv_out),
-            "self_attention.linear_proj": (shape.num_attention_heads * hd, h),
-            "mlp.linear_fc1": (h, 2 * shape.ffn_hidden), "mlp.linear_fc2": (shape.ffn_hidden, h)}
-    for L in range(shape.num_layers):
-        p = f"decoder.layers.{L}."
-        base[p + "input_layernorm.weight"] = 1 + 0.1 * rnd(h, scale=1.0)
-        base[p + "pre_mlp_layernorm.weight"] = 1 + 0.1 * rnd(h, scale=1.0)
-        base[p + "self_attention.q_layernorm.weight"] = 1 + 0.1 * rnd(hd, scale=1.0)
-        base[p + "self_attention.k_layernorm.weight"] = 1 + 0.1 * rnd(hd, scale=1.0)
-        for module, (i, o) in dims.items():
-            base[p + module + ".to_wrap.weight"] = rnd(o, i)
-            adapter[p + module + ".adapter.linear_in.weight"] = rnd(rank, i)
-            adapter[p + module + ".adapter.linear_out.weight"] = rnd(o, rank, scale=0.05)
-    return base, adapter
 
 
 def cpu_check(report: Report, args) -> None:

@@ -264,9 +264,9 @@ async def run_bench(args) -> dict:
     from proto.messages import AdapterReady, LoraSpec
     from services.common import adapter_io, xccl
     from services.common.config_schema import StoreConfig
-    from services.common.nats_server import start_nats_server
-    from services.common.s3_server import start_weed_s3
     from services.common.store import open_store
+    from services.local.nats_server import start_nats_server
+    from services.local.s3_server import start_weed_s3
     from services.trainer.publish import build_payloads, deliver
     from services.trainer.xccl_sender import XcclSender
 

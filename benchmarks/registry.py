@@ -1,6 +1,6 @@
 """Registry throughput and latency over a real nats-server.
 
-Starts nats-server (services.common.nats_server) and the registry as its own process
+Starts nats-server (services.local.nats_server) and the registry as its own process
 (`python -m services.registry`), then N concurrent clients, each a replica, spread over P
 client processes (one Python process cannot drive the registry to saturation alone). Each
 client loops: request admission -> publish the trajectory (JetStream) -> wait for its
@@ -43,7 +43,7 @@ from proto.messages import (  # noqa: E402
 )
 from services.common.bus import Bus  # noqa: E402
 from services.common.config_schema import BusConfig  # noqa: E402
-from services.common.nats_server import start_nats_server  # noqa: E402
+from services.local.nats_server import start_nats_server  # noqa: E402
 from services.registry.status import RegistryStatus, StatusRequest  # noqa: E402
 
 RUN = "bench"

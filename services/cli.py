@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("services.trainer.__main__", "LoRA RL trainer (fsdp2 | megatron)"),
     "rollout": ("services.rollout.__main__", "rollout service (embedded | vllm | sglang)"),
     "exporter": ("services.exporter.__main__", "writes every version as a PEFT directory"),
-    "up": ("services.launcher", "start a whole local deployment"),
+    "up": ("services.local.launcher", "start a whole local deployment"),
     "watch": ("services.clients.watch", "print the run's events live"),
     "evaluate": ("services.clients.evaluate", "score every new version, publish the result"),
 }

@@ -1,9 +1,28 @@
-"""Shared fixtures: real nats-server (tests/fixtures/nats.py) and real S3 (tests/fixtures/s3.py)."""
+"""Shared fixtures (a real nats-server, a real S3 server) and the test tiers.
 
-from tests.fixtures.nats import *  # noqa: F401,F403
+A test's tier is the folder it lives in: `unit`, `integration`, `deploy` or `e2e`, each a marker
+(`pytest -m unit` is `make test-fast`). Deploy and e2e tests are also `slow`. A test file placed
+directly under tests/ would get no tier, so none is.
+"""
 
-try:
-    from tests.fixtures.s3 import *  # noqa: F401,F403
-except ModuleNotFoundError as exc:  # s3.py not written yet; any other import error is real
-    if exc.name != "tests.fixtures.s3":
-        raise
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.nats import *  # noqa: F403
+from tests.fixtures.s3 import *  # noqa: F403
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "deploy", "e2e")
+SLOW_TIERS = ("deploy", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
+            if tier in SLOW_TIERS:
+                item.add_marker("slow")

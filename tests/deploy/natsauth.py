@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from services.common.nats_server import NatsServer, start_nats_server
+from services.local.nats_server import NatsServer, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"

@@ -26,6 +26,7 @@ from services.common import streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
 from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config, users
+from tests.fixtures.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,27 +109,21 @@ async def raw_connect(server, passwords, user: str):
     return nc, errors
 
 
-async def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def streams_ready(server, passwords, run, registry) -> None:
     """Wait until the registry process has created the run's streams."""
     proc, log = registry
     bus = await connect(server, passwords, "trainer", run, "trainer")
+
+    async def created() -> bool:
+        assert proc.poll() is None, f"registry exited:\n{log.read_text()[-3000:]}"
+        try:
+            await bus.js.stream_info(streams.DEADLETTER(run))
+            return True
+        except Exception:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"registry exited:\n{log.read_text()[-3000:]}"
-            try:
-                await bus.js.stream_info(streams.DEADLETTER(run))
-                return
-            except Exception:
-                assert time.monotonic() < deadline, f"no streams:\n{log.read_text()[-3000:]}"
-                await asyncio.sleep(0.2)
+        await wait_until(created, 30, lambda: f"streams:\n{log.read_text()[-3000:]}", interval=0.2)
     finally:
         await bus.close()
 
@@ -192,7 +187,7 @@ async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords,
         subject = subjects.adapter_ready(run, 99)
         with pytest.raises(nats.errors.TimeoutError):  # dropped by the server: no PubAck
             await nc.jetstream().publish(subject, codec.encode(adapter_event(run, 99)), timeout=1.0)
-        await wait_for(lambda: errors, what="a permissions violation")
+        await wait_until(lambda: errors, what="a permissions violation")
         assert any("permissions violation for publish" in e.lower() and subject.lower() in e.lower() for e in errors), errors
     finally:
         await nc.close()
@@ -230,7 +225,7 @@ async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admissi
         await trainer.publish(subjects.adapter_ready(run, 1), adapter_event(run, 1), msg_id=f"{run}-v1")
         await trainer.close()
         await bus.consume(streams.ADAPTERS(run), f"rollout-{ROLLOUT}", m.AdapterReady, on_adapter)
-        await wait_for(lambda: 1 in seen, what="the rollout to consume adapter v1")
+        await wait_until(lambda: 1 in seen, what="the rollout to consume adapter v1")
     finally:
         await bus.close()
 
@@ -245,7 +240,7 @@ async def test_rollout_is_refused_another_replicas_subjects(server, passwords, r
         for subject in others:
             await nc.publish(subject, b"{}")
         await nc.flush()
-        await wait_for(lambda: len(errors) >= len(others), what="one violation per subject")
+        await wait_until(lambda: len(errors) >= len(others), what="one violation per subject")
         for subject in others:
             assert any(subject.lower() in e.lower() for e in errors), (subject, errors)
         # and it may not change the run's streams
@@ -274,18 +269,18 @@ async def test_watcher_is_refused_publishing_anything_but_receives_events(
         for subject in attempts:
             await nc.publish(subject, b"{}")
         await nc.flush()
-        await wait_for(lambda: len(errors) >= len(attempts), what="one violation per publish")
+        await wait_until(lambda: len(errors) >= len(attempts), what="one violation per publish")
         for subject in attempts:
             assert any("publish" in e.lower() and subject.lower() in e.lower() for e in errors), (subject, errors)
         # subscribing to what it may not read is refused too
         await nc.subscribe(subjects.trajectory_all(run), cb=on_msg)
-        await wait_for(lambda: any("subscription" in e.lower() for e in errors),
-                       what="a subscription violation")
+        await wait_until(lambda: any("subscription" in e.lower() for e in errors),
+                         what="a subscription violation")
 
         trainer = await connect(server, passwords, "trainer", run, "trainer")
         await trainer.publish(subjects.adapter_ready(run, 2), adapter_event(run, 2), msg_id=f"{run}-v2")
         await trainer.close()
-        await wait_for(lambda: subjects.adapter_ready(run, 2) in received, what="the live event")
+        await wait_until(lambda: subjects.adapter_ready(run, 2) in received, what="the live event")
     finally:
         await nc.close()
 
@@ -314,7 +309,7 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(
             scored.append(msg.version)
 
         await evaluator.consume(streams.EXPORTS(run), "eval-heldout", m.ExportDone, on_export)
-        await wait_for(lambda: scored == [0], what="the evaluator to score v0")
+        await wait_until(lambda: scored == [0], what="the evaluator to score v0")
         assert await stream_count(evaluator, streams.EVALS(run)) == 1
     finally:
         await evaluator.close()
@@ -325,7 +320,7 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(
                         subjects.trainer_step(run)):
             await nc.publish(subject, b"{}")
         await nc.flush()
-        await wait_for(lambda: len(errors) >= 3, what="three violations")
+        await wait_until(lambda: len(errors) >= 3, what="three violations")
     finally:
         await nc.close()
 
@@ -370,7 +365,7 @@ train_dataset: {{path: "builtin:arith"}}
     await trainer.publish(subjects.adapter_ready(run, 6), adapter_event(run, 6), msg_id=f"{run}-v6")
     await trainer.close()
     try:
-        await wait_for(lambda: any("tiny_lora-v6" in line for line in lines), what="watch output")
+        await wait_until(lambda: any("tiny_lora-v6" in line for line in lines), what="watch output")
     finally:
         stop.set()
         await asyncio.wait_for(watching, 10)
@@ -379,7 +374,7 @@ train_dataset: {{path: "builtin:arith"}}
     try:
         await nc.publish(subjects.adapter_ready(run, 8), b"{}")
         await nc.flush()
-        await wait_for(lambda: errors, what="a permissions violation")
+        await wait_until(lambda: errors, what="a permissions violation")
     finally:
         await nc.close()
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ import yaml
 from proto import subjects
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
+from services.local.ports import free_port
 from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config
 from tests.deploy.test_nats_permissions import adapter_event
+from tests.fixtures.waiting import until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(prom_port: int, promql: str) -> list[dict]:
@@ -42,16 +37,14 @@ def query(prom_port: int, promql: str) -> list[dict]:
 
 
 def wait_for_series(prom_port: int, promql: str, predicate, timeout: float = 40.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def series() -> list[dict] | None:
         try:
             result = query(prom_port, promql)
-            if result and predicate(result):
-                return result
         except OSError:
-            pass  # Prometheus still starting
-        assert time.monotonic() < deadline, f"no {promql} in Prometheus within {timeout}s"
-        time.sleep(0.5)
+            return None  # Prometheus still starting
+        return result if result and predicate(result) else None
+
+    return until(series, timeout, f"{promql} in Prometheus", interval=0.5)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.deploy.test_prometheus_scrape import free_port
+from services.local.ports import free_port
 from tests.e2e.test_up import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -73,7 +73,7 @@ def test_prometheus_scrapes_a_running_local_deployment(tmp_path):
         stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
     try:
         up = subprocess.run(
-            [sys.executable, "-m", "services.launcher", "--config", "examples/tiny.yaml",
+            [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
              "--timeout", "240", f"run_dir={run_dir}", f"total_train_steps={STEPS}"],
             cwd=ROOT, capture_output=True, text=True, timeout=280)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]

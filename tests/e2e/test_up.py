@@ -21,10 +21,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 MARGIN = 0.06
@@ -35,21 +36,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "services.launcher", "--config", "examples/tiny.yaml",
+        sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
         "--timeout", "780", "--progress-every", "10",
         f"run_dir={run_dir}", f"total_train_steps={STEPS}", *overrides,
     ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> dict:
@@ -64,7 +56,7 @@ def test_up_improves_heldout_score_and_survives_a_killed_replica(tmp_path):
     proc = launch(run_dir)
     try:
         # kill one replica once training is under way (v2 exported)
-        wait_for(lambda: (run_dir / "export" / "v2").is_dir(), 600, "v2 to be exported")
+        until(lambda: (run_dir / "export" / "v2").is_dir(), 600, "v2 to be exported", interval=0.5)
         pids = json.loads((run_dir / "pids.json").read_text())
         os.kill(pids["rollout-0"], signal.SIGKILL)
         summary = finish(proc, run_dir)

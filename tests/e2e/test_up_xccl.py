@@ -18,7 +18,9 @@ import re
 import signal
 
 import pytest
-from test_up import MARGIN, STEPS, finish, launch, wait_for
+from test_up import MARGIN, STEPS, finish, launch
+
+from tests.fixtures.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,7 +36,7 @@ def test_up_xccl_matches_the_object_path_gain_and_survives_a_killed_replica(tmp_
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "actor.weight_update_mode=xccl", "actor.xccl_timeout_s=5")
     try:
-        wait_for(lambda: (run_dir / "export" / "v4").is_dir(), 600, "v4 to be exported")
+        until(lambda: (run_dir / "export" / "v4").is_dir(), 600, "v4 to be exported", interval=0.5)
         pids = __import__("json").loads((run_dir / "pids.json").read_text())
         os.kill(pids["rollout-0"], signal.SIGKILL)
         summary = finish(proc, run_dir)

@@ -22,6 +22,7 @@ from proto.messages import (
 from services.common import streams
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import BusConfig
+from tests.fixtures.waiting import wait_until
 
 
 @pytest.fixture
@@ -76,15 +77,6 @@ class Collector:
         return [m.step for m, _ in self.got]
 
 
-async def eventually(check, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(0.05)
-
-
 def counter(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -105,7 +97,7 @@ async def dead_letters(bus: Bus, service: str, n: int, timeout: float = 5.0) -> 
         letters[:] = [codec.decode(m.data, DeadLetter) for m in msgs]
         return len(letters) >= n
 
-    await eventually(read, timeout)
+    await wait_until(read, timeout, lambda: f"{n} dead letters from {service}, got {letters}")
     return letters
 
 
@@ -124,7 +116,7 @@ async def test_publish_consume_round_trip_acks(bus, run):
         info = await bus.js.consumer_info(streams.TRAINER(run), "trainer-watch")
         return info.ack_floor.stream_seq == 3 and info.num_ack_pending == 0
 
-    assert await eventually(all_acked)
+    assert await wait_until(all_acked, 5.0, "every delivery acked")
 
 
 async def test_same_msg_id_is_stored_once(bus, run):

@@ -26,6 +26,7 @@ from services.common.bus import Bus
 from services.common.config_schema import BusConfig, StoreConfig
 from services.common.store import open_store
 from tests.fixtures.service_process import ServiceProcess
+from tests.fixtures.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -114,17 +115,18 @@ def logits(model, ids):
 
 async def wait_export(bus: Bus, proc: ExporterProcess, version: int, timeout: float = 60.0):
     """The EXPORTS stream's ExportDone for `version` and its stream sequence."""
-    deadline = time.monotonic() + timeout
     stream, subject = streams.EXPORTS(bus.run), subjects.export_done(bus.run, version)
-    while True:
+
+    async def exported() -> tuple[ExportDone, int] | None:
         try:
             raw = await bus.js.get_last_msg(stream, subject)
             return codec.decode(raw.data, ExportDone), raw.seq
         except nats.js.errors.NotFoundError:  # until the exporter publishes
             pass
         assert proc.alive(), f"exporter exited:\n{proc.log_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no export of v{version}:\n{proc.log_text()[-4000:]}"
-        await asyncio.sleep(0.1)
+        return None
+
+    return await wait_until(exported, timeout, lambda: f"the export of v{version}:\n{proc.log_text()[-4000:]}")
 
 
 def fetch_dir(done: ExportDone, store_cfg: StoreConfig, dest: Path) -> Path:

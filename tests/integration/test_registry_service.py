@@ -35,6 +35,7 @@ from services.common.bus import Bus
 from services.common.config_schema import BusConfig
 from services.registry.status import RegistryStatus, StatusRequest
 from tests.fixtures.service_process import ServiceProcess
+from tests.fixtures.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 LORA = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj"], base_model="tiny")
@@ -84,8 +85,7 @@ async def bus(nats_url, run):
 
 
 async def status(bus: Bus, registry: Registry, timeout: float = 15.0) -> RegistryStatus:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def answer() -> RegistryStatus | None:
         assert registry.alive(), f"registry exited:\n{registry.log_tail()}"
         try:
             return await bus.request(
@@ -93,18 +93,19 @@ async def status(bus: Bus, registry: Registry, timeout: float = 15.0) -> Registr
                 timeout=0.5,
             )  # fmt: skip
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            assert time.monotonic() < deadline, f"registry not answering:\n{registry.log_tail()}"
-            await asyncio.sleep(0.1)
+            return None
+
+    return await wait_until(answer, timeout, lambda: f"the registry to answer:\n{registry.log_tail()}", interval=0.1)
 
 
 async def wait_status(bus, registry, predicate, timeout: float = 10.0) -> RegistryStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = await status(bus, registry)
-        if predicate(st):
-            return st
-        assert time.monotonic() < deadline, f"status never matched: {st.ledger}"
-        await asyncio.sleep(0.05)
+    last: list[RegistryStatus] = []
+
+    async def matched() -> RegistryStatus | None:
+        last[:] = [await status(bus, registry)]
+        return last[0] if predicate(last[0]) else None
+
+    return await wait_until(matched, timeout, lambda: f"a matching status; last: {last[0].ledger}")
 
 
 def ready(run: str, version: int, step: int | None = None) -> AdapterReady:
@@ -136,10 +137,7 @@ class Decisions:
         self.got.append(msg)
 
     async def wait(self, n: int, timeout: float = 10.0) -> list[TrajectoryDecision]:
-        deadline = time.monotonic() + timeout
-        while len(self.got) < n:
-            assert time.monotonic() < deadline, f"only {len(self.got)} decisions: {self.got}"
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: len(self.got) >= n, timeout, lambda: f"{n} decisions; got {self.got}", interval=0.02)
         return self.got
 
 
@@ -167,15 +165,17 @@ async def accepted_ids(bus) -> list[str]:
 
 
 async def dead_letters(bus, n: int, timeout: float = 10.0) -> list[DeadLetter]:
-    deadline = time.monotonic() + timeout
-    while True:
+    letters: list[DeadLetter] = []
+
+    async def enough() -> bool:
         raw = await stream_messages(
             bus, streams.DEADLETTER(bus.run), subjects.dead_letter(bus.run, "registry")
         )
-        letters = [codec.decode(r, DeadLetter) for r in raw]
-        if len(letters) >= n or time.monotonic() > deadline:
-            return letters
-        await asyncio.sleep(0.1)
+        letters[:] = [codec.decode(r, DeadLetter) for r in raw]
+        return len(letters) >= n
+
+    await wait_until(enough, timeout, lambda: f"{n} dead letters from the registry; got {letters}", interval=0.1)
+    return letters
 
 
 async def test_admit_decide_kill9_restart_keeps_ledger(bus, registry, run):

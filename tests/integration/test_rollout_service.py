@@ -41,6 +41,7 @@ from services.rollout.__main__ import fetcher
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.service import RolloutService
 from tests.fixtures.tiny import tiny_qwen2
+from tests.fixtures.waiting import wait_until
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, EOS, KEEP = 4, 8.0, 96, 2
@@ -77,14 +78,6 @@ class Recorder:
     def of(self, kind, replica, **match):
         return [r for r in self.reports if isinstance(r, kind) and r.replica == replica
                 and all(getattr(r, k) == v for k, v in match.items())]
-
-
-async def until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -139,9 +132,9 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
-        await until(lambda: rec.of(AdapterLoaded, "r1", version=0), what="v0 loaded")
-        await until(lambda: any(t.replica == "r1" for t in rec.trajectories), what="a trajectory")
-        await until(lambda: rec.of(ReplicaHeartbeat, "r1"), what="a heartbeat")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=0), what="v0 loaded")
+        await wait_until(lambda: any(t.replica == "r1" for t in rec.trajectories), what="a trajectory")
+        await wait_until(lambda: rec.of(ReplicaHeartbeat, "r1"), what="a heartbeat")
 
         # trajectories carry the version and logprobs of a separate forward of base + v0
         traj = next(t for t in rec.trajectories if t.replica == "r1")
@@ -157,19 +150,19 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
             torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
 
         await publish(1, versions[1][1])
-        await until(lambda: rec.of(AdapterLoaded, "r1", version=1), what="v1 loaded")
-        await until(lambda: any(t.oldest_version() == 1 for t in rec.trajectories), what="a v1 trajectory")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=1), what="v1 loaded")
+        await wait_until(lambda: any(t.oldest_version() == 1 for t in rec.trajectories), what="a v1 trajectory")
         await publish(2, versions[2][1])
-        await until(lambda: rec.of(AdapterUnloaded, "r1", version=0), what="v0 unloaded")
+        await wait_until(lambda: rec.of(AdapterUnloaded, "r1", version=0), what="v0 unloaded")
         assert await engine.loaded_versions() == [1, 2]
 
         # a late replica starts from the head and skips what is outside the window
         engine2, service2 = replica("r2")
         stop2 = asyncio.Event()
         task2 = asyncio.create_task(service2.run(stop2))
-        await until(lambda: rec.of(AdapterLoaded, "r2"), what="r2 loaded something")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r2"), what="r2 loaded something")
         assert rec.of(AdapterLoaded, "r2")[0].version == 2
-        await until(lambda: rec.of(AdapterLoaded, "r2", version=1), what="r2 loaded v1")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r2", version=1), what="r2 loaded v1")
         await asyncio.sleep(0.3)
         assert not rec.of(AdapterLoaded, "r2", version=0)
         stop2.set()
@@ -177,10 +170,10 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
 
         # a corrupt object: reported with will_retry, never loaded
         await publish(3, versions[0][1], sha="0" * 64)
-        await until(lambda: rec.of(AdapterFailed, "r1", version=3), what="v3 failed")
+        await wait_until(lambda: rec.of(AdapterFailed, "r1", version=3), what="v3 failed")
         failed = rec.of(AdapterFailed, "r1", version=3)[0]
         assert failed.will_retry and failed.attempt == 1 and "sha" in failed.reason.lower()
-        await until(lambda: rec.of(AdapterFailed, "r1", version=3, will_retry=False), what="final failure")
+        await wait_until(lambda: rec.of(AdapterFailed, "r1", version=3, will_retry=False), what="final failure")
         assert 3 not in await engine.loaded_versions()
         assert not rec.of(AdapterLoaded, "r1", version=3)
     finally:

@@ -10,6 +10,7 @@ import asyncio
 import random
 import time
 import uuid
+from functools import partial
 
 import pytest
 import torch
@@ -37,30 +38,20 @@ from services.common.config_schema import (
 )
 from services.common.data import Prompt
 from services.common.store import LocalStore
+from services.local.ports import free_port
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.http import AdapterDirs, Http
 from services.rollout.engines.sglang import SglangEngine
 from services.rollout.service import RolloutService
 from tests.fixtures.sglang_server import ServerArgs, SglangProtocolServer
 from tests.fixtures.vllm import TINY_MODEL, make_adapter
+from tests.fixtures.waiting import wait_until
 
 LORA = "tiny_lora"
 
 
-async def until(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the sidecar waits out the server's restart within one of these
+until = partial(wait_until, timeout=60.0)
 
 
 class Run:

@@ -25,6 +25,7 @@ from services.common.bus import Bus
 from services.common.config_schema import BusConfig
 from services.common.models import load_base_model
 from services.common.store import open_store
+from tests.fixtures.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 B = 2
@@ -105,16 +106,16 @@ def start_trainer(config: Path, log: Path) -> subprocess.Popen:
 
 
 async def wait_event(bus: Bus, run: str, version: int, proc, log: Path, timeout: float = 120.0) -> AdapterReady:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def announced() -> AdapterReady | None:
         try:
             raw = await bus.js.get_last_msg(streams.ADAPTERS(run), subjects.adapter_ready(run, version))
             return codec.decode(raw.data, AdapterReady)
         except Exception:  # not there yet
             pass
         assert proc.poll() is None, f"trainer exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no v{version} within {timeout}s:\n{log.read_text()[-4000:]}")
+        return None
+
+    return await wait_until(announced, timeout, lambda: f"v{version}:\n{log.read_text()[-4000:]}", interval=0.2)
 
 
 async def subject_counts(bus: Bus, run: str) -> dict[str, int]:

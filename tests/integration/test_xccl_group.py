@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.fixtures.waiting import until
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, DIM, RANK = 4, 64, 8
 BUCKET = 2048  # bytes: 4 KiB of A and B per layer -> a dozen buckets per version
@@ -188,10 +190,7 @@ def children():
 
 def wait_joins(sender, n: int, timeout: float = 10.0) -> None:
     """Until `n` joins were registered in the sender's store (joins are asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while sender.store.add("join_seq", 0) < n:
-        assert time.monotonic() < deadline, "replicas did not join"
-        time.sleep(0.02)
+    until(lambda: sender.store.add("join_seq", 0) >= n, timeout, f"{n} replicas to join", interval=0.02)
 
 
 def in_process_sender():

