@@ -167,6 +167,22 @@ class RolloutConfig(Section):
     cuda_graphs: bool = True
     """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
 
+    # Derived values are properties, not back-filled copies: a section built by hand (tests,
+    # benchmarks) must give the same answer as one that went through the loader.
+    @property
+    def keep_versions(self) -> int:
+        """Versions kept loaded: lora_keep_versions, or max_head_offpolicyness + 1 when unset."""
+        if self.lora_keep_versions is not None:
+            return self.lora_keep_versions
+        return self.max_head_offpolicyness + 1
+
+    @property
+    def max_concurrent(self) -> int:
+        """Rollouts admitted at once: max_concurrent_rollouts, or consumer_batch_size when unset."""
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return self.consumer_batch_size
+
 
 class VllmConfig(Section):
     enable_lora: bool = True
