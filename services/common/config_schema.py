@@ -11,6 +11,8 @@ from typing import Literal
 
 from msgspec import Struct, field
 
+from services.common.lora_targets import Backend
+
 
 class Section(Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -104,7 +106,7 @@ class ActorConfig(Section):
     path: str = ""
     """HF model id or local directory of the base model"""
     tokenizer_path: str | None = None
-    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    backend: Backend = "fsdp2"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     """auto: cuda if available, else cpu"""
