@@ -15,7 +15,7 @@ linear_fc1 and linear_fc2. The train step is the engine's own
 decoupled PPO loss, fp32-master AdamW), on random token data.
 
 Then the check: the adapter is read out in bridge naming, converted with
-`services.exporter.megatron_to_hf.convert` (via `state.to_hf`), written as a PEFT directory;
+`services.common.megatron_to_hf.convert` (via `state.to_hf`), written as a PEFT directory;
 the Megatron base weights are converted to an HF `Qwen3ForCausalLM` (fused qkv in Megatron's
 per-group order -> q/k/v, fc1 -> gate/up); peft loads the adapter; logits of Megatron+adapter
 and HF+peft on the same tokens are compared in fp32 (and bf16), for the trained adapter and
@@ -47,10 +47,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto.messages import Completion, Trajectory
-from services.common import adapter_io
+from proto.messages import Completion, LoraSpec, Trajectory
+from services.common import adapter_io, lora_targets
 from services.common.config_schema import OptimizerConfig, PPOConfig
-from services.exporter.megatron_to_hf import ModelShape, hf_target_modules, target_modules_of
+from services.common.megatron_to_hf import ModelShape, target_modules_of
 from services.trainer.engines.megatron.state import (
     adapter_named_parameters,
     merge_tp,
@@ -224,7 +224,7 @@ def cpu_check(report: Report, args) -> None:
         effect = float((adapted - plain).abs().max())
         assert effect > 1e-3, "the converted adapter did not change the HF model's output"
         return {"adapter_effect_max_abs": effect,
-                "target_modules": hf_target_modules(list(TARGETS))}
+                "target_modules": lora_targets.to_hf(TARGETS)}
 
     report.stage("versions", versions)
     report.stage("adapter_names", names)

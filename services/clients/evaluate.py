@@ -9,7 +9,6 @@ prompts, cfg) -> (metric_name, score)`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import logging
@@ -22,10 +21,11 @@ import torch
 
 from proto import messages as m
 from proto import subjects
-from services.common.config import load_config
+from services.common import entry
 from services.common.config_schema import LorabusConfig
 
 log = logging.getLogger("lorabus.evaluate")
+PROG = "lorabus evaluate"
 
 
 def load_hook(spec: str):
@@ -115,58 +115,47 @@ def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path
 
 async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
     from services.clients import metrics
-    from services.common.bus import Bus
+    from services.common import streams
     from services.common.metrics import start_metrics_server
 
     hook = load_hook(hook_spec)
     evaluator = await asyncio.to_thread(Evaluator, cfg, hook)
     port = start_metrics_server(cfg.metrics)
     log.info("metrics on :%d/metrics", port)
-    bus = await Bus.connect(cfg.bus, run=cfg.run, service=evaluator_name)
-    await bus.ensure_streams()
     scratch = Path(cfg.run_dir) / evaluator_name
-    from services.common import streams
+    stop = entry.stop_event()
+    async with entry.connected(cfg, evaluator_name) as bus:
 
-    async def on_export(event: m.ExportDone, _meta) -> None:
-        directory = local_dir(event.uri, cfg, event.version, scratch)
-        started = time.monotonic()
-        metric, score = await asyncio.to_thread(evaluator.score, directory)
-        elapsed = time.monotonic() - started
-        log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, elapsed)
-        metrics.EVAL_SECONDS.labels(evaluator_name).observe(elapsed)
-        metrics.EVAL_SCORE.labels(evaluator_name, metric).set(score)
-        metrics.EVAL_VERSION.labels(evaluator_name).set(event.version)
-        result = m.EvalResult(
-            run=cfg.run, evaluator=evaluator_name, version=event.version, metric=metric,
-            score=float(score), n=len(evaluator.prompts), evaluated_at=time.time(),
-        )
-        await bus.publish(subjects.eval_result(cfg.run, evaluator_name), result,
-                          msg_id=f"eval-{evaluator_name}-v{event.version}")
+        async def on_export(event: m.ExportDone, _meta) -> None:
+            directory = local_dir(event.uri, cfg, event.version, scratch)
+            started = time.monotonic()
+            metric, score = await asyncio.to_thread(evaluator.score, directory)
+            elapsed = time.monotonic() - started
+            log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, elapsed)
+            metrics.EVAL_SECONDS.labels(evaluator_name).observe(elapsed)
+            metrics.EVAL_SCORE.labels(evaluator_name, metric).set(score)
+            metrics.EVAL_VERSION.labels(evaluator_name).set(event.version)
+            result = m.EvalResult(
+                run=cfg.run, evaluator=evaluator_name, version=event.version, metric=metric,
+                score=float(score), n=len(evaluator.prompts), evaluated_at=time.time(),
+            )
+            await bus.publish(subjects.eval_result(cfg.run, evaluator_name), result,
+                              msg_id=f"eval-{evaluator_name}-v{event.version}")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (2, 15):
-        loop.add_signal_handler(sig, stop.set)
-    await bus.consume(streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone,
-                      on_export, batch=1, ack_wait_s=300)
-    await stop.wait()
-    await bus.close()
+        await bus.consume(streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone,
+                          on_export, batch=1, ack_wait_s=300)
+        await stop.wait()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorabus evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
+    p = entry.parser(PROG, __doc__.splitlines()[0])
     p.add_argument("--score", default="services.clients.evaluate:heldout_reward",
                    help="scoring hook, package.module:function")
     p.add_argument("--name", default="heldout", help="evaluator id in the eval subject")
-    p.add_argument("overrides", nargs="*")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    from services.common.logs import setup_logging
-
-    setup_logging(args.name)
     torch.set_num_threads(1)
-    cfg = load_config(args.config, args.overrides)
+    cfg = entry.start(args, PROG, service=args.name)
     return asyncio.run(run(cfg, args.score, subjects.token(args.name, "--name")))
 
 

@@ -7,7 +7,6 @@ A read-only bus user (the `evaluator` NATS identity in deployments is enough): i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from typing import TYPE_CHECKING, Callable
@@ -15,6 +14,10 @@ from typing import TYPE_CHECKING, Callable
 from proto import codec
 from proto import messages as m
 from proto import subjects
+from services.common import entry
+from services.common.config_schema import LorabusConfig
+
+PROG = "lorabus watch"
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -74,38 +77,29 @@ def _summary(msg) -> str:
     return repr(msg)
 
 
-async def watch(cfg, as_json: bool, include_trajectories: bool,
+async def watch(cfg: LorabusConfig, as_json: bool, include_trajectories: bool,
                 out: Callable[[str], None] = print, stop: asyncio.Event | None = None) -> None:
-    from services.common.bus import Bus
+    stop = entry.stop_event(stop)
+    # read-only: the watcher's identity may not create streams, and needs none
+    async with entry.connected(cfg, "watch", ensure_streams=False) as bus:
 
-    bus = await Bus.connect(cfg.bus, run=cfg.run, service="watch")
+        # a raw subscription: show every message, even ones this build cannot decode
+        async def on_msg(msg: Msg) -> None:
+            if not include_trajectories and ".trajectory." in msg.subject:
+                return
+            out(f"{msg.subject} {msg.data.decode(errors='replace')}" if as_json
+                else describe(msg.subject, msg.data))
 
-    # a raw subscription: show every message, even ones this build cannot decode
-    async def on_msg(msg: Msg) -> None:
-        if not include_trajectories and ".trajectory." in msg.subject:
-            return
-        out(f"{msg.subject} {msg.data.decode(errors='replace')}" if as_json
-            else describe(msg.subject, msg.data))
-
-    await bus.subscribe_raw(f"{subjects.run_prefix(cfg.run)}.>", on_msg)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (2, 15):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await bus.close()
+        await bus.subscribe_raw(f"{subjects.run_prefix(cfg.run)}.>", on_msg)
+        await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common.config import load_config
-
-    p = argparse.ArgumentParser(prog="lorabus watch", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
+    p = entry.parser(PROG, __doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print raw JSON payloads")
     p.add_argument("--trajectories", action="store_true", help="include trajectory messages")
-    p.add_argument("overrides", nargs="*")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = entry.start(args, PROG, service="watch")
     asyncio.run(watch(cfg, args.json, args.trajectories))
     return 0
 

@@ -19,7 +19,7 @@ import os
 import re
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import yaml
@@ -28,7 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from proto.messages import adapter_name
 from proto.subjects import SubjectError, token
+from services.common import lora_targets
 from services.common.config_schema import ActorConfig, LorabusConfig
+from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
 
 __all__ = [
     "ConfigError",
@@ -36,14 +38,7 @@ __all__ = [
     "config_from_dict",
     "backfill",
     "validate",
-    "resolve_target_modules",
-    "hf_target_modules",
     "RULES",
-    "ALL_LINEAR",
-    "MEGATRON_LINEAR",
-    "MEGATRON_TO_HF",
-    "HF_TO_MEGATRON",
-    "VLLM_LORA_RANKS",
 ]
 
 
@@ -60,40 +55,6 @@ class ConfigError(ValueError):
             listed = "\n".join(f"  - {p}" for p in self.problems)
             text = f"{where} has {len(self.problems)} problems:\n{listed}"
         super().__init__(text)
-
-
-# --- target-module vocabularies -------------------------------------------------------------
-
-ALL_LINEAR = "all-linear"
-MEGATRON_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-MEGATRON_TO_HF: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-HF_TO_MEGATRON: dict[str, str] = {hf: mg for mg, hfs in MEGATRON_TO_HF.items() for hf in hfs}
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def resolve_target_modules(actor: ActorConfig) -> list[str] | Literal["all-linear"]:
-    """The modules the trainer wraps: `"all-linear"` for peft (fsdp2), which understands it;
-    megatron-bridge's LoRA takes explicit names, so all-linear becomes its four linear layers."""
-    names = list(actor.target_modules)
-    if not names or names == [ALL_LINEAR]:
-        return list(MEGATRON_LINEAR) if actor.backend == "megatron" else ALL_LINEAR
-    return names
-
-
-def hf_target_modules(actor: ActorConfig) -> list[str] | Literal["all-linear"]:
-    """The HF leaf names the exported adapter touches (what vLLM/SGLang see)."""
-    resolved = resolve_target_modules(actor)
-    if resolved == ALL_LINEAR or actor.backend != "megatron":
-        return resolved
-    out: list[str] = []
-    for name in resolved:
-        out.extend(h for h in MEGATRON_TO_HF.get(name, (name,)) if h not in out)
-    return out
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -322,12 +283,11 @@ def backfill(cfg: LorabusConfig) -> LorabusConfig:
     ro = cfg.rollout
     if not ro.lora_name:
         ro.lora_name = cfg.gconfig.lora_name
-    if ro.max_concurrent_rollouts is None:
-        ro.max_concurrent_rollouts = ro.consumer_batch_size
-    if ro.lora_keep_versions is None:
-        ro.lora_keep_versions = ro.max_head_offpolicyness + 1
+    # written out (the properties give the same values) so that a dumped config shows them
+    ro.max_concurrent_rollouts = ro.max_concurrent
+    ro.lora_keep_versions = ro.keep_versions
     if cfg.vllm.max_cpu_loras is None:
-        cfg.vllm.max_cpu_loras = max(cfg.vllm.max_loras, ro.lora_keep_versions + 1)
+        cfg.vllm.max_cpu_loras = max(cfg.vllm.max_loras, ro.keep_versions + 1)
     v0 = adapter_name(ro.lora_name, 0)
     v0_entry = f"{v0}={(ro.server_adapter_dir or ro.adapter_dir).rstrip('/')}/{v0}"
     # The server preloads v0 at start so that the first admitted request never waits on a load.
@@ -340,11 +300,6 @@ def backfill(cfg: LorabusConfig) -> LorabusConfig:
 
 def _names(entries: list[str]) -> set[str]:
     return {e.partition("=")[0] for e in entries}
-
-
-def _keep(cfg: LorabusConfig) -> int:
-    ro = cfg.rollout
-    return ro.lora_keep_versions if ro.lora_keep_versions is not None else ro.max_head_offpolicyness + 1
 
 
 # --- validation rules ------------------------------------------------------------------------
@@ -435,37 +390,7 @@ def check_megatron(cfg: LorabusConfig) -> list[str]:
 
 
 def check_target_modules(cfg: LorabusConfig) -> list[str]:
-    a = cfg.actor
-    names, out = list(a.target_modules), []
-    if ALL_LINEAR in names and len(names) > 1:
-        out.append(
-            f"actor.target_modules: {names} mixes {ALL_LINEAR!r} with explicit names; "
-            f"use [{ALL_LINEAR}] (or []) alone, or list the modules"
-        )
-    for name in names:
-        if not name.strip():
-            out.append(f"actor.target_modules: {name!r} is empty; remove it")
-        elif name == ALL_LINEAR:
-            continue
-        elif a.backend == "fsdp2" and name in MEGATRON_TO_HF:
-            hf = ", ".join(MEGATRON_TO_HF[name])
-            out.append(
-                f"actor.target_modules: {name!r} is a Megatron module name, but actor.backend "
-                f"fsdp2 wraps HF modules; use {hf} instead"
-            )
-        elif a.backend == "megatron" and name not in MEGATRON_TO_HF:
-            if name in HF_TO_MEGATRON:
-                fix = f"use {HF_TO_MEGATRON[name]!r} (Megatron fuses it with its siblings)"
-            else:
-                close = difflib.get_close_matches(name, MEGATRON_LINEAR, n=1)
-                fix = (f"did you mean {close[0]!r}? " if close else "") + (
-                    f"allowed: {', '.join(MEGATRON_LINEAR)} or {ALL_LINEAR}"
-                )
-            out.append(
-                f"actor.target_modules: {name!r} is not a Megatron linear layer for actor.backend "
-                f"megatron; {fix}"
-            )
-    return out
+    return lora_targets.problems(cfg.actor.target_modules, cfg.actor.backend)
 
 
 def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
@@ -473,7 +398,7 @@ def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
     k = ro.max_head_offpolicyness
     if k < 0:
         out.append(f"rollout.max_head_offpolicyness: {k} must be >= 0 (0 = strictly on-policy)")
-    keep = _keep(cfg)
+    keep = cfg.rollout.keep_versions
     if keep < 1:
         out.append(f"rollout.lora_keep_versions: {keep} must be >= 1 (the head version stays loaded)")
     elif keep < k + 1:
@@ -512,7 +437,7 @@ def _check_entries(field: str, entries: list[str]) -> list[str]:
 def check_vllm_slots(cfg: LorabusConfig) -> list[str]:
     if cfg.rollout.engine != "vllm":
         return []
-    v, rank, keep, out = cfg.vllm, cfg.actor.lora_rank, _keep(cfg), []
+    v, rank, keep, out = cfg.vllm, cfg.actor.lora_rank, cfg.rollout.keep_versions, []
     if not v.enable_lora:
         out.append("vllm.enable_lora: false, but rollout.engine vllm serves LoRA adapters; set it to true")
     if v.max_lora_rank not in VLLM_LORA_RANKS:
@@ -547,7 +472,7 @@ def check_vllm_slots(cfg: LorabusConfig) -> list[str]:
 def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
     if cfg.rollout.engine != "sglang":
         return []
-    s, rank, keep, out = cfg.sglang, cfg.actor.lora_rank, _keep(cfg), []
+    s, rank, keep, out = cfg.sglang, cfg.actor.lora_rank, cfg.rollout.keep_versions, []
     if not s.enable_lora:
         out.append("sglang.enable_lora: false, but rollout.engine sglang serves LoRA adapters; set it to true")
     if s.max_lora_rank < rank:
@@ -571,8 +496,8 @@ def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
             f"{s.max_loras_per_batch}; SGLang requires max_loaded_loras >= max_loras_per_batch"
         )
     served = [m for m in s.lora_target_modules if m not in ("all", ALL_LINEAR)]
-    trained = hf_target_modules(cfg.actor)
-    if served and len(served) == len(s.lora_target_modules) and trained != ALL_LINEAR:
+    trained = _trained_hf_modules(cfg.actor)
+    if served and len(served) == len(s.lora_target_modules) and trained is not None:
         missing = [m for m in trained if m not in served]
         if missing:
             out.append(
@@ -581,6 +506,17 @@ def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
             )
     out.extend(_check_entries("sglang.lora_paths", s.lora_paths))
     return out
+
+
+def _trained_hf_modules(actor: ActorConfig) -> list[str] | None:
+    """The HF names the adapter will touch, or None where the config cannot tell: all-linear on
+    fsdp2 is resolved by peft against the model, and invalid names are check_target_modules's."""
+    if lora_targets.problems(actor.target_modules, actor.backend):
+        return None
+    resolved = lora_targets.for_backend(actor.target_modules, actor.backend)
+    if resolved == ALL_LINEAR:
+        return None
+    return lora_targets.to_hf(resolved) if actor.backend == "megatron" else resolved
 
 
 def _check_uri(field: str, uri: str, endpoint: str | None, needs_endpoint: bool) -> list[str]:

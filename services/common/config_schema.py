@@ -11,6 +11,8 @@ from typing import Literal
 
 from msgspec import Struct, field
 
+from services.common.lora_targets import Backend
+
 
 class Section(Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -104,7 +106,7 @@ class ActorConfig(Section):
     path: str = ""
     """HF model id or local directory of the base model"""
     tokenizer_path: str | None = None
-    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    backend: Backend = "fsdp2"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     """auto: cuda if available, else cpu"""
@@ -166,6 +168,22 @@ class RolloutConfig(Section):
     heartbeat_s: float = 2.0
     cuda_graphs: bool = True
     """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
+
+    # Derived values are properties, not back-filled copies: a section built by hand (tests,
+    # benchmarks) must give the same answer as one that went through the loader.
+    @property
+    def keep_versions(self) -> int:
+        """Versions kept loaded: lora_keep_versions, or max_head_offpolicyness + 1 when unset."""
+        if self.lora_keep_versions is not None:
+            return self.lora_keep_versions
+        return self.max_head_offpolicyness + 1
+
+    @property
+    def max_concurrent(self) -> int:
+        """Rollouts admitted at once: max_concurrent_rollouts, or consumer_batch_size when unset."""
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return self.consumer_batch_size
 
 
 class VllmConfig(Section):

@@ -21,7 +21,7 @@ from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.store import store_for_uri
 from services.exporter import metrics
-from services.exporter.megatron_to_hf import ModelShape
+from services.common.megatron_to_hf import ModelShape
 from services.exporter.peft_dir import (
     FILES,
     PeftFiles,

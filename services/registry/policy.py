@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from msgspec import Struct, field
@@ -48,6 +48,9 @@ from proto.messages import (
     Trajectory,
     TrajectoryDecision,
 )
+
+if TYPE_CHECKING:  # the policy stays free of service imports at run time
+    from services.common.config_schema import LorabusConfig
 
 Verdict = Literal["accepted", "rejected-stale", "rejected-invalid"]
 
@@ -93,16 +96,15 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name}: must be {rule}")
 
     @classmethod
-    def from_config(cls, cfg) -> PolicyConfig:
+    def from_config(cls, cfg: LorabusConfig) -> PolicyConfig:
         """From a `LorabusConfig` (its `rollout` section)."""
         r = cfg.rollout
-        max_concurrent = r.max_concurrent_rollouts or r.consumer_batch_size
         return cls(
             max_head_offpolicyness=r.max_head_offpolicyness,
             consumer_batch_size=r.consumer_batch_size,
-            max_concurrent_rollouts=max_concurrent,
+            max_concurrent_rollouts=r.max_concurrent,
             lease_seconds=r.lease_seconds,
-            seen_limit=seen_limit_for(max_concurrent),
+            seen_limit=seen_limit_for(r.max_concurrent),
         )
 
 

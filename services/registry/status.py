@@ -3,7 +3,6 @@ it (versions, who has them loaded, counts), or `--json` for the raw reply."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
@@ -11,9 +10,12 @@ import msgspec
 
 from proto import subjects
 from proto.messages import Message, Name, UnixTime
+from services.common import entry
+from services.common.config_schema import LorabusConfig
 from services.registry.policy import Ledger
 
 STATUS_TIMEOUT_S = 3.0
+PROG = "lorabus registry status"
 
 
 class StatusRequest(Message, kw_only=True):
@@ -70,48 +72,35 @@ def render(status: RegistryStatus) -> str:
     return "\n".join(lines)
 
 
-async def fetch_status(cfg, timeout: float = STATUS_TIMEOUT_S) -> RegistryStatus:
-    from services.common.bus import Bus
-
-    bus = await Bus.connect(cfg.bus, run=cfg.run, service="registry-status")
-    try:
+async def fetch_status(cfg: LorabusConfig, timeout: float = STATUS_TIMEOUT_S) -> RegistryStatus:
+    # a reader: it must not create or change the run's streams
+    async with entry.connected(cfg, "registry-status", ensure_streams=False) as bus:
         return await bus.request(
             subjects.registry_status(cfg.run), StatusRequest(run=cfg.run), RegistryStatus,
             timeout=timeout,
         )  # fmt: skip
-    finally:
-        await bus.close()
 
 
 def main(argv: list[str]) -> int:
     import nats.errors
 
     from services.common.bus import BusError
-    from services.common.config import ConfigError, load_config
 
-    parser = argparse.ArgumentParser(
-        prog="lorabus registry status", description="print the running registry's ledger"
-    )
-    parser.add_argument("--config", required=True, help="the run's YAML config")
+    parser = entry.parser(PROG, "print the running registry's ledger")
     parser.add_argument("--json", action="store_true", help="print the raw reply as JSON")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, overrides=args.overrides)
-    except ConfigError as exc:
-        print(f"lorabus registry status: {exc}", file=sys.stderr)
-        return 2
+    cfg = entry.start(args, PROG, service="registry-status")
     try:
         status = asyncio.run(fetch_status(cfg))
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         print(
-            f"lorabus registry status: no registry answered on {subjects.registry_status(cfg.run)} "
+            f"{PROG}: no registry answered on {subjects.registry_status(cfg.run)} "
             f"within {STATUS_TIMEOUT_S}s; is `lorabus registry --config {args.config}` running?",
             file=sys.stderr,
         )
         return 1
     except BusError as exc:
-        print(f"lorabus registry status: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     print(msgspec.json.format(msgspec.json.encode(status)).decode() if args.json else render(status))
     return 0

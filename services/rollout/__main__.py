@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
+from services.common import entry
+from services.common.config_schema import LorabusConfig
+
 log = logging.getLogger("services.rollout")
+PROG = "lorabus rollout"
 
 ENGINES = ("embedded", "vllm", "sglang")
 
@@ -36,9 +38,8 @@ def fetcher(cfg):
     return fetch
 
 
-async def serve(cfg, replica: str, engine_name: str) -> int:
+async def serve(cfg: LorabusConfig, replica: str, engine_name: str) -> int:
     from services.common import models
-    from services.common.bus import Bus
     from services.common.data import load_prompts
     from services.common.metrics import start_metrics_server
     from services.common.rewards import load_reward_fn
@@ -48,32 +49,25 @@ async def serve(cfg, replica: str, engine_name: str) -> int:
     log.info("rollout %s: metrics on port %d", replica, port)
     tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
     engine = build_engine(engine_name, cfg)
-    bus = await Bus.connect(cfg.bus, run=cfg.run, service=f"rollout-{replica}"[:64])
-    await bus.ensure_streams()
-    service = RolloutService(
-        cfg, replica, engine, bus, fetch=fetcher(cfg),
-        encode=lambda text: models.encode_prompt(tok, text),
-        decode_text=lambda ids: models.decode_completion(tok, ids),
-        reward_fn=load_reward_fn(cfg.train_dataset.reward_fn),
-        prompts=load_prompts(cfg.train_dataset), engine_name=engine_name,
-        admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await service.run(stop)
-    finally:
-        await engine.close()
-        await bus.close()
+    async with entry.connected(cfg, f"rollout-{replica}"[:64]) as bus:
+        service = RolloutService(
+            cfg, replica, engine, bus, fetch=fetcher(cfg),
+            encode=lambda text: models.encode_prompt(tok, text),
+            decode_text=lambda ids: models.decode_completion(tok, ids),
+            reward_fn=load_reward_fn(cfg.train_dataset.reward_fn),
+            prompts=load_prompts(cfg.train_dataset), engine_name=engine_name,
+            admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
+        )
+        try:
+            await service.run(entry.stop_event())
+        finally:
+            await engine.close()
     log.info("rollout %s: stopped", replica)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lorabus rollout", description="rollout service")
-    ap.add_argument("--config", required=True, help="lorabus YAML config")
+    ap = entry.parser(PROG, "rollout service")
     ap.add_argument("--replica", help="replica id ([A-Za-z0-9_-], unique per run); required to serve")
     ap.add_argument("--engine", choices=ENGINES, default=None,
                     help="defaults to rollout.engine of the config (embedded)")
@@ -82,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                          "replica); replaces rollout.server_urls")
     ap.add_argument("--print-server-cmd", action="store_true",
                     help="print the vLLM/SGLang server command line the config asks for, and exit")
-    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.engine:
         args.overrides = [f"rollout.engine={args.engine}", *args.overrides]
@@ -90,11 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, f"rollout.server_urls=[{','.join(args.server_url)}]"]
 
     from proto import subjects
-    from services.common.config import ConfigError, load_config
     from services.common.logs import setup_logging
 
+    cfg = entry.load_or_exit(args, PROG)
     try:
-        cfg = load_config(args.config, overrides=args.overrides)
         if args.print_server_cmd:
             from services.rollout.server_cmd import server_command, server_env, shell_line
 
@@ -104,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             print("lorabus rollout: --replica is required to serve (e.g. --replica r0)", file=sys.stderr)
             return 2
         subjects.token(args.replica, "--replica")
-    except (ConfigError, subjects.SubjectError, ValueError) as exc:
-        print(f"lorabus rollout: {exc}", file=sys.stderr)
+    except (subjects.SubjectError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    setup_logging(f"rollout-{args.replica}")
+    setup_logging(f"rollout-{args.replica}", args.log_level)
     return asyncio.run(serve(cfg, args.replica, args.engine or cfg.rollout.engine))
 
 

@@ -6,7 +6,6 @@ serves the bus, the others follow its broadcasts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -16,28 +15,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from services.trainer.engines.base import TrainEngine
 
+from services.common import entry
+
 log = logging.getLogger("services.trainer")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lorabus trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="lorabus YAML config")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return parser.parse_args(argv)
+PROG = "lorabus trainer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    from services.common.config import ConfigError, load_config
-    from services.common.logs import setup_logging
-
-    setup_logging("trainer", args.log_level)
-    try:
-        cfg = load_config(args.config, overrides=args.overrides)
-    except ConfigError as exc:
-        print(f"lorabus trainer: {exc}", file=sys.stderr)
-        return 2
+    args = entry.parser(PROG, __doc__.splitlines()[0]).parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = entry.start(args, PROG, service="trainer")
 
     from services.common.metrics import start_metrics_server
     from services.trainer import ranks, service

@@ -15,23 +15,11 @@ from torch import nn
 from proto.messages import LoraSpec
 from services.common.adapter_io import dtype_name, standardize_key
 from services.common.config_schema import ActorConfig
-
-ALL_LINEAR = "all-linear"
-
-
-def resolve_target_modules(target_modules: list[str]) -> str | list[str]:
-    """Config -> peft: an empty list or ["all-linear"] means every linear layer but lm_head."""
-    if not target_modules or target_modules == [ALL_LINEAR]:
-        return ALL_LINEAR
-    if ALL_LINEAR in target_modules:
-        raise ValueError(
-            f"actor.target_modules: {target_modules} mixes 'all-linear' with module names; "
-            "give either ['all-linear'] (or []) or a list of module names"
-        )
-    return list(target_modules)
+from services.common.lora_targets import for_backend
 
 
 def lora_config(actor: ActorConfig) -> LoraConfig:
+    """The peft config of the fsdp2 backend (peft resolves all-linear against the model)."""
     if actor.peft_type != "lora":
         raise ValueError(f"actor.peft_type: {actor.peft_type!r} is not supported; use 'lora'")
     if actor.lora_rank < 1:
@@ -40,7 +28,7 @@ def lora_config(actor: ActorConfig) -> LoraConfig:
         task_type="CAUSAL_LM",
         r=actor.lora_rank,
         lora_alpha=actor.lora_alpha,
-        target_modules=resolve_target_modules(actor.target_modules),
+        target_modules=for_backend(actor.target_modules, "fsdp2"),
         lora_dropout=0.0,
         bias="none",
     )

@@ -10,12 +10,11 @@ from services.common import config as C
 from services.common.config import (
     ConfigError,
     config_from_dict,
-    hf_target_modules,
     load_config,
-    resolve_target_modules,
     validate,
 )
-from services.common.config_schema import ActorConfig, LorabusConfig
+from services.common.config_schema import LorabusConfig, RolloutConfig
+from services.common.lora_targets import for_backend
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -57,7 +56,7 @@ def test_defaults_equal_areal():
     assert cfg.vllm.max_loras == 8
     assert cfg.sglang.max_loaded_loras == 8
     assert cfg.sglang.lora_backend == "triton"
-    assert resolve_target_modules(cfg.actor) == "all-linear"
+    assert for_backend(cfg.actor.target_modules, cfg.actor.backend) == "all-linear"
 
 
 def test_minimal_config_gets_derived_defaults():
@@ -247,16 +246,6 @@ def test_server_preload_entries_are_filled_for_the_engine_in_use():
     assert given.vllm.lora_modules == ["default_lora-v0=/elsewhere"]
 
 
-def test_resolve_target_modules():
-    assert resolve_target_modules(ActorConfig(target_modules=["all-linear"])) == "all-linear"
-    assert resolve_target_modules(ActorConfig(target_modules=["q_proj"])) == ["q_proj"]
-    megatron = ActorConfig(backend="megatron")
-    assert resolve_target_modules(megatron) == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    assert hf_target_modules(ActorConfig(backend="megatron", target_modules=["linear_qkv", "linear_fc1"])) == [
-        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-    ]
-
-
 # --- engine matrix -------------------------------------------------------------------------
 
 MEGATRON = ("actor.backend=megatron", "actor.megatron.bridge_type=megatron-bridge")
@@ -444,3 +433,13 @@ def test_tiny_is_the_embedded_task():
     assert cfg.actor.path == "examples/tiny/model"
     assert cfg.train_dataset.path == "builtin:arith"
     assert cfg.store.uri.startswith("file://")
+
+
+def test_derived_values_need_no_loader():
+    # a section built by hand (tests, benchmarks) answers as a loaded one does
+    ro = RolloutConfig(max_head_offpolicyness=4, consumer_batch_size=3)
+    assert (ro.keep_versions, ro.max_concurrent) == (5, 3)
+    ro = RolloutConfig(max_head_offpolicyness=4, lora_keep_versions=7, max_concurrent_rollouts=2)
+    assert (ro.keep_versions, ro.max_concurrent) == (7, 2)
+    cfg = build("rollout.max_head_offpolicyness=1")
+    assert cfg.rollout.keep_versions == cfg.rollout.lora_keep_versions == 2

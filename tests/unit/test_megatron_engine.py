@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from proto.messages import Completion, Trajectory
-from services.common import adapter_io
+from services.common import adapter_io, lora_targets
 from services.common.config_schema import ActorConfig, PPOConfig
-from services.exporter.megatron_to_hf import ModelShape, hf_target_modules
+from services.common.megatron_to_hf import ModelShape
 from services.trainer.engines.megatron import MegatronNotInstalled
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
@@ -157,7 +157,7 @@ def test_to_hf_hand_off_is_fp32_peft_and_serializes():
     hf = to_hf(state, SHAPE)
     assert all(v.dtype == torch.float32 for v in hf.values())
     modules = {adapter_io.parse_peft_key(k)[0].rsplit(".", 1)[-1] for k in hf}
-    assert sorted(modules) == hf_target_modules(["all-linear"])
+    assert sorted(modules) == lora_targets.to_hf(["all-linear"])
     # qkv's A is shared by q, k and v; fc1's B splits into gate and up
     a = state["decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight"].float()
     for proj in ("q_proj", "k_proj", "v_proj"):

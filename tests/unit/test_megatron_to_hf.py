@@ -15,11 +15,10 @@ import torch
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
-from services.exporter.megatron_to_hf import (
+from services.common.megatron_to_hf import (
     ConversionError,
     ModelShape,
     convert,
-    hf_target_modules,
     merge_ep_shards,
     target_modules_of,
 )
@@ -255,17 +254,6 @@ def test_expert_index_beyond_the_rank_is_an_error():
     p = "decoder.layers.0.mlp.experts.linear_fc2.adapter"
     with pytest.raises(ConversionError, match="local expert 64 is beyond"):
         convert({f"{p}.linear_in.weight64": rand(RANK, 768), f"{p}.linear_out.weight64": rand(2048, RANK)}, s)
-
-
-def test_hf_target_modules():
-    assert hf_target_modules(["linear_qkv"]) == ["k_proj", "q_proj", "v_proj"]
-    assert hf_target_modules(["linear_proj", "linear_fc1", "linear_fc2"]) == [
-        "down_proj", "gate_proj", "o_proj", "up_proj"]
-    assert hf_target_modules([]) == hf_target_modules(["all-linear"]) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    assert hf_target_modules(["q_proj", "linear_proj"]) == ["o_proj", "q_proj"]
-    with pytest.raises(ConversionError, match="'linear_foo' is neither"):
-        hf_target_modules(["linear_foo"])
 
 
 def test_from_hf_config():

@@ -5,9 +5,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services.common import adapter_io
 from services.common.config_schema import ActorConfig
-from services.trainer.lora import adapter_state, lora_spec, resolve_target_modules, wrap_lora
+from services.trainer.lora import adapter_state, lora_spec, wrap_lora
 
-ALL_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+HF_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
@@ -16,14 +16,6 @@ def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                       max_position_embeddings=128)
     return Qwen2ForCausalLM(cfg).eval()
-
-
-def test_all_linear_resolution():
-    assert resolve_target_modules([]) == "all-linear"
-    assert resolve_target_modules(["all-linear"]) == "all-linear"
-    assert resolve_target_modules(["q_proj"]) == ["q_proj"]
-    with pytest.raises(ValueError, match="actor.target_modules"):
-        resolve_target_modules(["all-linear", "q_proj"])
 
 
 def test_adapter_keys_shapes_and_zero_b():
@@ -45,7 +37,7 @@ def test_adapter_keys_shapes_and_zero_b():
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == len(state)
     spec = lora_spec(model, actor)
-    assert spec.target_modules == ALL_LINEAR
+    assert spec.target_modules == HF_LINEAR
     assert (spec.rank, spec.alpha, spec.dtype, spec.base_model) == (4, 8.0, "float32", "tiny")
 
 

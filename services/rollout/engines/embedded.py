@@ -19,6 +19,7 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from services.common import adapter_io
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.lora_slots import LoraSlots
 from services.rollout.sampling import DecodeGraphs, Row, decode, mix32, static_unsupported
+
+if TYPE_CHECKING:
+    from services.common.config_schema import LorabusConfig
 
 
 class EmbeddedEngine:
@@ -54,15 +58,15 @@ class EmbeddedEngine:
         self._active: Counter[int] = Counter()
 
     @classmethod
-    def from_config(cls, cfg) -> EmbeddedEngine:
+    def from_config(cls, cfg: LorabusConfig) -> EmbeddedEngine:
         """Model and tokenizer from `actor.path`, on `rollout.device` in `rollout.dtype`."""
         from services.common import models
 
         tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
         model = models.load_base_model(cfg.actor.path, cfg.rollout.dtype, cfg.rollout.device)
-        keep = cfg.rollout.lora_keep_versions or cfg.rollout.max_head_offpolicyness + 1
         return cls(
-            model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok), slots=keep + 1,
+            model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok),
+            slots=cfg.rollout.keep_versions + 1,
             cuda_graphs=cfg.rollout.cuda_graphs,
         )
 

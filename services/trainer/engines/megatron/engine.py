@@ -15,7 +15,7 @@ over data-parallel ranks, sliced like the adapter over tensor-parallel ranks); n
 checkpoints: each rank saves its own slices with torch.save (`checkpoint.py`).
 
 Published versions are HF PEFT tensors (`adapter_state`, layout `hf-peft`): the TP slices are
-gathered, merged (`state.merge_tp`) and converted with the exporter's `megatron_to_hf.convert`
+gathered, merged (`state.merge_tp`) and converted with `services.common.megatron_to_hf.convert`
 on every rank, so the trainer service publishes and checkpoints them exactly as it does the
 FSDP2 engine's, and vLLM/SGLang/the embedded engine load them without a Megatron step in
 between. `bridge_adapter_state` gives the gathered bridge-named state for consumers that want
@@ -39,9 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
+from services.common import lora_targets
 from services.common.config import check_megatron
 from services.common.config_schema import LorabusConfig
-from services.exporter.megatron_to_hf import ModelShape, hf_target_modules
+from services.common.megatron_to_hf import ModelShape
 from services.trainer.engines.base import StepStats, make_optimizer, make_scheduler
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import step as mstep
@@ -165,7 +166,7 @@ class MegatronEngine:
         self.step = 0
         self._lora = LoraSpec(
             rank=self.actor.lora_rank, alpha=float(self.actor.lora_alpha),
-            target_modules=hf_target_modules(self.targets), dtype="float32",
+            target_modules=lora_targets.to_hf(self.targets), dtype="float32",
             base_model=self.actor.path,
         )
         log.info("megatron engine: tp %d dp %d, %d adapter tensors on %s", self.tp_size,

@@ -15,7 +15,7 @@ Under tensor parallelism each rank holds a slice (megatron-bridge `ParallelLinea
 `linear_qkv` is split by whole KV groups, so concatenating the B slices keeps Megatron's
 per-group order. `linear_fc1` of a gated MLP is not: every rank's slice is `[its gate rows;
 its up rows]`, so the gathered B must be de-interleaved into `[all gate; all up]` before it
-is the layout `services.exporter.megatron_to_hf.convert` expects.
+is the layout `services.common.megatron_to_hf.convert` expects.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-import msgspec
 import torch
 
-from services.common.config import MEGATRON_LINEAR, resolve_target_modules
 from services.common.config_schema import ActorConfig
-from services.exporter.megatron_to_hf import ModelShape, convert
+from services.common.lora_targets import for_backend
+from services.common.megatron_to_hf import ModelShape, convert
 
 _ADAPTER = re.compile(
     r"^(?P<module>.*\.(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2))"
@@ -44,15 +43,12 @@ class AdapterStateError(ValueError):
 
 def megatron_targets(actor: ActorConfig) -> list[str]:
     """`actor.target_modules` as the names megatron-bridge's `LoRA(target_modules=...)` takes:
-    empty / all-linear -> the four linear layers; anything else must be one of them."""
-    targets = resolve_target_modules(msgspec.structs.replace(actor, backend="megatron"))
-    bad = [t for t in targets if t not in MEGATRON_LINEAR]
-    if bad:
-        raise AdapterStateError(
-            f"actor.target_modules: {bad} are not Megatron linear layers; use any of "
-            f"{', '.join(MEGATRON_LINEAR)} or ['all-linear']"
-        )
-    return list(dict.fromkeys(targets))
+    empty / all-linear -> the four linear layers; anything else must be one of them (this engine
+    asks for Megatron names whatever `actor.backend` says)."""
+    try:
+        return for_backend(actor.target_modules, "megatron")
+    except ValueError as exc:
+        raise AdapterStateError(str(exc)) from None
 
 
 def strip_wrappers(name: str) -> str:

@@ -1,9 +1,11 @@
 """Megatron-bridge LoRA tensors -> Hugging Face PEFT tensors (dense Qwen2/Qwen3 and Qwen3 MoE).
 
-Pure tensor code: no megatron import, so the exporter and the rollouts (XCCL path) can convert
-without a Megatron environment. Input is the adapter state of a model with tensor and pipeline
-parallel shards already gathered (tp = pp = 1 view); expert-parallel shards are converted one
-rank at a time (`ModelShape.ep_rank`) and merged with `merge_ep_shards`.
+Pure tensor code: no megatron import, so the Megatron trainer, the exporter and the rollouts
+(XCCL path) share it, and the latter two convert without a Megatron environment. Which Megatron
+layer fuses which HF modules, by name, is `services.common.lora_targets`'s. Input is the adapter
+state of a model with tensor and pipeline parallel shards already gathered (tp = pp = 1 view);
+expert-parallel shards are converted one rank at a time (`ModelShape.ep_rank`) and merged with
+`merge_ep_shards`.
 
 Megatron fuses what HF keeps apart, and its LoRA sits on the fused layers:
 
@@ -47,7 +49,6 @@ import torch
 from msgspec import Struct
 
 from services.common.adapter_io import parse_peft_key, peft_key
-from services.common.config import MEGATRON_TO_HF
 
 
 class ModelShape(Struct, frozen=True, kw_only=True):
@@ -130,33 +131,6 @@ class ModelShape(Struct, frozen=True, kw_only=True):
 
 class ConversionError(ValueError):
     pass
-
-
-MEGATRON_TO_HF_TARGETS = MEGATRON_TO_HF
-"""one table for config validation and conversion: `services.common.config` owns it"""
-HF_TARGETS = tuple(name for names in MEGATRON_TO_HF_TARGETS.values() for name in names)
-
-
-def hf_target_modules(targets: Iterable[str]) -> list[str]:
-    """Megatron LoRA target names -> the HF/vLLM module names (`linear_qkv` -> q/k/v_proj).
-
-    Empty or `all-linear` means all four Megatron linears. HF names pass through unchanged so
-    that a `LoraSpec` written either way maps to the same list."""
-    targets = list(targets)
-    if not targets or targets == ["all-linear"]:
-        return sorted(HF_TARGETS)
-    out: set[str] = set()
-    for target in targets:
-        if target in MEGATRON_TO_HF_TARGETS:
-            out.update(MEGATRON_TO_HF_TARGETS[target])
-        elif target in HF_TARGETS:
-            out.add(target)
-        else:
-            raise ConversionError(
-                f"target_modules: {target!r} is neither a Megatron LoRA target "
-                f"({', '.join(MEGATRON_TO_HF_TARGETS)}) nor an HF one ({', '.join(HF_TARGETS)})"
-            )
-    return sorted(out)
 
 
 def target_modules_of(tensors: Iterable[str]) -> list[str]:
