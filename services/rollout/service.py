@@ -49,10 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def keep_versions(cfg: LorabusConfig) -> int:
-    return cfg.rollout.lora_keep_versions or cfg.rollout.max_head_offpolicyness + 1
-
-
 def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Prompt]:
     """Prompts forever, a fresh seeded order per epoch."""
     if not prompts:
@@ -87,7 +83,7 @@ class RolloutService:
         self.encode, self.decode_text, self.reward_fn = encode, decode_text, reward_fn
         self.engine_name = engine_name
         self.adapters = AdapterFollower(
-            cfg, self.replica, engine, bus, keep=keep_versions(cfg), fetch=fetch, engine_name=engine_name,
+            cfg, self.replica, engine, bus, keep=cfg.rollout.keep_versions, fetch=fetch, engine_name=engine_name,
             load_attempts=load_attempts, retry_base_s=retry_base_s, xccl=xccl,
         )  # fmt: skip
         self.book = self.adapters.book
