@@ -51,6 +51,7 @@ from services.trainer.engines.megatron.state import (
     merge_tp,
     to_hf,
 )
+from services.trainer.schedule import make_scheduler
 
 require("megatron.core")
 require("megatron.bridge")
@@ -159,10 +160,8 @@ class MegatronEngine:
             named, lambda params: make_optimizer(params, cfg),
             dp_group=self.dp_group, mp_group=parallel_state.get_model_parallel_group(),
         )
-        warmup = self.actor.optimizer.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer,
+                                        cfg.total_train_steps)
         self.step = 0
         self._lora = LoraSpec(
             rank=self.actor.lora_rank, alpha=float(self.actor.lora_alpha),
