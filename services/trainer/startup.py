@@ -65,8 +65,9 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
     Non-reentrant checkpointing needs no input that requires grad, so peft's usual
     `enable_input_require_grads` is not needed; transformers adds it anyway for models that
-    take `input_ids` (harmless). FSDP2 composes with it: its pre-forward hook runs inside the
-    checkpointed call and does nothing during the recompute, for which its pre-backward hook
+    take `input_ids` (harmless). FSDP2 composes with it: recent transformers checkpoint the layer's
+    `forward`, leaving FSDP2's hooks outside; older ones checkpoint `__call__`, and then
+    FSDP2's pre-forward hook does nothing in the recompute, for which its pre-backward hook
     has already gathered the layer."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:  # transformers >= 5.2x; `gradient_checkpointing_enable` is its old name
