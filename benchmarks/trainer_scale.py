@@ -160,7 +160,8 @@ def table(result: dict) -> str:
              "| model | mode | trainable params | step (s) | tokens/s | peak GPU mem (GiB) | full FT + Adam, 16 B/param (GiB) |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        step = f"{r['step_seconds_median']:.2f}" if "step_seconds_median" in r else r.get("error", "-")
+        step = f"{r['step_seconds_median']:.2f}" if "step_seconds_median" in r else \
+            ("out of memory" if r.get("error", "").startswith("out of memory") else r.get("error", "-"))
         tps = f"{r['tokens_per_second']:,.0f}" if "tokens_per_second" in r else "-"
         peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
         lines.append(f"| {r['model']} | {r['mode']} | {r['trainable_params'] / 1e6:,.1f} M | {step} | "
