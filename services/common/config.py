@@ -550,6 +550,39 @@ def check_run(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_schedule(cfg: LorabusConfig) -> list[str]:
+    o, total, out = cfg.actor.optimizer, cfg.total_train_steps, []
+    if not o.lr > 0:
+        out.append(f"actor.optimizer.lr: {o.lr} must be > 0")
+    if o.warmup_steps is not None and o.warmup_steps < 0:
+        out.append(
+            f"actor.optimizer.warmup_steps: {o.warmup_steps} must be >= 0 (or unset: "
+            "warmup_steps_proportion decides)"
+        )
+    elif o.warmup_steps is not None and 0 < total <= o.warmup_steps:
+        out.append(
+            f"actor.optimizer.warmup_steps: {o.warmup_steps} is not below total_train_steps "
+            f"{total}, so the LR never reaches actor.optimizer.lr; shorten the warm-up"
+        )
+    if not 0.0 <= o.warmup_steps_proportion < 1.0:
+        out.append(
+            f"actor.optimizer.warmup_steps_proportion: {o.warmup_steps_proportion} must be in "
+            "[0, 1) (a share of total_train_steps; AReaL's default is 0.001)"
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        out.append(
+            f"actor.optimizer.min_lr_ratio: {o.min_lr_ratio} must be in [0, 1] (the final LR "
+            "of a cosine schedule as a share of lr)"
+        )
+    elif o.min_lr_ratio > 0 and o.lr_scheduler_type != "cosine":
+        out.append(
+            f"actor.optimizer.min_lr_ratio: {o.min_lr_ratio} has no effect with "
+            f"lr_scheduler_type {o.lr_scheduler_type!r} (only cosine uses it, as in AReaL); "
+            "set lr_scheduler_type: cosine or min_lr_ratio: 0"
+        )
+    return out
+
+
 RULES = (
     check_lora,
     check_lora_name,
@@ -560,6 +593,7 @@ RULES = (
     check_vllm_slots,
     check_sglang_slots,
     check_run,
+    check_schedule,
 )
 
 

@@ -74,7 +74,15 @@ class OptimizerConfig(Section):
     beta2: float = 0.999
     eps: float = 1e-8
     gradient_clipping: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int | None = None
+    """warm-up length in optimiser steps; when unset, `warmup_steps_proportion` decides"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """AReaL's schedules over `total_train_steps` (see `services/trainer/schedule.py`)"""
+    warmup_steps_proportion: float = 0.001
+    """warm-up as a share of `total_train_steps` (AReaL's default), ignored when `warmup_steps`
+    is set; the LR rises linearly from 0 (cosine: from `min_lr_ratio`)"""
+    min_lr_ratio: float = 0.0
+    """cosine only: the LR at the end of the run, as a share of `lr` (AReaL's meaning)"""
 
 
 class PPOConfig(Section):
@@ -131,6 +139,10 @@ class ActorConfig(Section):
     seed: int = 1
     nproc_per_node: int = 1
     """trainer processes on this host; > 1 runs the trainer under torchrun (`lorabus up`)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward pass instead of keeping
+    them (AReaL's name): activation memory of one layer instead of all, for about a third
+    more compute"""
 
 
 class RolloutConfig(Section):

@@ -1,8 +1,8 @@
 """Wrapping the frozen base model with LoRA (peft) and reading the adapter back out.
 
 The base stays in the compute dtype (AReaL upcasts it to fp32, doubling its memory for
-weights that never change); with `autocast_adapter_dtype=False` peft creates the LoRA
-tensors in the base layer's dtype too, which keeps every FSDP2 parameter group uniform.
+weights that never change); the LoRA tensors are fp32 masters whatever the base dtype
+(`services.trainer.precision` says why), and the adapter leaves in the serving dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from proto.messages import LoraSpec
-from services.common.adapter_io import dtype_name, standardize_key
+from services.common.adapter_io import DTYPES, dtype_name, standardize_key
 from services.common.config_schema import ActorConfig
 from services.common.lora_targets import for_backend
+from services.trainer.precision import upcast
 
 
 def lora_config(actor: ActorConfig) -> LoraConfig:
@@ -47,6 +48,7 @@ def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
         raise ValueError(
             f"actor.target_modules: {actor.target_modules} did not match the model ({exc})"
         ) from exc
+    upcast([p for _, p in lora_parameters(model)])
     return model
 
 
@@ -67,12 +69,15 @@ def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Only the LoRA tensors, full (gathered under FSDP2) and on CPU, under PEFT-standard keys
-    (`base_model.model.<module>.lora_A.weight`, no adapter-name segment). Never the base."""
+    (`base_model.model.<module>.lora_A.weight`, no adapter-name segment). Never the base.
+    `dtype`: cast to it (once, before the copy to CPU); None keeps the fp32 masters."""
     state: dict[str, torch.Tensor] = {}
     for name, p in lora_parameters(model):
-        state[standardize_key(name)] = _full(p.detach()).cpu().clone()
+        full = _full(p.detach())
+        cast = full.to(dtype) if dtype is not None else full
+        state[standardize_key(name)] = cast.cpu() if cast is not full else full.cpu().clone()
     return state
 
 
@@ -83,12 +88,12 @@ def wrapped_module_names(model: nn.Module) -> list[str]:
 
 def lora_spec(model: nn.Module, actor: ActorConfig, base_model: str | None = None) -> LoraSpec:
     """What a receiver needs to rebuild the adapter: rank, alpha, the modules actually wrapped
-    (all-linear resolved to names), dtype and base model id."""
-    _, first = lora_parameters(model)[0]
+    (all-linear resolved to names), dtype (the serving dtype `actor.dtype` the adapter is
+    published in, not the fp32 masters') and base model id."""
     return LoraSpec(
         rank=actor.lora_rank,
         alpha=float(actor.lora_alpha),
         target_modules=wrapped_module_names(model),
-        dtype=dtype_name(first.dtype),
+        dtype=dtype_name(DTYPES[actor.dtype]),
         base_model=base_model if base_model is not None else actor.path,
     )

@@ -41,11 +41,16 @@ def test_adapter_keys_shapes_and_zero_b():
     assert (spec.rank, spec.alpha, spec.dtype, spec.base_model) == (4, 8.0, "float32", "tiny")
 
 
-def test_base_stays_in_compute_dtype():
+def test_base_stays_in_compute_dtype_adapter_is_fp32_and_leaves_in_serving_dtype():
     base = tiny_qwen2().to(torch.bfloat16)
-    model = wrap_lora(base, ActorConfig(lora_rank=2, target_modules=["q_proj", "v_proj"]))
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert lora_spec(model, ActorConfig(lora_rank=2)).target_modules == ["q_proj", "v_proj"]
+    actor = ActorConfig(lora_rank=2, target_modules=["q_proj", "v_proj"], dtype="bfloat16")
+    model = wrap_lora(base, actor)
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    spec = lora_spec(model, actor)
+    assert spec.target_modules == ["q_proj", "v_proj"] and spec.dtype == "bfloat16"
+    assert {t.dtype for t in adapter_state(model, torch.bfloat16).values()} == {torch.bfloat16}
+    assert {t.dtype for t in adapter_state(model).values()} == {torch.float32}
 
 
 def test_saved_adapter_reloads_with_peft_and_gives_same_logits(tmp_path):

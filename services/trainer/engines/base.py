@@ -125,12 +125,3 @@ def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.opti
     if opt.type == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
     raise ValueError(f"actor.optimizer.type: {opt.type!r} must be adamw, adam or sgd")
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LorabusConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over `actor.optimizer.warmup_steps`, then constant: a pure function of the
-    step, so a resumed engine gets its learning rate back by stepping it `step` times."""
-    warmup = cfg.actor.optimizer.warmup_steps
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-    )

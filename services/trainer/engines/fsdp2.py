@@ -19,10 +19,11 @@ from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
-from services.trainer import batching
-from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, make_scheduler, resolve_device
+from services.trainer import batching, precision, startup
+from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, resolve_device
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
+from services.trainer.schedule import make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +60,31 @@ class FSDP2Engine:
                 f"gconfig.temperature: {self.temperature} must be > 0 (use gconfig.greedy for "
                 "greedy decoding)"
             )
-        # Every rank must build the identical base and LoRA init; the seed makes it so.
+        # Every rank must build the identical base and LoRA init; the seed makes it so (a
+        # base read by rank 0 alone reaches the others with its LoRA init, see startup.py).
         torch.manual_seed(self.actor.seed)
+        self.dtype = precision.compute_dtype(self.actor.dtype)
+        from_rank0 = base is None and self.world_size > 1
         if base is None:
-            from services.common.models import load_base_model
-
-            base = load_base_model(self.actor.path, self.actor.dtype, str(self.device))
-        base = base.to(self.device)
+            base = startup.load_base(self.actor, self.device, self.rank, self.world_size)
+        if not from_rank0:
+            base = base.to(device=self.device, dtype=self.dtype)
         base.config.use_cache = False
+        if self.actor.gradient_checkpointing:
+            startup.enable_gradient_checkpointing(base)
         self.vocab_size = base.get_input_embeddings().num_embeddings
-        self.model = wrap_lora(base, self.actor)
+        self.model = wrap_lora(base, self.actor)  # LoRA parameters: fp32 masters
         self.lora = lora_spec(self.model, self.actor)
         if self.world_size > 1:
+            state = startup.full_state(self.model, self.rank) if from_rank0 else None
             self._shard()
+            if state is not None:
+                startup.receive_weights(self.model, state, self.device)
+                del state  # rank 0's full copy: only its shard stays
         self.model.train()
         self.params = [p for _, p in lora_parameters(self.model)]
         self.optimizer = make_optimizer(self.params, cfg)
-        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.scheduler = make_scheduler(self.optimizer, self.actor.optimizer, cfg.total_train_steps)
         self.step = 0
 
     def _shard(self) -> None:
@@ -92,12 +101,14 @@ class FSDP2Engine:
     def logprobs(self, mb: batching.MicroBatch) -> torch.Tensor:
         """log pi(target) for the micro-batch's target columns, with the rollout's sampling
         temperature applied to the logits."""
-        out = self.model(
-            input_ids=mb.input_ids.to(self.device),
-            attention_mask=mb.attention_mask.to(self.device),
-            logits_to_keep=mb.logits_to_keep,
-            use_cache=False,
-        )
+        with precision.forward_context(self.device, self.dtype):
+            out = self.model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.to(self.device),
+                logits_to_keep=mb.logits_to_keep,
+                use_cache=False,
+            )
+        # log-softmax in fp32, outside autocast
         logits = out.logits[:, :-1].float() / self.temperature
         targets = mb.targets.to(self.device).unsqueeze(-1)
         return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -155,8 +166,8 @@ class FSDP2Engine:
                 torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping)
             )
             self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]  # the LR this step ran with
         self.scheduler.step()
-        lr = self.scheduler.get_last_lr()[0]
         self.step += 1
 
         if self.world_size > 1:
@@ -183,8 +194,9 @@ class FSDP2Engine:
     # --- adapter and checkpoint state ----------------------------------------------------
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The full adapter on CPU (a collective under FSDP2: call on every rank)."""
-        return adapter_state(self.model)
+        """The full adapter on CPU in the serving dtype (`lora_spec().dtype`), cast once from
+        the fp32 masters (a collective under FSDP2: call on every rank)."""
+        return adapter_state(self.model, self.dtype)
 
     def lora_spec(self) -> LoraSpec:
         return self.lora
@@ -193,13 +205,19 @@ class FSDP2Engine:
         """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(
+        state = get_optimizer_state_dict(
             self.model, self.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
+        if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
+            masters = adapter_state(self.model)  # a collective too
+            if self.rank == 0:
+                state[precision.MASTERS_KEY] = masters
+        return state
 
     def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
-        """Restore from a checkpoint (every rank passes the full tensors)."""
+        """Restore from a checkpoint (every rank passes the full tensors). The fp32 masters
+        kept in `optimizer` win over the published (serving-dtype) `adapter`."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -207,6 +225,8 @@ class FSDP2Engine:
         )
         from services.common.adapter_io import standardize_key
 
+        optimizer = dict(optimizer or {})
+        adapter = optimizer.pop(precision.MASTERS_KEY, None) or adapter
         names = {standardize_key(name): name for name, _ in lora_parameters(self.model)}
         missing = sorted(set(names) - set(adapter))
         unexpected = sorted(set(adapter) - set(names))

@@ -43,7 +43,7 @@ from services.common import lora_targets
 from services.common.config import check_megatron
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
-from services.trainer.engines.base import StepStats, make_optimizer, make_scheduler
+from services.trainer.engines.base import StepStats, make_optimizer
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import step as mstep
 from services.trainer.engines.megatron.deps import require
@@ -54,6 +54,7 @@ from services.trainer.engines.megatron.state import (
     merge_tp,
     to_hf,
 )
+from services.trainer.schedule import make_scheduler
 
 require("megatron.core")
 require("megatron.bridge")
@@ -162,7 +163,8 @@ class MegatronEngine:
             named, lambda params: make_optimizer(params, cfg),
             dp_group=self.dp_group, mp_group=parallel_state.get_model_parallel_group(),
         )
-        self.scheduler = make_scheduler(self.optimizer.optimizer, cfg)
+        self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer,
+                                        cfg.total_train_steps)
         self.step = 0
         self._lora = LoraSpec(
             rank=self.actor.lora_rank, alpha=float(self.actor.lora_alpha),
