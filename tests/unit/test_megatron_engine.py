@@ -402,7 +402,7 @@ def test_megatron_trainer_main_gets_past_its_first_log_line(fake_megatron, tmp_p
         return 0
 
     monkeypatch.setattr(service, "run_rank0", run_rank0)
-    monkeypatch.setattr("services.common.logs.setup_logging", lambda *a, **k: None)  # keeps caplog's handler
+    monkeypatch.setattr("services.common.entry.setup_logging", lambda *a, **k: None)  # keeps caplog's handler
     monkeypatch.setattr("services.common.metrics.start_metrics_server", lambda cfg: 9999)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     config = tmp_path / "trainer.yaml"
