@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from proto.messages import adapter_name
 from proto.subjects import SubjectError, token
-from services.common import lora_targets
+from services.common import areal, lora_targets
 from services.common.config_schema import ActorConfig, LorabusConfig
 from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
 
@@ -86,7 +86,23 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
 def config_from_dict(
     tree: dict[str, Any], overrides: Iterable[str] = (), *, source: str | None = None
 ) -> LorabusConfig:
-    """The same pipeline as `load_config`, for a tree already in memory (tests, launchers)."""
+    """The same pipeline as `load_config`, for a tree already in memory (tests, launchers).
+    An AReaL experiment tree is translated first (`services.common.areal`); its problems and
+    the native ones are reported together, and overrides name native keys."""
+    if not areal.is_areal(tree):
+        return _native_config(tree, overrides, source)
+    t = areal.translate(tree)
+    try:
+        cfg = _native_config(t.tree, overrides, source)
+    except ConfigError as e:
+        raise ConfigError(t.problems + [areal.point_back(p, t.origin) for p in e.problems], source) from None
+    if t.problems:
+        raise ConfigError(t.problems, source)
+    areal.announce(t, source)
+    return cfg
+
+
+def _native_config(tree: dict[str, Any], overrides: Iterable[str], source: str | None) -> LorabusConfig:
     tree = _deep_merge(tree, _parse_overrides(overrides, source))
     tree = _deep_merge(msgspec.to_builtins(LorabusConfig()), tree)
     # Shape first: a misspelt key or `actor: 5` would otherwise surface as a confusing
@@ -205,6 +221,9 @@ def _shape_problems(tree: dict[str, Any], cls: type[msgspec.Struct], prefix: str
                     f"{path}: {value!r} has type {type(value).__name__}; it must be a section "
                     f"(a mapping of keys such as {some}, ...)"
                 )
+            continue
+        if hint := areal.rename_hint(path):  # AReaL's name for it first, spellings second
+            problems.append(f"{path}: unknown key (value {value!r}); {hint}")
             continue
         close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
         where = f"a key of {prefix}" if prefix else "a top-level section"
@@ -386,6 +405,44 @@ def check_megatron(cfg: LorabusConfig) -> list[str]:
             "fused kernel accumulates weight gradients into each base weight's main_grad, which "
             "frozen base weights do not have (set it to false)"
         )
+    # Refused here rather than at trainer start, so that `lorabus up` fails before it starts
+    # anything (the engine repeats the check for configs built in code).
+    if m.pipeline_model_parallel_size != 1:
+        out.append(
+            f"actor.megatron.pipeline_model_parallel_size: {m.pipeline_model_parallel_size} is not "
+            "supported: the lorabus Megatron engine's step does not run Megatron's pipeline "
+            "schedule (use 1, and tensor_model_parallel_size or more trainer ranks instead)"
+        )
+    if m.expert_model_parallel_size != 1:
+        out.append(
+            f"actor.megatron.expert_model_parallel_size: {m.expert_model_parallel_size} is not "
+            "supported: expert adapter gradients would need Megatron's expert-data-parallel "
+            "group, which the lorabus engine does not reduce over (use 1)"
+        )
+    return out
+
+
+def check_unimplemented(cfg: LorabusConfig) -> list[str]:
+    """Fields the schema carries for AReaL's sake whose non-default values lorabus does not
+    implement: refused, never accepted and ignored."""
+    out, ppo = [], cfg.actor.ppo
+    if ppo.kl_ctl != 0:
+        out.append(
+            f"actor.ppo.kl_ctl: {ppo.kl_ctl} is not supported; lorabus has no KL term (AReaL adds "
+            "-kl_ctl * KL(old || ref) to per-token rewards, and lorabus's advantages are per "
+            "completion); set kl_ctl: 0, as AReaL's LoRA examples do"
+        )
+    if cfg.gconfig.min_new_tokens != 0:
+        out.append(
+            f"gconfig.min_new_tokens: {cfg.gconfig.min_new_tokens} is not supported; lorabus's "
+            "rollout engines do not suppress stop tokens before a minimum length; set it to 0"
+        )
+    if ppo.reward_clip is not None and not ppo.reward_clip > 0:
+        out.append(f"actor.ppo.reward_clip: {ppo.reward_clip} must be > 0 (or null: no clipping)")
+    if not ppo.norm_eps >= 0:
+        out.append(f"actor.ppo.norm_eps: {ppo.norm_eps} must be >= 0")
+    if not 0.0 <= cfg.actor.optimizer.min_lr_ratio <= 1.0:
+        out.append(f"actor.optimizer.min_lr_ratio: {cfg.actor.optimizer.min_lr_ratio} must be in [0, 1]")
     return out
 
 
@@ -588,6 +645,7 @@ RULES = (
     check_lora_name,
     check_engine_matrix,
     check_megatron,
+    check_unimplemented,
     check_target_modules,
     check_offpolicyness,
     check_vllm_slots,

@@ -99,6 +99,15 @@ class PPOConfig(Section):
     adv_norm_std: bool = True
     ppo_n_minibatches: int = 1
     token_level_loss: bool = True
+    reward_clip: float | None = None
+    """clip shaped rewards to [-reward_clip, reward_clip] (AReaL's default is 20)"""
+    batch_adv_norm: bool = False
+    """after the group step, normalise advantages over the whole batch's completion tokens
+    (AReaL's `adv_norm` with mean_level/std_level batch)"""
+    batch_adv_norm_std: bool = True
+    """with batch_adv_norm: divide by the batch std too (false: centre only)"""
+    norm_eps: float = 1e-6
+    """added to every std before dividing (AReaL's NormConfig.eps is 1e-5)"""
 
 
 class MegatronConfig(Section):
@@ -234,6 +243,10 @@ class DatasetConfig(Section):
     """`package.module:function` taking (prompt, completion, answer) -> float"""
     max_prompts: int | None = None
     shuffle: bool = True
+    split: str = "train"
+    """Hugging Face datasets (hub id or saved directory): the split to read"""
+    config_name: str | None = None
+    """Hugging Face hub datasets: the configuration (e.g. `main` for openai/gsm8k)"""
 
 
 class ExporterConfig(Section):

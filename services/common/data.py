@@ -1,4 +1,5 @@
-"""Prompt sets: JSONL files (plain or GSM8K-style) and the shipped `arith` task.
+"""Prompt sets: JSONL or Parquet files (plain or GSM8K-style), `datasets` directories, Hugging
+Face hub ids (through the optional `datasets` library, when online), and the shipped `arith` task.
 
 `load_prompts(cfg)` is the only entry point services need. The `arith` task is generated, not
 read, so that its train and held-out splits are identical on every machine: the universe of
@@ -94,42 +95,124 @@ def _field(record: dict, name: str, where: str, option: str) -> str:
     return str(value)
 
 
-def _load_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[Prompt]:
-    if not path.is_file():
-        raise DataError(
-            f"path: {str(path)!r} is not a file (relative paths are resolved against the "
-            f"working directory {Path.cwd()}); point it at a JSONL file or a builtin: task"
-        )
-    prompts = []
-    seen: dict[str, int] = {}
+def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+    records = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"
             try:
-                record = json.loads(line)
+                records.append((where, json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: each line must be a JSON object, got {record!r:.80}")
-            text = _field(record, prompt_field, where, "prompt_field")
-            answer = final_answer(_field(record, answer_field, where, "answer_field"))
-            if "prompt_id" in record:
-                prompt_id = str(record["prompt_id"])
-            elif "id" in record:
-                prompt_id = str(record["id"])
-            else:
-                prompt_id = f"{path.stem}-{line_no}"
-            if prompt_id in seen:
-                raise DataError(
-                    f"{where}: prompt_id {prompt_id!r} repeats line {seen[prompt_id]}; "
-                    f"prompt ids must be unique within a file"
-                )
-            seen[prompt_id] = line_no
-            prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer))
+    return records
+
+
+def _read_parquet(path: Path) -> list[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"path: {str(path)!r} is Parquet, which needs pyarrow (pip install pyarrow, or "
+            "datasets, which brings it); or convert the file to JSONL"
+        ) from None
+    rows = pq.read_table(path).to_pylist()
+    return [(f"{path}:row {i}", r) for i, r in enumerate(rows, start=1)]
+
+
+def _read_hf(cfg: DatasetConfig, local: Path | None) -> list[tuple[str, object]]:
+    """A `datasets` directory (save_to_disk) or a Hugging Face hub id, through `datasets`."""
+    name = str(local) if local is not None else cfg.path
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"path: {name!r} is a Hugging Face dataset, which needs the `datasets` library "
+            "(pip install datasets); or give a local JSONL or Parquet file"
+        ) from None
+    try:
+        if local is not None:
+            ds = datasets.load_from_disk(str(local))
+        else:
+            ds = datasets.load_dataset(cfg.path, cfg.config_name, split=cfg.split)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, gated: all the user's to fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(
+            f"path: {name!r} (split {cfg.split!r}) cannot be loaded: {first}; a hub id needs the "
+            "machine to be online (or the dataset in the local HF cache); or give a local "
+            "JSONL/Parquet file"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise DataError(f"path: {name!r} has splits {sorted(ds)}, not {cfg.split!r}; set split")
+        ds = ds[cfg.split]
+    return [(f"{name}[{cfg.split}]:row {i}", r) for i, r in enumerate(ds, start=1)]
+
+
+def _read_dir(cfg: DatasetConfig, path: Path) -> list[tuple[str, object]]:
+    """A directory: saved by `datasets` (dataset_dict.json/state.json), or holding one split's
+    JSONL/Parquet files, named after the split (`train.jsonl`, `main/train-00000-of-00001.parquet`)."""
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        return _read_hf(cfg, path)
+    files = sorted(
+        f for f in path.rglob(f"{cfg.split}*") if f.suffix in (".jsonl", ".parquet") and f.is_file()
+    )
+    if not files:
+        raise DataError(
+            f"path: {str(path)!r} is a directory with no {cfg.split}*.jsonl or {cfg.split}*.parquet "
+            "file and no saved `datasets` dataset; set split, or point path at a file"
+        )
+    return [r for f in files for r in (_read_jsonl(f) if f.suffix == ".jsonl" else _read_parquet(f))]
+
+
+def _is_hub_id(spec: str) -> bool:
+    local_suffix = Path(spec).suffix in (".jsonl", ".json", ".parquet")
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", spec)) and not local_suffix and not Path(spec).exists()
+
+
+def _read_records(cfg: DatasetConfig) -> tuple[str, list[tuple[str, object]]]:
+    path = Path(cfg.path)
+    if path.is_dir():
+        return path.name, _read_dir(cfg, path)
+    if path.is_file():
+        records = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+        return path.stem, records
+    if _is_hub_id(cfg.path):
+        return cfg.path.replace("/", "-"), _read_hf(cfg, None)
+    raise DataError(
+        f"path: {cfg.path!r} is not a file or directory (relative paths are resolved against the "
+        f"working directory {Path.cwd()}); point it at a JSONL or Parquet file, a `datasets` "
+        "directory, a Hugging Face id such as openai/gsm8k, or a builtin: task"
+    )
+
+
+def _load_records(cfg: DatasetConfig) -> list[Prompt]:
+    stem, records = _read_records(cfg)
+    prompts = []
+    seen: dict[str, str] = {}
+    for n, (where, record) in enumerate(records, start=1):
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: each line must be a JSON object, got {record!r:.80}")
+        text = _field(record, cfg.prompt_field, where, "prompt_field")
+        answer = final_answer(_field(record, cfg.answer_field, where, "answer_field"))
+        if "prompt_id" in record:
+            prompt_id = str(record["prompt_id"])
+        elif "id" in record:
+            prompt_id = str(record["id"])
+        else:
+            line = where.rpartition(":")[2]  # JSONL: the line number, as ids always were
+            prompt_id = f"{stem}-{line if line.isdigit() else n}"
+        if prompt_id in seen:
+            raise DataError(
+                f"{where}: prompt_id {prompt_id!r} repeats {seen[prompt_id]}; "
+                f"prompt ids must be unique within a dataset"
+            )
+        tail = where.rpartition(":")[2]
+        seen[prompt_id] = f"line {tail}" if tail.isdigit() else tail
+        prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer))
     if not prompts:
-        raise DataError(f"path: {str(path)!r} holds no prompts")
+        raise DataError(f"path: {cfg.path!r} holds no prompts")
     return prompts
 
 
@@ -137,11 +220,11 @@ def load_prompts(cfg: DatasetConfig) -> list[Prompt]:
     """All prompts of the dataset in file (or split) order, cut to `max_prompts` if set.
     Shuffling is the consumer's business (see `epoch_order`): it needs the service's seed."""
     if not cfg.path:
-        raise DataError("path: empty; give a JSONL file or builtin:arith")
+        raise DataError("path: empty; give a JSONL/Parquet file, a dataset directory or id, or builtin:arith")
     if cfg.path.startswith(BUILTIN_PREFIX):
         prompts = _load_builtin(cfg.path)
     else:
-        prompts = _load_jsonl(Path(cfg.path), cfg.prompt_field, cfg.answer_field)
+        prompts = _load_records(cfg)
     if cfg.max_prompts is not None:
         if cfg.max_prompts < 1:
             raise DataError(f"max_prompts: {cfg.max_prompts} must be >= 1 (or null for all)")

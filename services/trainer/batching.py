@@ -14,7 +14,7 @@ from torch import Tensor
 
 from proto.messages import Trajectory
 from services.common.config_schema import PPOConfig
-from services.trainer.loss import group_advantages
+from services.trainer.loss import batch_normalise, group_advantages
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,14 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
         adv_norm_std=ppo.adv_norm_std,
         reward_scaling=ppo.reward_scaling,
         reward_bias=ppo.reward_bias,
+        reward_clip=ppo.reward_clip,
+        eps=ppo.norm_eps,
     )
+    if ppo.batch_adv_norm:
+        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.completions])
+        flat = batch_normalise(torch.cat(advantages), lengths, use_std=ppo.batch_adv_norm_std,
+                               eps=ppo.norm_eps)
+        advantages = list(flat.split([len(g.completions) for g in groups]))
     samples = []
     for group, adv in zip(groups, advantages):
         if not group.prompt_token_ids:

@@ -23,17 +23,39 @@ ADV_EPS = 1e-6
 """added to the std so that a group of nearly equal rewards does not explode"""
 
 
-def shape_rewards(rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0) -> Tensor:
-    """AReaL's reward shaping: (r + bias) * scaling."""
-    return (rewards + bias) * scaling
+def shape_rewards(
+    rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0, clip: float | None = None
+) -> Tensor:
+    """AReaL's reward shaping: (r + bias) * scaling, then clipped to [-clip, clip]."""
+    shaped = (rewards + bias) * scaling
+    return shaped if clip is None else shaped.clamp(-clip, clip)
 
 
-def _normalise(values: Tensor, use_std: bool) -> Tensor:
+def _normalise(values: Tensor, use_std: bool, eps: float = ADV_EPS) -> Tensor:
     centred = values - values.mean()
     if not use_std or values.numel() < 2:
         # One sample: centred is 0 already; dividing by an undefined std would give NaN.
         return centred
-    return centred / (values.std(correction=1) + ADV_EPS)
+    return centred / (values.std(correction=1) + eps)
+
+
+def batch_normalise(
+    advantages: Tensor, tokens: Tensor, *, use_std: bool = True, eps: float = ADV_EPS
+) -> Tensor:
+    """AReaL's batch-level `adv_norm` for per-completion advantages: AReaL normalises per
+    token over the batch's completion tokens, and every token of a completion carries the
+    completion's advantage, so each completion counts with its token count. The std is
+    unbiased over tokens, as AReaL's (std_unbiased: true)."""
+    w = tokens.double()
+    n = w.sum()
+    if n <= 0:
+        return advantages
+    a = advantages.double()
+    centred = a - (w * a).sum() / n
+    if not use_std or n < 2:
+        return centred.float()
+    std = ((w * centred**2).sum() / (n - 1)).sqrt()
+    return (centred / (std + eps)).float()
 
 
 def group_advantages(
@@ -43,6 +65,8 @@ def group_advantages(
     adv_norm_std: bool = True,
     reward_scaling: float = 1.0,
     reward_bias: float = 0.0,
+    reward_clip: float | None = None,
+    eps: float = ADV_EPS,
 ) -> list[Tensor]:
     """One advantage per completion. `groups[i]` holds the rewards of prompt i's completions.
 
@@ -52,12 +76,15 @@ def group_advantages(
     """
     if not groups:
         raise ValueError("groups: need at least one group of rewards")
-    shaped = [shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias) for g in groups]
+    shaped = [
+        shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias, clip=reward_clip)
+        for g in groups
+    ]
     if group_adv_norm:
-        advs = [_normalise(g, adv_norm_std) for g in shaped]
+        advs = [_normalise(g, adv_norm_std, eps) for g in shaped]
     else:
         sizes = [g.numel() for g in shaped]
-        advs = list(_normalise(torch.cat(shaped), adv_norm_std).split(sizes))
+        advs = list(_normalise(torch.cat(shaped), adv_norm_std, eps).split(sizes))
     return [a.float() for a in advs]
 
 
