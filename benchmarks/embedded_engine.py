@@ -46,12 +46,22 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def model_config(tiny: bool) -> Qwen2Config:
     if tiny:
         return Qwen2Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=1024,
         )
     return Qwen2Config(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
         tie_word_embeddings=True,
     )
 
@@ -79,9 +89,18 @@ def write_peft_dir(directory: Path, tensors: dict[str, torch.Tensor], rank: int,
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-        "lora_dropout": 0.0, "target_modules": TARGETS, "bias": "none", "fan_in_fan_out": False,
-        "init_lora_weights": True, "inference_mode": True, "use_rslora": False, "use_dora": False,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": TARGETS,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
         "base_model_name_or_path": "qwen2.5-1.5b-shaped",
     }
     (directory / "adapter_config.json").write_text(json.dumps(config))
@@ -125,10 +144,15 @@ def agreement(a, b) -> dict:
     first = max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b))
     same = sum(p == q for x, y in zip(a, b) for p, q in zip(x.token_ids, y.token_ids))
     total = sum(min(len(x.token_ids), len(y.token_ids)) for x, y in zip(a, b))
-    prefix = [next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q), len(x.token_ids))
-              for x, y in zip(a, b)]
-    return {"first_logprob_max_abs_diff": first, "token_match_frac": same / max(total, 1),
-            "identical_prefix_mean": statistics.mean(prefix)}
+    prefix = [
+        next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q), len(x.token_ids))
+        for x, y in zip(a, b)
+    ]
+    return {
+        "first_logprob_max_abs_diff": first,
+        "token_match_frac": same / max(total, 1),
+        "identical_prefix_mean": statistics.mean(prefix),
+    }
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -145,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swaps", type=int, default=None)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
-    ap.add_argument("--static-cpu", action="store_true",
-                    help="with --tiny: run the *_graphs variants' static-cache path eagerly (no capture)")
+    ap.add_argument(
+        "--static-cpu",
+        action="store_true",
+        help="with --tiny: run the *_graphs variants' static-cache path eagerly (no capture)",
+    )
     args = ap.parse_args(argv)
 
     tiny = args.tiny
@@ -165,14 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(tiny)
     res: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "dtype": str(dtype), "batch": batch, "new_tokens": new_tokens,
-        "prompt_len": prompt_len, "rank": rank, "tiny": tiny,
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prompt_len": prompt_len,
+        "rank": rank,
+        "tiny": tiny,
     }
     import peft
     import transformers
 
     res["transformers"], res["peft"] = transformers.__version__, peft.__version__
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from peft.utils.hotswap import hotswap_adapter
 
     model = build_model(cfg, device, dtype)
@@ -216,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"base graphs {tps_g:.0f} tok/s", flush=True)
             check = rows[: min(16, batch)]
             res["base_graphs_vs_eager"] = attempt(
-                "base_graphs_check", lambda: agreement(decode(model, check), decode(model, check, graphs=base_graphs)))
+                "base_graphs_check", lambda: agreement(decode(model, check), decode(model, check, graphs=base_graphs))
+            )
         del base_graphs
         if capture:
             torch.cuda.empty_cache()
@@ -234,9 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             load_s.append(timed(lambda: pm.load_adapter(str(dirs[i]), adapter_name=name, is_trainable=False), device))
             pm.delete_adapter(name)
         pm.set_adapter("default")
-        hot_s = [timed(lambda: hotswap_adapter(pm, str(dirs[1 + i % peft_loads]), adapter_name="default",
-                                                torch_device=str(device)), device)
-                 for i in range(swaps)]
+        hot_s = [
+            timed(
+                lambda: hotswap_adapter(
+                    pm, str(dirs[1 + i % peft_loads]), adapter_name="default", torch_device=str(device)
+                ),
+                device,
+            )
+            for i in range(swaps)
+        ]
         res["peft_load_adapter_ms_p50"] = p50_ms(load_s)
         res["peft_hotswap_adapter_ms_p50"] = p50_ms(hot_s)
         tps["peft_unmerged"] = tokens_per_s(pm, rows, device)
@@ -260,13 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     # --- our slots ---
     slots = LoraSlots.install(model, versions[0], slots=keep + 1)
     res["w0_copy_gb"] = sum(l.w0.numel() * l.w0.element_size() for l in slots.layers.values()) / 1e9
-    res["slot_buffers_gb"] = sum(
-        (l.a.numel() + l.b.numel()) * l.a.element_size() for l in slots.layers.values()
-    ) / 1e9
+    res["slot_buffers_gb"] = sum((l.a.numel() + l.b.numel()) * l.a.element_size() for l in slots.layers.values()) / 1e9
     on_gpu = {v: {k: t.to(device) for k, t in versions[v].items()} for v in versions}
     pinned = (
         {v: {k: t.pin_memory() for k, t in versions[v].items()} for v in versions}
-        if device.type == "cuda" else versions
+        if device.type == "cuda"
+        else versions
     )
     copy_s, merge_s, total_s, host_total_s = [], [], [], []
     for v in range(swaps + 2):
@@ -310,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     if use_graphs and "base_graphs" in tps:
         slot_graphs = DecodeGraphs(model, capture=capture)
         for name, mix in mixes.items():
-            got = attempt(f"{name}_graphs", lambda: tokens_per_s(
-                model, rows, device, step_context=routed(mix), graphs=slot_graphs, repeats=3))
+            got = attempt(
+                f"{name}_graphs",
+                lambda: tokens_per_s(model, rows, device, step_context=routed(mix), graphs=slot_graphs, repeats=3),
+            )
             if got:
                 tps[f"{name}_graphs"] = got
                 print(f"{name} graphs {got:.0f} tok/s", flush=True)
@@ -319,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         check = rows[: min(16, batch)]
         mix3 = mixes["slots_mixed3"]
         mix_check = [mix3[i * batch // len(check)] for i in range(len(check))]  # every version present
-        res["slots_mixed3_graphs_vs_eager"] = attempt("slots_graphs_check", lambda: agreement(
-            decode(model, check, step_context=routed(mix_check)),
-            decode(model, check, step_context=routed(mix_check), graphs=slot_graphs)))
+        res["slots_mixed3_graphs_vs_eager"] = attempt(
+            "slots_graphs_check",
+            lambda: agreement(
+                decode(model, check, step_context=routed(mix_check)),
+                decode(model, check, step_context=routed(mix_check), graphs=slot_graphs),
+            ),
+        )
 
     # correctness spot check: our routed rows vs W0 + s B A computed directly, on one layer
     layer_name, layer = next(iter(slots.layers.items()))
@@ -343,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     base_g = sum(graph_runs) / len(graph_runs) if graph_runs else None
     res["ratio_to_base"] = {
         k: v / (base_g if k.endswith("_graphs") or k.endswith("_graphs_again") else base)
-        for k, v in tps.items() if base_g is not None or "_graphs" not in k
+        for k, v in tps.items()
+        if base_g is not None or "_graphs" not in k
     }
     print(f"\n{'variant':<24}{'tokens/s':>12}{'x base':>9}   (x base of the same technique: mean of its two base runs)")
     for k, v in tps.items():
@@ -351,11 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print(f"errors: {errors}")
     print(f"\n{'hot-swap (p50)':<40}{'ms':>9}")
-    for k in ("slots_swap_ms_p50_from_gpu", "slots_swap_ms_p50_from_pinned_host", "slots_copy_ms_p50",
-              "slots_merge_ms_p50", "peft_hotswap_adapter_ms_p50", "peft_load_adapter_ms_p50"):
+    for k in (
+        "slots_swap_ms_p50_from_gpu",
+        "slots_swap_ms_p50_from_pinned_host",
+        "slots_copy_ms_p50",
+        "slots_merge_ms_p50",
+        "peft_hotswap_adapter_ms_p50",
+        "peft_load_adapter_ms_p50",
+    ):
         print(f"{k:<40}{res[k]:>9.2f}")
-    print(f"\nW0 copy {res['w0_copy_gb']:.2f} GB, slot buffers {res['slot_buffers_gb']:.2f} GB, "
-          f"max rel error vs W0+sBA {worst:.2e}")
+    print(
+        f"\nW0 copy {res['w0_copy_gb']:.2f} GB, slot buffers {res['slot_buffers_gb']:.2f} GB, "
+        f"max rel error vs W0+sBA {worst:.2e}"
+    )
     args.out.write_text(json.dumps(res, indent=2))
     return 0
 

@@ -36,12 +36,24 @@ def build(device: torch.device, tiny: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if tiny:
-        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        cfg = Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
     else:
-        cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                          tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
@@ -49,8 +61,11 @@ def build(device: torch.device, tiny: bool):
 
 
 def targets(model) -> list[tuple[str, int, int]]:
-    return [(name, mod.in_features, mod.out_features) for name, mod in model.named_modules()
-            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS]
+    return [
+        (name, mod.in_features, mod.out_features)
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS
+    ]
 
 
 def adapter(mods, rank: int, seed: int, device) -> dict[str, torch.Tensor]:
@@ -119,8 +134,13 @@ def main() -> int:
 
     result = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "adapter_bytes": nbytes, "tensors": len(manifest), "buckets": len(plan),
-        "bucket_mb": args.bucket_mb, "rank": args.rank, "reps": args.reps, "torch": torch.__version__,
+        "adapter_bytes": nbytes,
+        "tensors": len(manifest),
+        "buckets": len(plan),
+        "bucket_mb": args.bucket_mb,
+        "rank": args.rank,
+        "reps": args.reps,
+        "torch": torch.__version__,
         "median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
         "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
     }

@@ -47,7 +47,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto.messages import Completion, LoraSpec, Trajectory
+from proto.messages import Completion, Trajectory
 from services.common import adapter_io, lora_targets
 from services.common.config_schema import OptimizerConfig, PPOConfig
 from services.common.megatron_to_hf import ModelShape, target_modules_of
@@ -67,32 +67,45 @@ from tests.fixtures.megatron_ref import (
     peft_wrap,
 )
 
-QWEN3_0_6B = dict(hidden=1024, heads=16, groups=8, head_dim=128, ffn=3072, vocab=151936,
-                  eps=1e-6, rope_theta=1_000_000.0)
-TINY = dict(hidden=64, heads=4, groups=2, head_dim=32, ffn=96, vocab=128, eps=1e-6,
-            rope_theta=1_000_000.0)
+QWEN3_0_6B = dict(
+    hidden=1024, heads=16, groups=8, head_dim=128, ffn=3072, vocab=151936, eps=1e-6, rope_theta=1_000_000.0
+)
+TINY = dict(hidden=64, heads=4, groups=2, head_dim=32, ffn=96, vocab=128, eps=1e-6, rope_theta=1_000_000.0)
 
 
 # --- random GRPO data --------------------------------------------------------------------------
 
 
-def random_groups(n_groups: int, samples: int, prompt_len: int, max_new: int, vocab: int,
-                  head: int, seed: int) -> list[Trajectory]:
+def random_groups(
+    n_groups: int, samples: int, prompt_len: int, max_new: int, vocab: int, head: int, seed: int
+) -> list[Trajectory]:
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
         completions = []
         for _ in range(samples):
             n = rng.randint(max_new // 2, max_new)
-            completions.append(Completion(
-                token_ids=[rng.randrange(vocab) for _ in range(n)],
-                logprobs=[0.0] * n,  # filled with the model's own logprobs below
-                versions=[max(0, head - rng.randint(0, 2))] * n,
-                reward=float(rng.random() < 0.5)))
-        groups.append(Trajectory(
-            run="bench", trajectory_id=f"t{g}", grant_id=f"g{g}", replica="r0", prompt_id=f"p{g}",
-            prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
-            completions=completions, started_at=0.0, finished_at=1.0))
+            completions.append(
+                Completion(
+                    token_ids=[rng.randrange(vocab) for _ in range(n)],
+                    logprobs=[0.0] * n,  # filled with the model's own logprobs below
+                    versions=[max(0, head - rng.randint(0, 2))] * n,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
+        groups.append(
+            Trajectory(
+                run="bench",
+                trajectory_id=f"t{g}",
+                grant_id=f"g{g}",
+                replica="r0",
+                prompt_id=f"p{g}",
+                prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
+                completions=completions,
+                started_at=0.0,
+                finished_at=1.0,
+            )
+        )
     return groups
 
 
@@ -104,9 +117,16 @@ def fill_behaviour_logprobs(model, groups, device, noise: float, seed: int) -> N
 
     gen = torch.Generator().manual_seed(seed)
     for traj in groups:
-        samples = [batching.Sample(list(traj.prompt_token_ids) + list(c.token_ids),
-                                   len(traj.prompt_token_ids), [0.0] * len(c.token_ids),
-                                   [0] * len(c.token_ids), 0.0) for c in traj.completions]
+        samples = [
+            batching.Sample(
+                list(traj.prompt_token_ids) + list(c.token_ids),
+                len(traj.prompt_token_ids),
+                [0.0] * len(c.token_ids),
+                [0] * len(c.token_ids),
+                0.0,
+            )
+            for c in traj.completions
+        ]
         lp = target_logprobs(model, batching.collate(samples), device, 1.0).float().cpu()
         for i, c in enumerate(traj.completions):
             n = len(c.token_ids)
@@ -125,13 +145,19 @@ class Report:
         print(f"== {name}", flush=True)
         try:
             result = fn(*args, **kwargs)
-            self.data["stages"][name] = {"ok": True, "seconds": round(time.perf_counter() - t0, 3),
-                                         **(result if isinstance(result, dict) else {})}
+            self.data["stages"][name] = {
+                "ok": True,
+                "seconds": round(time.perf_counter() - t0, 3),
+                **(result if isinstance(result, dict) else {}),
+            }
             print(json.dumps(self.data["stages"][name], default=str)[:2000], flush=True)
             return result
         except Exception as exc:  # record and go on: every stage that can run should
-            self.data["stages"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                                         "traceback": traceback.format_exc()[-4000:]}
+            self.data["stages"][name] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             print(self.data["stages"][name]["traceback"], flush=True)
             return None
         finally:
@@ -143,8 +169,11 @@ class Report:
 
 
 def versions() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda_available": torch.cuda.is_available()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
@@ -159,9 +188,12 @@ def versions() -> dict:
 
 def logits_agreement(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None = None) -> dict:
     a, b = a.float(), b.float()
-    out = {"max_abs_diff": float((a - b).abs().max()), "mean_abs_diff": float((a - b).abs().mean()),
-           "logit_scale_max_abs": float(a.abs().max()),
-           "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+    out = {
+        "max_abs_diff": float((a - b).abs().max()),
+        "mean_abs_diff": float((a - b).abs().mean()),
+        "logit_scale_max_abs": float(a.abs().max()),
+        "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    }
     if base is not None:
         out["adapter_effect_max_abs"] = float((a - base.float()).abs().max())
     return out
@@ -171,8 +203,7 @@ def logits_agreement(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None
 
 
 def cpu_check(report: Report, args) -> None:
-    shape = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2,
-                       head_dim=32, ffn_hidden=96)
+    shape = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2, head_dim=32, ffn_hidden=96)
     vocab, rank, alpha = 128, 8, 16.0
     gen = torch.Generator().manual_seed(0)
     base, adapter = fake_megatron_state(shape, vocab, rank, gen)
@@ -202,7 +233,8 @@ def cpu_check(report: Report, args) -> None:
             for module in ("self_attention.linear_qkv", "mlp.linear_fc1"):
                 p = f"decoder.layers.{L}.{module}"
                 fused = base[p + ".to_wrap.weight"] + s * (
-                    adapter[p + ".adapter.linear_out.weight"] @ adapter[p + ".adapter.linear_in.weight"])
+                    adapter[p + ".adapter.linear_out.weight"] @ adapter[p + ".adapter.linear_in.weight"]
+                )
                 split = megatron_base_to_hf({p + ".weight": fused}, shape)
                 for key, w in split.items():
                     mod = key[: -len(".weight")]
@@ -223,8 +255,7 @@ def cpu_check(report: Report, args) -> None:
                 adapted = wrapped(input_ids=tokens).logits
         effect = float((adapted - plain).abs().max())
         assert effect > 1e-3, "the converted adapter did not change the HF model's output"
-        return {"adapter_effect_max_abs": effect,
-                "target_modules": lora_targets.to_hf(TARGETS)}
+        return {"adapter_effect_max_abs": effect, "target_modules": lora_targets.to_hf(TARGETS)}
 
     report.stage("versions", versions)
     report.stage("adapter_names", names)
@@ -242,19 +273,38 @@ def build_gpt(layers: int, dims: dict, dtype, device):
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=layers, hidden_size=dims["hidden"], num_attention_heads=dims["heads"],
-        num_query_groups=dims["groups"], kv_channels=dims["head_dim"],
-        ffn_hidden_size=dims["ffn"], normalization="RMSNorm", layernorm_epsilon=dims["eps"],
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
-        gradient_accumulation_fusion=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
+        num_layers=layers,
+        hidden_size=dims["hidden"],
+        num_attention_heads=dims["heads"],
+        num_query_groups=dims["groups"],
+        kv_channels=dims["head_dim"],
+        ffn_hidden_size=dims["ffn"],
+        normalization="RMSNorm",
+        layernorm_epsilon=dims["eps"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=device.type == "cpu",
         init_method_std=0.02,
     )
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    model = GPTModel(config, spec, vocab_size=dims["vocab"], max_sequence_length=4096,
-                     position_embedding_type="rope", rotary_base=int(dims["rope_theta"]),
-                     share_embeddings_and_output_weights=False, parallel_output=True)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=dims["vocab"],
+        max_sequence_length=4096,
+        position_embedding_type="rope",
+        rotary_base=int(dims["rope_theta"]),
+        share_embeddings_and_output_weights=False,
+        parallel_output=True,
+    )
     return model.to(device)
 
 
@@ -263,38 +313,59 @@ def init_megatron(seed: int, device: torch.device):
     from megatron.core import parallel_state, tensor_parallel
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29561"),
+        )
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                             pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
 
 
 def gpu_run(report: Report, args) -> None:
-    from services.trainer.engines.base import make_optimizer
     from services.common.config_schema import ActorConfig, LorabusConfig
+    from services.trainer.engines.base import make_optimizer
     from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
     from services.trainer.engines.megatron.step import train_step
 
     dims = dict(TINY if args.tiny else QWEN3_0_6B)
     if args.vocab:
         dims["vocab"] = args.vocab
-    shape = ModelShape(num_layers=args.layers, hidden=dims["hidden"], num_attention_heads=dims["heads"],
-                       num_query_groups=dims["groups"], head_dim=dims["head_dim"], ffn_hidden=dims["ffn"])
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda"
-              else torch.device(args.device))
+    shape = ModelShape(
+        num_layers=args.layers,
+        hidden=dims["hidden"],
+        num_attention_heads=dims["heads"],
+        num_query_groups=dims["groups"],
+        head_dim=dims["head_dim"],
+        ffn_hidden=dims["ffn"],
+    )
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
+        else torch.device(args.device)
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    report.data["config"] = {**dims, "layers": args.layers, "rank": args.rank, "alpha": args.alpha,
-                             "groups": args.groups, "samples": args.samples,
-                             "prompt_len": args.prompt_len, "max_new": args.max_new,
-                             "steps": args.steps, "lr": args.lr}
+    report.data["config"] = {
+        **dims,
+        "layers": args.layers,
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "groups": args.groups,
+        "samples": args.samples,
+        "prompt_len": args.prompt_len,
+        "max_new": args.max_new,
+        "steps": args.steps,
+        "lr": args.lr,
+    }
     report.stage("versions", versions)
     if report.stage("init_megatron", init_megatron, args.seed, device) is None:
         return
@@ -310,17 +381,22 @@ def gpu_run(report: Report, args) -> None:
         ctx["model"], ctx["named"] = model, named
         ctx["opt"] = MasterAdapterOptimizer(named, lambda ps: make_optimizer(ps, cfg))
         total = sum(p.numel() for p in model.parameters())
-        return {"params_total": total, "params_adapter": sum(p.numel() for _, p in named),
-                "adapter_dtype": str(named[0][1].dtype), "adapter_tensors": len(named),
-                "first_names": [n for n, _ in named[:4]]}
+        return {
+            "params_total": total,
+            "params_adapter": sum(p.numel() for _, p in named),
+            "adapter_dtype": str(named[0][1].dtype),
+            "adapter_tensors": len(named),
+            "first_names": [n for n, _ in named[:4]],
+        }
 
     if report.stage("build_model_and_lora", build) is None:
         return
     model, opt = ctx["model"], ctx["opt"]
 
     def train():
-        groups = random_groups(args.groups, args.samples, args.prompt_len, args.max_new,
-                               dims["vocab"], head=2, seed=args.seed)
+        groups = random_groups(
+            args.groups, args.samples, args.prompt_len, args.max_new, dims["vocab"], head=2, seed=args.seed
+        )
         fill_behaviour_logprobs(model, groups, device, noise=0.05, seed=args.seed)
         ppo = PPOConfig()
         times, losses, norms, tokens = [], [], [], 0
@@ -328,8 +404,9 @@ def gpu_run(report: Report, args) -> None:
         for i in range(args.steps):
             sync()
             t0 = time.perf_counter()
-            stats = train_step(model, opt, groups, 2, ppo=ppo, max_tokens=args.max_tokens,
-                               device=device, step_index=i, lr=args.lr)
+            stats = train_step(
+                model, opt, groups, 2, ppo=ppo, max_tokens=args.max_tokens, device=device, step_index=i, lr=args.lr
+            )
             sync()
             times.append(time.perf_counter() - t0)
             losses.append(stats.loss)
@@ -339,14 +416,20 @@ def gpu_run(report: Report, args) -> None:
         base_frozen = all(p.grad is None for n, p in model.named_parameters() if ".adapter." not in n)
         steady = times[1:] or times
         seq_tokens = sum(len(g.prompt_token_ids) + len(c.token_ids) for g in groups for c in g.completions)
-        return {"step_seconds": [round(t, 4) for t in times],
-                "step_seconds_median_after_first": round(statistics.median(steady), 4),
-                "completion_tokens_per_step": tokens, "sequence_tokens_per_step": seq_tokens,
-                "tokens_per_second": round(seq_tokens / statistics.median(steady), 1),
-                "loss": losses, "grad_norm": norms, "adapter_max_abs_change": moved,
-                "base_frozen": base_frozen,
-                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                if device.type == "cuda" else None}
+        return {
+            "step_seconds": [round(t, 4) for t in times],
+            "step_seconds_median_after_first": round(statistics.median(steady), 4),
+            "completion_tokens_per_step": tokens,
+            "sequence_tokens_per_step": seq_tokens,
+            "tokens_per_second": round(seq_tokens / statistics.median(steady), 1),
+            "loss": losses,
+            "grad_norm": norms,
+            "adapter_max_abs_change": moved,
+            "base_frozen": base_frozen,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None,
+        }
 
     report.stage("grpo_steps", train)
 
@@ -354,18 +437,20 @@ def gpu_run(report: Report, args) -> None:
         bridge_state = opt.master_state()  # fp32 masters: what the engine publishes
         hf_adapter = to_hf(bridge_state, shape)
         ctx["bridge_state"], ctx["hf_adapter"] = bridge_state, hf_adapter
-        return {"bridge_tensors": len(bridge_state), "hf_tensors": len(hf_adapter),
-                "hf_target_modules": target_modules_of(hf_adapter),
-                "example_keys": sorted(hf_adapter)[:3],
-                "b_max_abs": max(float(v.abs().max()) for k, v in hf_adapter.items() if "lora_B" in k)}
+        return {
+            "bridge_tensors": len(bridge_state),
+            "hf_tensors": len(hf_adapter),
+            "hf_target_modules": target_modules_of(hf_adapter),
+            "example_keys": sorted(hf_adapter)[:3],
+            "b_max_abs": max(float(v.abs().max()) for k, v in hf_adapter.items() if "lora_B" in k),
+        }
 
     if report.stage("extract_and_convert", extract) is None:
         return
 
     def compare(adapter_state: dict, label: str) -> dict:
         # fp32 Megatron copy of the same weights (base + this adapter) vs HF fp32 + peft
-        full = {k: v.float() for k, v in model.state_dict().items()
-                if not k.endswith("_extra_state")}
+        full = {k: v.float() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         if not set(adapter_state) <= set(full):
             raise RuntimeError(f"adapter names not in the model: {sorted(set(adapter_state) - set(full))[:3]}")
         full.update({k: v.float() for k, v in adapter_state.items()})
@@ -380,6 +465,7 @@ def gpu_run(report: Report, args) -> None:
         tokens = torch.randint(0, dims["vocab"], (2, args.check_len), generator=gen).to(device)
         pos = torch.arange(args.check_len, device=device).unsqueeze(0).expand(2, -1)
         from services.trainer.engines.megatron.step import causal_mask
+
         mask = causal_mask(args.check_len, device)
         hf_base = megatron_base_to_hf(full, shape)
         hf_adapter = to_hf(adapter_state, shape)
@@ -442,8 +528,9 @@ def main(argv=None) -> int:
     ap.add_argument("--check-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="hidden 64, 2 heads/group, vocab 128")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only with megatron's CUDA calls "
-                    "patched out (a development dry run)")
+    ap.add_argument(
+        "--device", default="cuda", help="cuda; cpu only with megatron's CUDA calls patched out (a development dry run)"
+    )
     args = ap.parse_args(argv)
     report = Report(Path(args.out))
     report.data["mode"] = "cpu-check" if args.cpu_check else "gpu"

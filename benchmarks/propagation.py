@@ -68,9 +68,15 @@ SIZES = {"4MB": ("0.5B", 4), "37MB": ("1.5B", 16), "148MB": ("1.5B", 64)}
 
 def lora_modules(model: str) -> list[tuple[str, int, int]]:
     h, inter, layers, kv = QWEN[model]
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (h, inter),
+        "mlp.up_proj": (h, inter),
+        "mlp.down_proj": (inter, h),
+    }
     return [(f"model.layers.{i}.{m}", a, b) for i in range(layers) for m, (a, b) in shapes.items()]
 
 
@@ -94,10 +100,12 @@ def small_peft_base(size: str):
 
     model, _ = SIZES[size]
     base = nn.Module()
-    base.mods = nn.ModuleDict({
-        f"m{j}": nn.Linear(16, i + o - 16, bias=False, dtype=torch.bfloat16)
-        for j, (_, i, o) in enumerate(lora_modules(model))
-    })
+    base.mods = nn.ModuleDict(
+        {
+            f"m{j}": nn.Linear(16, i + o - 16, bias=False, dtype=torch.bfloat16)
+            for j, (_, i, o) in enumerate(lora_modules(model))
+        }
+    )
     return base, [f"m{j}" for j in range(len(base.mods))]
 
 
@@ -106,8 +114,7 @@ def peft_wrap(size: str):
 
     base, targets = small_peft_base(size)
     r = SIZES[size][1]
-    return get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
-                                           init_lora_weights=False))
+    return get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False))
 
 
 # --- replica process ------------------------------------------------------------------------
@@ -200,8 +207,11 @@ async def replica_main(index: int, nats_url: str) -> None:
         elif op == "bare":
             import threading
 
-            threading.Thread(target=bare_loop, args=(cmd["port"], cmd["rank"], cmd["world"],
-                             cmd["nbytes"], cmd["prefix"]), daemon=True).start()
+            threading.Thread(
+                target=bare_loop,
+                args=(cmd["port"], cmd["rank"], cmd["world"], cmd["nbytes"], cmd["prefix"]),
+                daemon=True,
+            ).start()
             ack("bare-ready")
         elif op == "bare_end":
             box, st["bare"] = [st["bare"]], None
@@ -251,7 +261,7 @@ class Acks:
                 raise TimeoutError(f"ack {tag}: {len(self.got.get(tag, {}))}/{n}")
             try:
                 await asyncio.wait_for(self.event.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         vals = self.got.pop(tag).values()
         return max(t for t, _ in vals), sorted({v for _, v in vals})
@@ -282,10 +292,15 @@ async def run_bench(args) -> dict:
     acks = Acks()
     await nc.subscribe(ACK, cb=acks.on)
     n_max = max(args.replicas)
-    procs = [subprocess.Popen([sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                              stderr=open(work / f"rep{i}.log", "w"))
-             for i in range(n_max)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stderr=open(work / f"rep{i}.log", "w"),
+        )
+        for i in range(n_max)
+    ]
     results: list[dict] = []
     try:
         await acks.wait("hello", n_max, timeout=180)
@@ -303,32 +318,66 @@ async def run_bench(args) -> dict:
             tensors = make_tensors(manifest, 1)
             nbytes = len(adapter_io.to_bytes(tensors))
             raw = os.urandom(nbytes)
-            lora = LoraSpec(rank=SIZES[size][1], alpha=2.0 * SIZES[size][1], target_modules=["all-linear"],
-                            dtype="bfloat16", base_model=f"Qwen2.5-{SIZES[size][0]}-shaped")
+            lora = LoraSpec(
+                rank=SIZES[size][1],
+                alpha=2.0 * SIZES[size][1],
+                target_modules=["all-linear"],
+                dtype="bfloat16",
+                base_model=f"Qwen2.5-{SIZES[size][0]}-shaped",
+            )
             reps_n = args.reps if size != "148MB" else max(1, args.reps - 1)
             trainer_peft = peft_wrap(size) if "peft" in args.paths else None
             for n in args.replicas:
                 active = list(range(n))
                 bench_paths = list(args.paths)
                 for path in bench_paths + ["s3_raw", "gloo_bare"]:
-                    store_cfg = {"s3": s3_cfg, "s3_raw": s3_cfg, "local": local_cfg, "xccl": local_cfg,
-                                 "xccl_only": local_cfg}.get(path)
+                    store_cfg = {
+                        "s3": s3_cfg,
+                        "s3_raw": s3_cfg,
+                        "local": local_cfg,
+                        "xccl": local_cfg,
+                        "xccl_only": local_cfg,
+                    }.get(path)
                     idle = [i for i in range(n_max) if i not in active]
                     if idle:
                         await cmd(idle, "idle", op="idle")
-                    await cmd(active, "setup", op="setup", manifest=manifest, size=size,
-                              store=store_cfg, xccl=path.startswith("xccl"), peft=path == "peft")
+                    await cmd(
+                        active,
+                        "setup",
+                        op="setup",
+                        manifest=manifest,
+                        size=size,
+                        store=store_cfg,
+                        xccl=path.startswith("xccl"),
+                        peft=path == "peft",
+                    )
                     times, trainer, vias, sends = [], [], set(), []
                     sender = None
                     if path in ("xccl", "xccl_only"):
-                        sender = XcclSender(address="127.0.0.1", port=0, backend="gloo",
-                                            bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb), timeout_s=60)
+                        sender = XcclSender(
+                            address="127.0.0.1",
+                            port=0,
+                            backend="gloo",
+                            bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb),
+                            timeout_s=60,
+                        )
                     if path == "gloo_bare":
                         bstore = xccl.host_store("127.0.0.1", 0, 60)
                         prefix = uuid.uuid4().hex[:6]
                         for i in active:
-                            await nc.publish(CMD.format(i), json.dumps({"op": "bare", "port": bstore.port,
-                                             "rank": i + 1, "world": n + 1, "nbytes": nbytes, "prefix": prefix}).encode())
+                            await nc.publish(
+                                CMD.format(i),
+                                json.dumps(
+                                    {
+                                        "op": "bare",
+                                        "port": bstore.port,
+                                        "rank": i + 1,
+                                        "world": n + 1,
+                                        "nbytes": nbytes,
+                                        "prefix": prefix,
+                                    }
+                                ).encode(),
+                            )
                         await acks.wait("bare-ready", n)
                         pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
                         flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -340,19 +389,38 @@ async def run_bench(args) -> dict:
                         if path in ("s3", "local"):
                             store = s3_store if path == "s3" else local_store
                             data = adapter_io.to_bytes(tensors)
-                            ref = await asyncio.to_thread(store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data)
-                            ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
-                                              created_at=time.time(), lora=lora, payloads=build_payloads(ref))
+                            ref = await asyncio.to_thread(
+                                store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
+                            )
+                            ev = AdapterReady(
+                                run="bench",
+                                lora_name="bench",
+                                version=version,
+                                trainer_step=version,
+                                created_at=time.time(),
+                                lora=lora,
+                                payloads=build_payloads(ref),
+                            )
                             await nc.publish(EVENT, codec.encode(ev))
                         elif path in ("xccl", "xccl_only"):
+
                             def durable():
-                                return local_store.put_bytes(f"bench/v{version}/adapter_model.safetensors",
-                                                             adapter_io.to_bytes(tensors))
+                                return local_store.put_bytes(
+                                    f"bench/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors)
+                                )
+
                             if rep == 0:  # the handle the replicas join from (bench warm-up)
                                 ref = await asyncio.to_thread(durable)
                                 h = sender.handle(xccl.manifest_of(tensors), {})
-                                ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
-                                                  created_at=time.time(), lora=lora, payloads=build_payloads(ref, h))
+                                ev = AdapterReady(
+                                    run="bench",
+                                    lora_name="bench",
+                                    version=version,
+                                    trainer_step=version,
+                                    created_at=time.time(),
+                                    lora=lora,
+                                    payloads=build_payloads(ref, h),
+                                )
                                 await nc.publish(EVENT, codec.encode(ev))
                                 await acks.wait(tag, n)
                                 deadline = time.monotonic() + 30
@@ -362,18 +430,40 @@ async def run_bench(args) -> dict:
                                 tag = version
                                 t0 = time.perf_counter()
                             if path == "xccl":  # the trainer's own order (publish.deliver)
+
                                 async def publish(payloads, v=version):
-                                    ev = AdapterReady(run="bench", lora_name="bench", version=v, trainer_step=v,
-                                                      created_at=time.time(), lora=lora, payloads=payloads)
+                                    ev = AdapterReady(
+                                        run="bench",
+                                        lora_name="bench",
+                                        version=v,
+                                        trainer_step=v,
+                                        created_at=time.time(),
+                                        lora=lora,
+                                        payloads=payloads,
+                                    )
                                     await nc.publish(EVENT, codec.encode(ev))
 
                                 weights = await asyncio.to_thread(adapter_io.to_bytes, tensors)
-                                await deliver(local_store, run="bench", version=version, weights=weights,
-                                              publish=publish, sender=sender, tensors=tensors)
+                                await deliver(
+                                    local_store,
+                                    run="bench",
+                                    version=version,
+                                    weights=weights,
+                                    publish=publish,
+                                    sender=sender,
+                                    tensors=tensors,
+                                )
                             else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
-                                ev = AdapterReady(run="bench", lora_name="bench", version=version, trainer_step=version,
-                                                  created_at=time.time(), lora=lora, payloads=build_payloads(ref, xp))
+                                ev = AdapterReady(
+                                    run="bench",
+                                    lora_name="bench",
+                                    version=version,
+                                    trainer_step=version,
+                                    created_at=time.time(),
+                                    lora=lora,
+                                    payloads=build_payloads(ref, xp),
+                                )
                                 await nc.publish(EVENT, codec.encode(ev))
                         elif path == "peft":
                             d = work / "peft" / f"v{version}"
@@ -396,23 +486,33 @@ async def run_bench(args) -> dict:
                             trainer.append(t_trainer)
                             if sender is not None:
                                 st = sender.stats
-                                sends.append({"form_s": st.form_s, "pack_s": st.pack_s,
-                                              "broadcast_s": st.broadcast_s})
+                                sends.append({"form_s": st.form_s, "pack_s": st.pack_s, "broadcast_s": st.broadcast_s})
                     if sender is not None:
                         sender.close()
                     if path == "gloo_bare":
                         box, pg = [pg], None
                         xccl.abort_group(box)
                         await cmd(active, "bare-end", op="bare_end")
-                    row = {"size": size, "bytes": nbytes, "replicas": n, "path": path,
-                           "median_s": statistics.median(times), "min_s": min(times),
-                           "trainer_s": statistics.median(trainer), "reps": len(times), "via": sorted(vias)}
+                    row = {
+                        "size": size,
+                        "bytes": nbytes,
+                        "replicas": n,
+                        "path": path,
+                        "median_s": statistics.median(times),
+                        "min_s": min(times),
+                        "trainer_s": statistics.median(trainer),
+                        "reps": len(times),
+                        "via": sorted(vias),
+                    }
                     if sends:  # the sender's own share: pack, header + buckets + flag
                         row["send_s"] = {k: statistics.median(x[k] for x in sends) for k in sends[0]}
                     results.append(row)
-                    print(f"{size:>6} n={n} {path:<9} {row['median_s']*1e3:8.1f} ms  trainer "
-                          f"{row['trainer_s']*1e3:7.1f} ms  via {row['via']}  "
-                          f"{ {k: round(v * 1e3, 1) for k, v in row.get('send_s', {}).items()} or ''}", flush=True)
+                    print(
+                        f"{size:>6} n={n} {path:<9} {row['median_s'] * 1e3:8.1f} ms  trainer "
+                        f"{row['trainer_s'] * 1e3:7.1f} ms  via {row['via']}  "
+                        f"{ {k: round(v * 1e3, 1) for k, v in row.get('send_s', {}).items()} or '' }",
+                        flush=True,
+                    )
     finally:
         for i in range(n_max):
             await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
@@ -436,24 +536,36 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         floor = by.get((size, n, "gloo_bare" if path.startswith("xccl") else "s3_raw"))
         one = by.get((size, 1, path))
-        out.append({
-            "size": size, "replicas": n, "path": path, "median_s": r["median_s"],
-            "floor": floor["path"] if floor else None,
-            "ratio_to_floor": r["median_s"] / floor["median_s"] if floor else None,
-            "trainer_ratio_vs_1": r["trainer_s"] / one["trainer_s"] if one else None,
-            "floor_trainer_ratio_vs_1": (floor["trainer_s"] / floor_one["trainer_s"]
-                                         if floor and (floor_one := by.get((size, 1, floor["path"]))) else None),
-        })
+        out.append(
+            {
+                "size": size,
+                "replicas": n,
+                "path": path,
+                "median_s": r["median_s"],
+                "floor": floor["path"] if floor else None,
+                "ratio_to_floor": r["median_s"] / floor["median_s"] if floor else None,
+                "trainer_ratio_vs_1": r["trainer_s"] / one["trainer_s"] if one else None,
+                "floor_trainer_ratio_vs_1": (
+                    floor["trainer_s"] / floor_one["trainer_s"]
+                    if floor and (floor_one := by.get((size, 1, floor["path"])))
+                    else None
+                ),
+            }
+        )
     return out
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"\n{'size':>6} {'n':>2} {'path':<9} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}"
-          f" {'floor xN/x1':>11}")
+    print(
+        f"\n{'size':>6} {'n':>2} {'path':<9} {'time ms':>9} {'floor':<9} {'x floor':>7} {'trainer xN/x1':>13}"
+        f" {'floor xN/x1':>11}"
+    )
     for s in summary:
-        print(f"{s['size']:>6} {s['replicas']:>2} {s['path']:<9} {s['median_s']*1e3:9.1f} "
-              f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}"
-              f" {s['floor_trainer_ratio_vs_1'] or 0:11.2f}")
+        print(
+            f"{s['size']:>6} {s['replicas']:>2} {s['path']:<9} {s['median_s'] * 1e3:9.1f} "
+            f"{s['floor'] or '-':<9} {s['ratio_to_floor'] or 0:7.2f} {s['trainer_ratio_vs_1'] or 0:13.2f}"
+            f" {s['floor_trainer_ratio_vs_1'] or 0:11.2f}"
+        )
 
 
 def main() -> int:
@@ -480,9 +592,17 @@ def main() -> int:
     args.replicas = args.replicas or [1, 2, 4, 8]
     t0 = time.time()
     out = asyncio.run(run_bench(args))
-    out["config"] = {"sizes": args.sizes, "replicas": args.replicas, "paths": args.paths, "reps": args.reps,
-                     "bucket_mb": args.bucket_mb, "wall_s": time.time() - t0, "torch": torch.__version__,
-                     "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out["config"] = {
+        "sizes": args.sizes,
+        "replicas": args.replicas,
+        "paths": args.paths,
+        "reps": args.reps,
+        "bucket_mb": args.bucket_mb,
+        "wall_s": time.time() - t0,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     print_table(out["summary"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

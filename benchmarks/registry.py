@@ -238,7 +238,9 @@ async def bench(args) -> dict:
         await bus.publish(subjects.adapter_ready(RUN, 0), AdapterReady(
             run=RUN, lora_name="l", version=0, trainer_step=0, created_at=time.time(), lora=lora,
             payloads=[ObjectPayload(uri="file:///x", bytes=1, sha256="0" * 64)]), msg_id="v0")  # fmt: skip
-        while (await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)).ledger.head != 0:
+        while (
+            await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)
+        ).ledger.head != 0:
             await asyncio.sleep(0.05)
         for tag in range(args.repeat):
             runs.append(await measure(args, bus, server, proc, metrics_port, tag))

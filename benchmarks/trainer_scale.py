@@ -38,15 +38,36 @@ from services.common.config_schema import (  # noqa: E402
 )
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 
-QWEN = dict(vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN = dict(
+    vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False
+)
 SHAPES = {
-    "qwen2.5-7b": dict(QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4),
-    "qwen2.5-32b": dict(QWEN, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                        num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    "qwen2.5-7b": dict(
+        QWEN,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
+    "qwen2.5-32b": dict(
+        QWEN,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    ),
 }
 FULL_FT_BYTES_PER_PARAM = 16
 
@@ -79,14 +100,28 @@ def make_batch(groups: int, samples: int, prompt: int, completion: int, vocab: i
     uniform = -math.log(vocab)
     out = []
     for i in range(groups):
-        comps = [Completion(token_ids=torch.randint(0, vocab, (completion,), generator=g).tolist(),
-                            logprobs=[uniform] * completion, versions=[0] * completion,
-                            reward=float(j % 2))
-                 for j in range(samples)]
-        out.append(Trajectory(run="bench", trajectory_id=f"s{seed}g{i}", grant_id="x", replica="r",
-                              prompt_id=str(i),
-                              prompt_token_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
-                              completions=comps, started_at=0.0, finished_at=0.0))
+        comps = [
+            Completion(
+                token_ids=torch.randint(0, vocab, (completion,), generator=g).tolist(),
+                logprobs=[uniform] * completion,
+                versions=[0] * completion,
+                reward=float(j % 2),
+            )
+            for j in range(samples)
+        ]
+        out.append(
+            Trajectory(
+                run="bench",
+                trajectory_id=f"s{seed}g{i}",
+                grant_id="x",
+                replica="r",
+                prompt_id=str(i),
+                prompt_token_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+                completions=comps,
+                started_at=0.0,
+                finished_at=0.0,
+            )
+        )
     return out
 
 
@@ -95,10 +130,19 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
     mb_tokens = args.mb_tokens
     if device.type == "cuda" and "32b" in name and torch.cuda.get_device_properties(0).total_memory < 100 * 2**30:
         mb_tokens = min(mb_tokens, 2048)  # an 80 GB card: smaller logits per micro-batch
-    cfg = LorabusConfig(total_train_steps=100, actor=ActorConfig(
-        path=name, dtype=dtype, device=str(device), lora_rank=args.rank,
-        lora_alpha=2.0 * args.rank, mb_spec_max_tokens=mb_tokens,
-        gradient_checkpointing=True, optimizer=OptimizerConfig(lr=1e-5)))
+    cfg = LorabusConfig(
+        total_train_steps=100,
+        actor=ActorConfig(
+            path=name,
+            dtype=dtype,
+            device=str(device),
+            lora_rank=args.rank,
+            lora_alpha=2.0 * args.rank,
+            mb_spec_max_tokens=mb_tokens,
+            gradient_checkpointing=True,
+            optimizer=OptimizerConfig(lr=1e-5),
+        ),
+    )
     t0 = time.perf_counter()
     base = build_on_meta(shape, device)
     base_params = sum(p.numel() for p in base.parameters())
@@ -112,10 +156,15 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
         engine.optimizer = torch.optim.AdamW(engine.params, lr=1e-5)
     trainable = sum(p.numel() for p in engine.params)
     build_s = time.perf_counter() - t0
-    row = {"model": name, "mode": "full-ft" if full_ft else f"lora r={args.rank}", "mb_tokens": mb_tokens,
-           "base_params": base_params, "trainable_params": trainable,
-           "build_seconds": build_s,
-           "full_ft_adam_gib_computed": base_params * FULL_FT_BYTES_PER_PARAM / 2**30}
+    row = {
+        "model": name,
+        "mode": "full-ft" if full_ft else f"lora r={args.rank}",
+        "mb_tokens": mb_tokens,
+        "base_params": base_params,
+        "trainable_params": trainable,
+        "build_seconds": build_s,
+        "full_ft_adam_gib_computed": base_params * FULL_FT_BYTES_PER_PARAM / 2**30,
+    }
     if device.type == "cuda":
         torch.cuda.synchronize()
         row["memory_after_build_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -123,8 +172,9 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
     times, tokens = [], 0
     try:
         for i in range(args.warmup + args.steps):
-            batch = make_batch(args.groups, args.samples, args.prompt_tokens,
-                               args.completion_tokens, shape["vocab_size"], seed=i)
+            batch = make_batch(
+                args.groups, args.samples, args.prompt_tokens, args.completion_tokens, shape["vocab_size"], seed=i
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -140,9 +190,14 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
     seq_tokens = args.groups * args.samples * (args.prompt_tokens + args.completion_tokens)
     if times:
         step = statistics.median(times)
-        row.update(step_seconds_median=step, step_seconds=times, completion_tokens=tokens,
-                   tokens_per_step=seq_tokens, tokens_per_second=seq_tokens / step,
-                   completion_tokens_per_second=tokens / step)
+        row.update(
+            step_seconds_median=step,
+            step_seconds=times,
+            completion_tokens=tokens,
+            tokens_per_step=seq_tokens,
+            tokens_per_second=seq_tokens / step,
+            completion_tokens_per_second=tokens / step,
+        )
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -154,18 +209,25 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
 
 
 def table(result: dict) -> str:
-    lines = [f"Trainer step on {result['device']} (torch {result['torch']}): one GRPO step, "
-             f"{result['batch']}, gradient checkpointing on, bf16 compute, fp32 adapter masters.",
-             "",
-             "| model | mode | trainable params | step (s) | tokens/s | peak GPU mem (GiB) | full FT + Adam, 16 B/param (GiB) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Trainer step on {result['device']} (torch {result['torch']}): one GRPO step, "
+        f"{result['batch']}, gradient checkpointing on, bf16 compute, fp32 adapter masters.",
+        "",
+        "| model | mode | trainable params | step (s) | tokens/s | peak GPU mem (GiB) | full FT + Adam, 16 B/param (GiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        step = f"{r['step_seconds_median']:.2f}" if "step_seconds_median" in r else \
-            ("out of memory" if r.get("error", "").startswith("out of memory") else r.get("error", "-"))
+        step = (
+            f"{r['step_seconds_median']:.2f}"
+            if "step_seconds_median" in r
+            else ("out of memory" if r.get("error", "").startswith("out of memory") else r.get("error", "-"))
+        )
         tps = f"{r['tokens_per_second']:,.0f}" if "tokens_per_second" in r else "-"
         peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
-        lines.append(f"| {r['model']} | {r['mode']} | {r['trainable_params'] / 1e6:,.1f} M | {step} | "
-                     f"{tps} | {peak} | {r['full_ft_adam_gib_computed']:.0f} |")
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['trainable_params'] / 1e6:,.1f} M | {step} | "
+            f"{tps} | {peak} | {r['full_ft_adam_gib_computed']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -193,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device, shapes = torch.device("cuda"), args.shapes.split(",")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__,
-              "batch": f"{args.groups} groups x {args.samples} samples x "
-                       f"{args.prompt_tokens + args.completion_tokens} tokens "
-                       f"(micro-batches of {args.mb_tokens} tokens)",
-              "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch": f"{args.groups} groups x {args.samples} samples x "
+        f"{args.prompt_tokens + args.completion_tokens} tokens "
+        f"(micro-batches of {args.mb_tokens} tokens)",
+        "rows": [],
+    }
     if device.type == "cuda":
         result["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     args.out_dir.mkdir(parents=True, exist_ok=True)

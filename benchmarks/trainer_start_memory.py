@@ -28,9 +28,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024,
-             tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 MODES = ("every-rank-loads", "rank0-broadcast")
 
 
@@ -47,8 +54,9 @@ def worker(mode: str, model_dir: str, out_dir: str) -> None:
     from services.trainer.engines.fsdp2 import FSDP2Engine
 
     after_imports = peak_rss_mb()
-    cfg = LorabusConfig(actor=ActorConfig(path=model_dir, device="cpu", dtype="float32",
-                                          lora_rank=16, lora_alpha=32.0, seed=1))
+    cfg = LorabusConfig(
+        actor=ActorConfig(path=model_dir, device="cpu", dtype="float32", lora_rank=16, lora_alpha=32.0, seed=1)
+    )
     t0 = time.perf_counter()
     if mode == "every-rank-loads":
         engine = FSDP2Engine(cfg, load_base_model(model_dir, "float32", "cpu"))
@@ -56,11 +64,16 @@ def worker(mode: str, model_dir: str, out_dir: str) -> None:
         engine = FSDP2Engine(cfg)
     seconds = time.perf_counter() - t0
     peak = peak_rss_mb()
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                for p in engine.model.parameters())
-    row = {"mode": mode, "rank": engine.rank, "after_imports_mb": after_imports, "peak_mb": peak,
-           "start_cost_mb": peak - after_imports, "start_seconds": seconds,
-           "local_params": local}
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in engine.model.parameters())
+    row = {
+        "mode": mode,
+        "rank": engine.rank,
+        "after_imports_mb": after_imports,
+        "peak_mb": peak,
+        "start_cost_mb": peak - after_imports,
+        "start_seconds": seconds,
+        "local_params": local,
+    }
     Path(out_dir, f"{mode}-{engine.rank}.json").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -87,10 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                 "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", __file__,
-                 "--worker", mode, str(model_dir), tmp],
-                env=env, capture_output=True, text=True, timeout=900,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node=2",
+                    "--rdzv_backend=c10d",
+                    "--rdzv_endpoint=127.0.0.1:0",
+                    __file__,
+                    "--worker",
+                    mode,
+                    str(model_dir),
+                    tmp,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
             )
             if proc.returncode != 0:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
@@ -98,16 +124,27 @@ def main(argv: list[str] | None = None) -> int:
             rows += [json.loads(Path(tmp, f"{mode}-{r}.json").read_text()) for r in (0, 1)]
     import torch
 
-    result = {"torch": torch.__version__, "model_params": params,
-              "model_mb_fp32": params * 4 / 2**20, "world_size": 2, "backend": "gloo (CPU)",
-              "rows": rows}
-    print(f"trainer start, 2 gloo ranks, Qwen2-shaped {params / 1e6:.0f} M params "
-          f"({result['model_mb_fp32']:.0f} MiB fp32); RSS in MiB")
-    print(f"  {'mode':<18} {'rank':>4} {'after imports':>13} {'peak':>7} {'start cost':>10} "
-          f"{'seconds':>7} {'local params':>12}")
+    result = {
+        "torch": torch.__version__,
+        "model_params": params,
+        "model_mb_fp32": params * 4 / 2**20,
+        "world_size": 2,
+        "backend": "gloo (CPU)",
+        "rows": rows,
+    }
+    print(
+        f"trainer start, 2 gloo ranks, Qwen2-shaped {params / 1e6:.0f} M params "
+        f"({result['model_mb_fp32']:.0f} MiB fp32); RSS in MiB"
+    )
+    print(
+        f"  {'mode':<18} {'rank':>4} {'after imports':>13} {'peak':>7} {'start cost':>10} "
+        f"{'seconds':>7} {'local params':>12}"
+    )
     for r in rows:
-        print(f"  {r['mode']:<18} {r['rank']:>4} {r['after_imports_mb']:>13.0f} {r['peak_mb']:>7.0f} "
-              f"{r['start_cost_mb']:>10.0f} {r['start_seconds']:>7.1f} {r['local_params']:>12,}")
+        print(
+            f"  {r['mode']:<18} {r['rank']:>4} {r['after_imports_mb']:>13.0f} {r['peak_mb']:>7.0f} "
+            f"{r['start_cost_mb']:>10.0f} {r['start_seconds']:>7.1f} {r['local_params']:>12,}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -35,11 +35,25 @@ from services.common.config_schema import (  # noqa: E402
 )
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 
-QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=4096, tie_word_embeddings=True)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+QWEN25_15B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
 
 
 def build_base(shape: dict, dtype: torch.dtype, device: torch.device):
@@ -59,16 +73,27 @@ def make_batch(groups: int, samples: int, prompt: int, completion: int, vocab: i
     for i in range(groups):
         comps = []
         for _ in range(samples):
-            comps.append(Completion(
-                token_ids=torch.randint(0, vocab, (completion,), generator=g).tolist(),
-                logprobs=(uniform - 0.1 * torch.rand(completion, generator=g)).tolist(),
-                versions=[0] * completion,
-                reward=float(torch.rand(1, generator=g)),
-            ))
-        out.append(Trajectory(run="bench", trajectory_id=f"s{seed}g{i}", grant_id="x",
-                              replica="r", prompt_id=str(i),
-                              prompt_token_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
-                              completions=comps, started_at=0.0, finished_at=0.0))
+            comps.append(
+                Completion(
+                    token_ids=torch.randint(0, vocab, (completion,), generator=g).tolist(),
+                    logprobs=(uniform - 0.1 * torch.rand(completion, generator=g)).tolist(),
+                    versions=[0] * completion,
+                    reward=float(torch.rand(1, generator=g)),
+                )
+            )
+        out.append(
+            Trajectory(
+                run="bench",
+                trajectory_id=f"s{seed}g{i}",
+                grant_id="x",
+                replica="r",
+                prompt_id=str(i),
+                prompt_token_ids=torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+                completions=comps,
+                started_at=0.0,
+                finished_at=0.0,
+            )
+        )
     return out
 
 
@@ -104,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = LorabusConfig(
         gconfig=GenerationConfig(temperature=1.0, n_samples=args.samples),
-        actor=ActorConfig(path="qwen2.5-1.5b-shape", dtype=dtype, device=device,
-                          lora_rank=args.rank, lora_alpha=2.0 * args.rank,
-                          mb_spec_max_tokens=args.mb_tokens, optimizer=OptimizerConfig(lr=1e-5)),
+        actor=ActorConfig(
+            path="qwen2.5-1.5b-shape",
+            dtype=dtype,
+            device=device,
+            lora_rank=args.rank,
+            lora_alpha=2.0 * args.rank,
+            mb_spec_max_tokens=args.mb_tokens,
+            optimizer=OptimizerConfig(lr=1e-5),
+        ),
     )
     t0 = time.perf_counter()
     base = build_base(shape, adapter_io.DTYPES[dtype], torch.device(device))
@@ -120,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     step_s, gather_s, serialize_s, tok_s = [], [], [], []
     weights = b""
     for i in range(args.warmup + args.steps):
-        batch = make_batch(args.groups, args.samples, args.prompt_tokens, args.completion_tokens,
-                           shape["vocab_size"], seed=i)
+        batch = make_batch(
+            args.groups, args.samples, args.prompt_tokens, args.completion_tokens, shape["vocab_size"], seed=i
+        )
         sync(dev)
         t = time.perf_counter()
         stats = engine.train_step(batch, head_version=i)
@@ -147,24 +179,36 @@ def main(argv: list[str] | None = None) -> int:
         "lora_rank": args.rank,
         "lora_params": lora_params,
         "adapter_bytes": len(weights),
-        "batch": {"groups": args.groups, "samples": args.samples, "sequences": seqs,
-                  "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
-                  "mb_spec_max_tokens": args.mb_tokens},
+        "batch": {
+            "groups": args.groups,
+            "samples": args.samples,
+            "sequences": seqs,
+            "prompt_tokens": args.prompt_tokens,
+            "completion_tokens": args.completion_tokens,
+            "mb_spec_max_tokens": args.mb_tokens,
+        },
         "build_seconds": build_s,
         "step_seconds_median": statistics.median(step_s),
         "step_seconds": step_s,
         "completion_tokens_per_second": statistics.median(tok_s),
         "total_tokens_per_second": statistics.median(
-            seqs * (args.prompt_tokens + args.completion_tokens) / s for s in step_s),
+            seqs * (args.prompt_tokens + args.completion_tokens) / s for s in step_s
+        ),
         "adapter_gather_seconds_median": statistics.median(gather_s),
         "adapter_serialize_seconds_median": statistics.median(serialize_s),
         "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
     }
     rows = [
-        ("model", f"{result['model']} {dtype}, LoRA r={args.rank} all-linear "
-                  f"({lora_params / 1e6:.2f} M params, {len(weights) / 1e6:.1f} MB)"),
-        ("batch", f"{args.groups} groups x {args.samples} samples, prompt {args.prompt_tokens} "
-                  f"+ completion {args.completion_tokens} tokens"),
+        (
+            "model",
+            f"{result['model']} {dtype}, LoRA r={args.rank} all-linear "
+            f"({lora_params / 1e6:.2f} M params, {len(weights) / 1e6:.1f} MB)",
+        ),
+        (
+            "batch",
+            f"{args.groups} groups x {args.samples} samples, prompt {args.prompt_tokens} "
+            f"+ completion {args.completion_tokens} tokens",
+        ),
         ("train_step median", f"{result['step_seconds_median'] * 1e3:.1f} ms"),
         ("completion tokens/s", f"{result['completion_tokens_per_second']:.0f}"),
         ("all tokens/s", f"{result['total_tokens_per_second']:.0f}"),

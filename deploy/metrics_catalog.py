@@ -68,8 +68,7 @@ def catalog() -> list[Metric]:
             name = value._name
             if not name.startswith("lorabus_"):
                 continue
-            out[name] = Metric(name, value._type, tuple(value._labelnames), value._documentation,
-                               module_name)
+            out[name] = Metric(name, value._type, tuple(value._labelnames), value._documentation, module_name)
     return sorted(out.values(), key=lambda m: m.name)
 
 

@@ -59,9 +59,7 @@ _SHA = "3b" * 32
 
 def example_messages() -> dict[str, msgspec.Struct]:
     lora = m.LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"], base_model="tiny")
-    completion = m.Completion(
-        token_ids=[5, 9, 2], logprobs=[-0.5, -1.25, -0.125], versions=[3, 3, 4], reward=1.0
-    )
+    completion = m.Completion(token_ids=[5, 9, 2], logprobs=[-0.5, -1.25, -0.125], versions=[3, 3, 4], reward=1.0)
     examples: list[msgspec.Struct] = [
         m.AdapterReady(
             run="demo-trial0",
@@ -96,58 +94,109 @@ def example_messages() -> dict[str, msgspec.Struct]:
             ],
         ),
         m.AdapterLoaded(
-            run="demo-trial0", replica="rollout-0", version=4, via="object",
-            load_seconds=0.025, loaded_at=_T0 + 1,
+            run="demo-trial0",
+            replica="rollout-0",
+            version=4,
+            via="object",
+            load_seconds=0.025,
+            loaded_at=_T0 + 1,
         ),
         m.AdapterUnloaded(
-            run="demo-trial0", replica="rollout-0", version=1, reason="outside keep window",
+            run="demo-trial0",
+            replica="rollout-0",
+            version=1,
+            reason="outside keep window",
             unloaded_at=_T0 + 1,
         ),
         m.AdapterFailed(
-            run="demo-trial0", replica="rollout-1", version=4, reason="sha256 mismatch",
-            attempt=1, will_retry=True, failed_at=_T0 + 1,
+            run="demo-trial0",
+            replica="rollout-1",
+            version=4,
+            reason="sha256 mismatch",
+            attempt=1,
+            will_retry=True,
+            failed_at=_T0 + 1,
         ),
         m.ReplicaHeartbeat(
-            run="demo-trial0", replica="rollout-0", engine="embedded", loaded_versions=[2, 3, 4],
-            in_flight=2, sent_at=_T0 + 2,
+            run="demo-trial0",
+            replica="rollout-0",
+            engine="embedded",
+            loaded_versions=[2, 3, 4],
+            in_flight=2,
+            sent_at=_T0 + 2,
         ),
         m.AdmissionRequest(
-            run="demo-trial0", replica="rollout-0", request_id="rollout-0-17",
+            run="demo-trial0",
+            replica="rollout-0",
+            request_id="rollout-0-17",
             loaded_versions=[3, 4],
         ),
-        m.AdmissionGrant(
-            request_id="rollout-0-17", grant_id="g-17", version=4, lease_expires_at=_T0 + 60
-        ),
+        m.AdmissionGrant(request_id="rollout-0-17", grant_id="g-17", version=4, lease_expires_at=_T0 + 60),
         m.AdmissionDeny(
-            request_id="rollout-0-18", reason="staleness capacity (k + H + 1) * B reached",
+            request_id="rollout-0-18",
+            reason="staleness capacity (k + H + 1) * B reached",
             retry_after_s=0.5,
         ),
         m.Trajectory(
-            run="demo-trial0", trajectory_id="t-17", grant_id="g-17", replica="rollout-0",
-            prompt_id="p-3", prompt_token_ids=[1, 7, 7], completions=[completion],
-            started_at=_T0 + 2, finished_at=_T0 + 3,
+            run="demo-trial0",
+            trajectory_id="t-17",
+            grant_id="g-17",
+            replica="rollout-0",
+            prompt_id="p-3",
+            prompt_token_ids=[1, 7, 7],
+            completions=[completion],
+            started_at=_T0 + 2,
+            finished_at=_T0 + 3,
         ),
         m.TrajectoryDecision(
-            run="demo-trial0", trajectory_id="t-17", grant_id="g-17", replica="rollout-0",
-            verdict="accepted", head_version=4, oldest_version=3, decided_at=_T0 + 3,
+            run="demo-trial0",
+            trajectory_id="t-17",
+            grant_id="g-17",
+            replica="rollout-0",
+            verdict="accepted",
+            head_version=4,
+            oldest_version=3,
+            decided_at=_T0 + 3,
         ),
         m.ExportDone(
-            run="demo-trial0", lora_name="default_lora", version=4,
+            run="demo-trial0",
+            lora_name="default_lora",
+            version=4,
             uri="file:///runs/demo-trial0/export/v4",
-            files=["adapter_config.json", "adapter_model.safetensors"], bytes=65536, sha256=_SHA,
+            files=["adapter_config.json", "adapter_model.safetensors"],
+            bytes=65536,
+            sha256=_SHA,
             exported_at=_T0 + 4,
         ),
         m.EvalResult(
-            run="demo-trial0", evaluator="heldout", version=4, metric="accuracy", score=0.75,
-            n=64, evaluated_at=_T0 + 5,
+            run="demo-trial0",
+            evaluator="heldout",
+            version=4,
+            metric="accuracy",
+            score=0.75,
+            n=64,
+            evaluated_at=_T0 + 5,
         ),
         m.TrainerStep(
-            run="demo-trial0", step=4, version=5, loss=0.0123, reward_mean=0.5, groups=8,
-            tokens=1024, step_seconds=0.3, mean_staleness=0.5, finished_at=_T0 + 6,
+            run="demo-trial0",
+            step=4,
+            version=5,
+            loss=0.0123,
+            reward_mean=0.5,
+            groups=8,
+            tokens=1024,
+            step_seconds=0.3,
+            mean_staleness=0.5,
+            finished_at=_T0 + 6,
         ),
         m.DeadLetter(
-            run="demo-trial0", service="registry", subject="lorabus.demo-trial0.trajectory.rollout-0",
-            reason="decode", error="not valid JSON", raw=b"{not json", received_at=_T0 + 7,
+            run="demo-trial0",
+            service="registry",
+            subject="lorabus.demo-trial0.trajectory.rollout-0",
+            reason="decode",
+            error="not valid JSON",
+            raw=b"{not json",
+            received_at=_T0 + 7,
         ),
     ]
     return {type(e).__name__: e for e in examples}
@@ -183,15 +232,22 @@ _ALL_SERVICES = ("trainer", "rollout", "registry", "exporter")
 
 FAMILIES: tuple[Family, ...] = (
     Family(
-        "adapterReady", subjects.adapter_ready, ("AdapterReady",), ("trainer",),
+        "adapterReady",
+        subjects.adapter_ready,
+        ("AdapterReady",),
+        ("trainer",),
         ("rollout", "registry", "exporter", "evaluator", "watch"),
         "A new adapter version exists: fetch it (object payload) or join the broadcast (xccl "
         "payload). JetStream-persisted for the run's lifetime; late joiners replay it.",
     ),
     *(
         Family(
-            f"rollout{kind.capitalize()}", subjects.rollout_report, (message,), ("rollout",),
-            ("registry", "watch"), f"A rollout replica reports `{kind}`. JetStream-persisted.",
+            f"rollout{kind.capitalize()}",
+            subjects.rollout_report,
+            (message,),
+            ("rollout",),
+            ("registry", "watch"),
+            f"A rollout replica reports `{kind}`. JetStream-persisted.",
             fixed={"kind": kind},
         )
         for kind, message in zip(
@@ -200,46 +256,80 @@ FAMILIES: tuple[Family, ...] = (
         )
     ),
     Family(
-        "admission", subjects.admission, ("AdmissionRequest",), ("rollout",), ("registry",),
+        "admission",
+        subjects.admission,
+        ("AdmissionRequest",),
+        ("rollout",),
+        ("registry",),
         "A rollout asks for one group's admission; the registry replies with a grant or a "
         "deny on the request's reply inbox. Core NATS request/reply, never persisted.",
         reply=("AdmissionGrant", "AdmissionDeny"),
     ),
     Family(
-        "registryStatus", subjects.registry_status, (), ("watch",), ("registry",),
+        "registryStatus",
+        subjects.registry_status,
+        (),
+        ("watch",),
+        ("registry",),
         "Ask the registry for its current state (head version, capacity, replicas); core NATS "
         "request/reply. The reply is a JSON object not yet typed in proto.messages.",
     ),
     Family(
-        "trajectory", subjects.trajectory, ("Trajectory",), ("rollout",), ("registry",),
+        "trajectory",
+        subjects.trajectory,
+        ("Trajectory",),
+        ("rollout",),
+        ("registry",),
         "One prompt's group of completions with behaviour logprobs and per-token versions, "
         "awaiting the registry's staleness check. JetStream-persisted.",
     ),
     Family(
-        "accepted", subjects.accepted, ("Trajectory",), ("registry",), ("trainer",),
+        "accepted",
+        subjects.accepted,
+        ("Trajectory",),
+        ("registry",),
+        ("trainer",),
         "Trajectories the registry accepted: the trainer's input. JetStream-persisted.",
     ),
     Family(
-        "decision", subjects.decision, ("TrajectoryDecision",), ("registry",),
-        ("rollout", "watch"), "The registry's verdict on one trajectory. JetStream-persisted.",
+        "decision",
+        subjects.decision,
+        ("TrajectoryDecision",),
+        ("registry",),
+        ("rollout", "watch"),
+        "The registry's verdict on one trajectory. JetStream-persisted.",
     ),
     Family(
-        "exportDone", subjects.export_done, ("ExportDone",), ("exporter",),
+        "exportDone",
+        subjects.export_done,
+        ("ExportDone",),
+        ("exporter",),
         ("evaluator", "watch"),
         "A loadable HF PEFT directory for version N exists. JetStream-persisted.",
     ),
     Family(
-        "evalResult", subjects.eval_result, ("EvalResult",), ("evaluator",), ("watch",),
+        "evalResult",
+        subjects.eval_result,
+        ("EvalResult",),
+        ("evaluator",),
+        ("watch",),
         "An outside evaluator's score for one version. JetStream-persisted.",
     ),
     Family(
-        "trainerStep", subjects.trainer_step, ("TrainerStep",), ("trainer",), ("watch",),
+        "trainerStep",
+        subjects.trainer_step,
+        ("TrainerStep",),
+        ("trainer",),
+        ("watch",),
         "Trainer progress after each optimiser step. JetStream-persisted.",
     ),
     Family(
-        "deadLetter", subjects.dead_letter, ("DeadLetter",), _ALL_SERVICES, ("watch",),
-        "A message a service could not use, with the reason and the original bytes. "
-        "JetStream-persisted for a week.",
+        "deadLetter",
+        subjects.dead_letter,
+        ("DeadLetter",),
+        _ALL_SERVICES,
+        ("watch",),
+        "A message a service could not use, with the reason and the original bytes. JetStream-persisted for a week.",
     ),
 )
 
@@ -286,9 +376,7 @@ def asyncapi() -> dict:
                     "schemaFormat": "application/schema+json;version=2020-12",
                     "schema": {"$ref": f"{SCHEMA_DIR}/{name}.json"},
                 },
-                "examples": [
-                    {"name": f"{name}-example", "payload": json.loads(codec.encode(examples[name]))}
-                ],
+                "examples": [{"name": f"{name}-example", "payload": json.loads(codec.encode(examples[name]))}],
             }
         return {"$ref": f"#/components/messages/{name}"}
 
@@ -302,9 +390,7 @@ def asyncapi() -> dict:
             "parameters": {p: {"description": PARAMETERS[p]} for p in params},
             "messages": {name: message_ref(name) for name in family.messages},
         }
-        channel_messages = [
-            {"$ref": f"#/channels/{family.channel}/messages/{name}"} for name in family.messages
-        ]
+        channel_messages = [{"$ref": f"#/channels/{family.channel}/messages/{name}"} for name in family.messages]
         reply = None
         if family.reply:
             reply_channel = f"{family.channel}Reply"
@@ -315,9 +401,7 @@ def asyncapi() -> dict:
             }
             reply = {
                 "channel": {"$ref": f"#/channels/{reply_channel}"},
-                "messages": [
-                    {"$ref": f"#/channels/{reply_channel}/messages/{name}"} for name in family.reply
-                ],
+                "messages": [{"$ref": f"#/channels/{reply_channel}/messages/{name}"} for name in family.reply],
             }
         for action, services in (("send", family.senders), ("receive", family.receivers)):
             for service in services:
@@ -368,13 +452,11 @@ def asyncapi() -> dict:
 def render() -> dict[str, str]:
     """Every generated file, relative to proto/, with its exact content."""
     files = {
-        f"{SCHEMA_DIR}/{name}.json": json.dumps(json_schema(t, name), indent=2, sort_keys=True)
-        + "\n"
+        f"{SCHEMA_DIR}/{name}.json": json.dumps(json_schema(t, name), indent=2, sort_keys=True) + "\n"
         for name, t in schema_types().items()
     }
-    files[ASYNCAPI] = (
-        "# Generated by `python -m proto.generate`; do not edit.\n"
-        + yaml.safe_dump(asyncapi(), sort_keys=True, allow_unicode=True, width=100)
+    files[ASYNCAPI] = "# Generated by `python -m proto.generate`; do not edit.\n" + yaml.safe_dump(
+        asyncapi(), sort_keys=True, allow_unicode=True, width=100
     )
     return files
 

@@ -18,9 +18,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 Version = Annotated[int, Meta(ge=0, description="adapter version N of `{lora_name}-v{N}`")]
 # `(?!\n)`: Python's `$` (msgspec) also matches before a final newline, ECMA's (JSON Schema
 # readers) does not; with it both accept exactly the same strings
-Name = Annotated[
-    str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")
-]
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$(?!\n)")]
 UnixTime = Annotated[float, Meta(ge=0, description="seconds since the epoch")]
 
@@ -97,9 +95,7 @@ class AdapterReady(Message, kw_only=True):
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"payloads: at most one of each kind, got {kinds}")
         if self.parent_version is not None and self.parent_version >= self.version:
-            raise ValueError(
-                f"parent_version: {self.parent_version} must be below version {self.version}"
-            )
+            raise ValueError(f"parent_version: {self.parent_version} must be below version {self.version}")
 
     def object_payload(self) -> ObjectPayload | None:
         return next((p for p in self.payloads if isinstance(p, ObjectPayload)), None)

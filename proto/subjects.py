@@ -25,9 +25,7 @@ class SubjectError(ValueError):
 def token(value: str, what: str = "name") -> str:
     """Check one subject token; the error says which field and what is allowed."""
     if not isinstance(value, str) or not _TOKEN.fullmatch(value):
-        raise SubjectError(
-            f"{what}: {value!r} is not a valid subject token; use 1-64 of [A-Za-z0-9_-]"
-        )
+        raise SubjectError(f"{what}: {value!r} is not a valid subject token; use 1-64 of [A-Za-z0-9_-]")
     return value
 
 

@@ -36,8 +36,7 @@ def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, which the ByteLevel pre-tokenizer
     and decoder use: printable latin-1 bytes stand for themselves, the rest are shifted
     above 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):
@@ -62,7 +61,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=tk,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
         model_max_length=128,
     )
 
@@ -124,15 +126,21 @@ def evaluate(model, tok, prompts: list[Prompt], *, sample: bool, samples: int, s
     for group in by_len.values():
         ids = torch.tensor([encode_prompt(tok, p.text) for p in group])
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-            do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
-            top_p=1.0 if sample else None, num_return_sequences=samples if sample else 1,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_k=0 if sample else None,
+            top_p=1.0 if sample else None,
+            num_return_sequences=samples if sample else 1,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )
         reps = samples if sample else 1
         for row in range(out.shape[0]):
             p = group[row // reps]
-            new = out[row, ids.shape[1]:].tolist()
+            new = out[row, ids.shape[1] :].tolist()
             text = decode_completion(tok, new)
             ended = tok.eos_token_id in new
             correct += arith_reward(p.text, text, p.answer) == 1.0 and ended
@@ -172,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {n_params} parameters, vocab {len(tok)}; train {len(train)} valid {len(valid)}")
 
     examples = [
-        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id])
-        for p in train
+        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]) for p in train
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 20)
@@ -199,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  eval step {step}: greedy {g:.3f} sampled {s:.3f} format {f:.3f}", flush=True)
 
     greedy, greedy_fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=args.seed)
-    sampled, sampled_fmt = evaluate(
-        model, tok, valid, sample=True, samples=args.eval_samples, seed=args.seed
-    )
+    sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=args.eval_samples, seed=args.seed)
     model_dir = args.out / "model"
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(model_dir, safe_serialization=True)

@@ -35,75 +35,174 @@ OVERVIEW = [
     ("Trainer version", "stat", "none", [("lorabus_trainer_version", "trainer")], 6),
     ("Last exported version", "stat", "none", [("lorabus_exporter_last_version", "exported")], 6),
     ("Grants in flight", "stat", "none", [("lorabus_registry_in_flight", "in flight")], 6),
-    ("Loaded version per replica", "timeseries", "none", [
-        ("lorabus_rollout_loaded_version", "{{replica}} (rollout)"),
-        ("lorabus_registry_replica_loaded_version", "{{replica}} (registry's view)"),
-        ("lorabus_registry_head_version", "head"),
-    ], 12),
-    ("Adapter propagation latency (publish -> loaded)", "timeseries", "s", [
-        (q50("lorabus_rollout_propagation_seconds", "replica"), "p50 {{replica}}"),
-        (q95("lorabus_rollout_propagation_seconds", "replica"), "p95 {{replica}}"),
-    ], 12),
-    ("Staleness at decision (H - v)", "bargauge", "none", [
-        ("sum by (le) (increase(lorabus_registry_staleness_bucket[$__range]))", "<= {{le}}"),
-    ], 8),
-    ("Trajectories by verdict", "timeseries", "ops", [
-        ("sum by (verdict) (rate(lorabus_registry_trajectories_total[%s]))" % RATE, "{{verdict}}"),
-    ], 8),
-    ("Admission: grants and denials by reason", "timeseries", "ops", [
-        ("rate(lorabus_registry_grants_total[%s])" % RATE, "granted"),
-        ("sum by (reason) (rate(lorabus_registry_denials_total[%s]))" % RATE, "denied: {{reason}}"),
-    ], 8),
-    ("Reward per version", "timeseries", "none", [
-        ("lorabus_trainer_reward_mean", "trainer: mean reward of the step"),
-        ("lorabus_trainer_version", "version"),
-        ("sum by (replica) (rate(lorabus_rollout_reward_sum[5m])) / "
-         "sum by (replica) (rate(lorabus_rollout_reward_count[5m]))", "rollout {{replica}}: mean reward"),
-    ], 12),
+    (
+        "Loaded version per replica",
+        "timeseries",
+        "none",
+        [
+            ("lorabus_rollout_loaded_version", "{{replica}} (rollout)"),
+            ("lorabus_registry_replica_loaded_version", "{{replica}} (registry's view)"),
+            ("lorabus_registry_head_version", "head"),
+        ],
+        12,
+    ),
+    (
+        "Adapter propagation latency (publish -> loaded)",
+        "timeseries",
+        "s",
+        [
+            (q50("lorabus_rollout_propagation_seconds", "replica"), "p50 {{replica}}"),
+            (q95("lorabus_rollout_propagation_seconds", "replica"), "p95 {{replica}}"),
+        ],
+        12,
+    ),
+    (
+        "Staleness at decision (H - v)",
+        "bargauge",
+        "none",
+        [
+            ("sum by (le) (increase(lorabus_registry_staleness_bucket[$__range]))", "<= {{le}}"),
+        ],
+        8,
+    ),
+    (
+        "Trajectories by verdict",
+        "timeseries",
+        "ops",
+        [
+            ("sum by (verdict) (rate(lorabus_registry_trajectories_total[%s]))" % RATE, "{{verdict}}"),
+        ],
+        8,
+    ),
+    (
+        "Admission: grants and denials by reason",
+        "timeseries",
+        "ops",
+        [
+            ("rate(lorabus_registry_grants_total[%s])" % RATE, "granted"),
+            ("sum by (reason) (rate(lorabus_registry_denials_total[%s]))" % RATE, "denied: {{reason}}"),
+        ],
+        8,
+    ),
+    (
+        "Reward per version",
+        "timeseries",
+        "none",
+        [
+            ("lorabus_trainer_reward_mean", "trainer: mean reward of the step"),
+            ("lorabus_trainer_version", "version"),
+            (
+                "sum by (replica) (rate(lorabus_rollout_reward_sum[5m])) / "
+                "sum by (replica) (rate(lorabus_rollout_reward_count[5m]))",
+                "rollout {{replica}}: mean reward",
+            ),
+        ],
+        12,
+    ),
     ("Trainer loss", "timeseries", "none", [("lorabus_trainer_loss", "loss")], 12),
-    ("Eval score per version", "timeseries", "none", [
-        ("lorabus_eval_score", "{{evaluator}} {{metric}}"),
-        ("lorabus_eval_version", "{{evaluator}}: version scored"),
-    ], 12),
+    (
+        "Eval score per version",
+        "timeseries",
+        "none",
+        [
+            ("lorabus_eval_score", "{{evaluator}} {{metric}}"),
+            ("lorabus_eval_version", "{{evaluator}}: version scored"),
+        ],
+        12,
+    ),
 ]
 
 THROUGHPUT = [
-    ("Trainer step time", "timeseries", "s", [
-        (q50("lorabus_trainer_step_seconds"), "p50"),
-        (q95("lorabus_trainer_step_seconds"), "p95"),
-    ], 12),
-    ("Trainer tokens/s", "timeseries", "none", [
-        ("lorabus_trainer_tokens_per_second", "tokens/s (last step)"),
-    ], 12),
-    ("Rollout tokens/s", "timeseries", "none", [
-        ("sum by (replica) (rate(lorabus_rollout_tokens_total[%s]))" % RATE, "{{replica}}"),
-        ("sum(rate(lorabus_rollout_tokens_total[%s]))" % RATE, "all replicas"),
-    ], 12),
-    ("Trajectories published", "timeseries", "ops", [
-        ("sum by (replica) (rate(lorabus_rollout_trajectories_total[%s]))" % RATE, "{{replica}}"),
-    ], 12),
-    ("Adapter load time", "timeseries", "s", [
-        (q95("lorabus_rollout_adapter_load_seconds", "replica"), "p95 {{replica}}"),
-    ], 8),
-    ("Adapter publish time (trainer)", "timeseries", "s", [
-        (q95("lorabus_trainer_publish_seconds"), "p95"),
-    ], 8),
+    (
+        "Trainer step time",
+        "timeseries",
+        "s",
+        [
+            (q50("lorabus_trainer_step_seconds"), "p50"),
+            (q95("lorabus_trainer_step_seconds"), "p95"),
+        ],
+        12,
+    ),
+    (
+        "Trainer tokens/s",
+        "timeseries",
+        "none",
+        [
+            ("lorabus_trainer_tokens_per_second", "tokens/s (last step)"),
+        ],
+        12,
+    ),
+    (
+        "Rollout tokens/s",
+        "timeseries",
+        "none",
+        [
+            ("sum by (replica) (rate(lorabus_rollout_tokens_total[%s]))" % RATE, "{{replica}}"),
+            ("sum(rate(lorabus_rollout_tokens_total[%s]))" % RATE, "all replicas"),
+        ],
+        12,
+    ),
+    (
+        "Trajectories published",
+        "timeseries",
+        "ops",
+        [
+            ("sum by (replica) (rate(lorabus_rollout_trajectories_total[%s]))" % RATE, "{{replica}}"),
+        ],
+        12,
+    ),
+    (
+        "Adapter load time",
+        "timeseries",
+        "s",
+        [
+            (q95("lorabus_rollout_adapter_load_seconds", "replica"), "p95 {{replica}}"),
+        ],
+        8,
+    ),
+    (
+        "Adapter publish time (trainer)",
+        "timeseries",
+        "s",
+        [
+            (q95("lorabus_trainer_publish_seconds"), "p95"),
+        ],
+        8,
+    ),
     ("Export time", "timeseries", "s", [(q95("lorabus_exporter_export_seconds"), "p95")], 8),
-    ("Registry decision latency", "timeseries", "s", [
-        (q95("lorabus_registry_decision_seconds"), "p95"),
-    ], 8),
-    ("Bus messages", "timeseries", "ops", [
-        ("sum by (service, direction) (rate(lorabus_bus_messages_total[%s]))" % RATE,
-         "{{service}} {{direction}}"),
-    ], 8),
-    ("Bus errors and dead letters", "timeseries", "short", [
-        ("sum by (service, reason) (increase(lorabus_bus_dead_letters_total[5m]))",
-         "dead letters {{service}}: {{reason}}"),
-        ("sum by (service) (increase(lorabus_bus_reconnects_total[5m]))", "reconnects {{service}}"),
-        ("sum by (replica) (increase(lorabus_rollout_load_failures_total[5m]))",
-         "load failures {{replica}}"),
-        ("sum by (stage) (increase(lorabus_exporter_failures_total[5m]))", "export failures {{stage}}"),
-    ], 8),
+    (
+        "Registry decision latency",
+        "timeseries",
+        "s",
+        [
+            (q95("lorabus_registry_decision_seconds"), "p95"),
+        ],
+        8,
+    ),
+    (
+        "Bus messages",
+        "timeseries",
+        "ops",
+        [
+            ("sum by (service, direction) (rate(lorabus_bus_messages_total[%s]))" % RATE, "{{service}} {{direction}}"),
+        ],
+        8,
+    ),
+    (
+        "Bus errors and dead letters",
+        "timeseries",
+        "short",
+        [
+            (
+                "sum by (service, reason) (increase(lorabus_bus_dead_letters_total[5m]))",
+                "dead letters {{service}}: {{reason}}",
+            ),
+            ("sum by (service) (increase(lorabus_bus_reconnects_total[5m]))", "reconnects {{service}}"),
+            ("sum by (replica) (increase(lorabus_rollout_load_failures_total[5m]))", "load failures {{replica}}"),
+            ("sum by (stage) (increase(lorabus_exporter_failures_total[5m]))", "export failures {{stage}}"),
+        ],
+        8,
+    ),
 ]
 
 DASHBOARDS = {
@@ -123,8 +222,7 @@ def panel(pid: int, x: int, y: int, title: str, kind: str, unit: str, targets, w
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "options": {},
         "targets": [
-            {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr,
-             "legendFormat": legend, "range": True}
+            {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True}
             for i, (expr, legend) in enumerate(targets)
         ],
     }
@@ -162,8 +260,10 @@ def dashboard(uid: str, title: str, panels) -> dict:
 
 
 def render() -> dict[str, str]:
-    return {f"{uid}.json": json.dumps(dashboard(uid, title, panels), indent=2) + "\n"
-            for uid, (title, panels) in DASHBOARDS.items()}
+    return {
+        f"{uid}.json": json.dumps(dashboard(uid, title, panels), indent=2) + "\n"
+        for uid, (title, panels) in DASHBOARDS.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,11 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     files = render()
     if args.check:
-        stale = [n for n, text in files.items()
-                 if not (OUT / n).is_file() or (OUT / n).read_text() != text]
+        stale = [n for n, text in files.items() if not (OUT / n).is_file() or (OUT / n).read_text() != text]
         if stale:
-            print(f"stale dashboards {stale}: run python deploy/grafana/make_dashboards.py",
-                  file=sys.stderr)
+            print(f"stale dashboards {stale}: run python deploy/grafana/make_dashboards.py", file=sys.stderr)
             return 1
         return 0
     OUT.mkdir(parents=True, exist_ok=True)

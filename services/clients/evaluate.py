@@ -36,8 +36,7 @@ def load_hook(spec: str):
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                       batch_size: int = 64) -> list[str]:
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 64) -> list[str]:
     from services.common.models import decode_completion, encode_prompt
 
     eos = tokenizer.eos_token_id
@@ -45,16 +44,20 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     device = next(model.parameters()).device
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         width = max(len(e) for e in encoded)
         ids = torch.full((len(encoded), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, e in enumerate(encoded):  # left padding: generation continues every row's end
-            ids[i, width - len(e):] = torch.tensor(e)
-            mask[i, width - len(e):] = 1
+            ids[i, width - len(e) :] = torch.tensor(e)
+            mask[i, width - len(e) :] = 1
         gen = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
         )
         for row in gen[:, width:].tolist():
             out.append(decode_completion(tokenizer, row))
@@ -66,8 +69,7 @@ def heldout_reward(model, tokenizer, prompts, cfg: LorabusConfig) -> tuple[str, 
     from services.common.rewards import load_reward_fn
 
     reward_fn = load_reward_fn(cfg.valid_dataset.reward_fn or cfg.train_dataset.reward_fn)
-    texts = greedy_completions(model, tokenizer, [p.text for p in prompts],
-                               cfg.gconfig.max_new_tokens)
+    texts = greedy_completions(model, tokenizer, [p.text for p in prompts], cfg.gconfig.max_new_tokens)
     rewards = [reward_fn(p.text, t, p.answer) for p, t in zip(prompts, texts)]
     return "heldout_reward", sum(rewards) / max(len(rewards), 1)
 
@@ -136,22 +138,30 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
             metrics.EVAL_SCORE.labels(evaluator_name, metric).set(score)
             metrics.EVAL_VERSION.labels(evaluator_name).set(event.version)
             result = m.EvalResult(
-                run=cfg.run, evaluator=evaluator_name, version=event.version, metric=metric,
-                score=float(score), n=len(evaluator.prompts), evaluated_at=time.time(),
+                run=cfg.run,
+                evaluator=evaluator_name,
+                version=event.version,
+                metric=metric,
+                score=float(score),
+                n=len(evaluator.prompts),
+                evaluated_at=time.time(),
             )
-            await bus.publish(subjects.eval_result(cfg.run, evaluator_name), result,
-                              msg_id=f"eval-{evaluator_name}-v{event.version}")
+            await bus.publish(
+                subjects.eval_result(cfg.run, evaluator_name), result, msg_id=f"eval-{evaluator_name}-v{event.version}"
+            )
 
-        await bus.consume(streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone,
-                          on_export, batch=1, ack_wait_s=300)
+        await bus.consume(
+            streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone, on_export, batch=1, ack_wait_s=300
+        )
         await stop.wait()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = entry.parser(PROG, __doc__.splitlines()[0])
-    p.add_argument("--score", default="services.clients.evaluate:heldout_reward",
-                   help="scoring hook, package.module:function")
+    p.add_argument(
+        "--score", default="services.clients.evaluate:heldout_reward", help="scoring hook, package.module:function"
+    )
     p.add_argument("--name", default="heldout", help="evaluator id in the eval subject")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)

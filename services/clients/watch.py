@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from proto import codec
+from proto import codec, subjects
 from proto import messages as m
-from proto import subjects
 from services.common import entry
 from services.common.config_schema import LorabusConfig
 
@@ -61,8 +61,10 @@ def _summary(msg) -> str:
         case m.ReplicaHeartbeat():
             return f"{msg.replica} {msg.engine} loaded={msg.loaded_versions} in_flight={msg.in_flight}"
         case m.TrainerStep():
-            return (f"step {msg.step} -> v{msg.version} loss={msg.loss:.4f} "
-                    f"reward={msg.reward_mean:.3f} tokens={msg.tokens} {msg.step_seconds:.2f}s")
+            return (
+                f"step {msg.step} -> v{msg.version} loss={msg.loss:.4f} "
+                f"reward={msg.reward_mean:.3f} tokens={msg.tokens} {msg.step_seconds:.2f}s"
+            )
         case m.TrajectoryDecision():
             return f"{msg.trajectory_id} {msg.verdict} head=v{msg.head_version} {msg.reason}".rstrip()
         case m.Trajectory():
@@ -77,18 +79,21 @@ def _summary(msg) -> str:
     return repr(msg)
 
 
-async def watch(cfg: LorabusConfig, as_json: bool, include_trajectories: bool,
-                out: Callable[[str], None] = print, stop: asyncio.Event | None = None) -> None:
+async def watch(
+    cfg: LorabusConfig,
+    as_json: bool,
+    include_trajectories: bool,
+    out: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
+) -> None:
     stop = entry.stop_event(stop)
     # read-only: the watcher's identity may not create streams, and needs none
     async with entry.connected(cfg, "watch", ensure_streams=False) as bus:
-
         # a raw subscription: show every message, even ones this build cannot decode
         async def on_msg(msg: Msg) -> None:
             if not include_trajectories and ".trajectory." in msg.subject:
                 return
-            out(f"{msg.subject} {msg.data.decode(errors='replace')}" if as_json
-                else describe(msg.subject, msg.data))
+            out(f"{msg.subject} {msg.data.decode(errors='replace')}" if as_json else describe(msg.subject, msg.data))
 
         await bus.subscribe_raw(f"{subjects.run_prefix(cfg.run)}.>", on_msg)
         await stop.wait()

@@ -47,9 +47,7 @@ def parse_peft_key(key: str) -> tuple[str, str]:
     """The inverse of `peft_key`: (module path, "A" | "B")."""
     m = _KEY.match(key)
     if not m:
-        raise ValueError(
-            f"{key!r} is not a PEFT LoRA key (base_model.model.<module>.lora_A|B.weight)"
-        )
+        raise ValueError(f"{key!r} is not a PEFT LoRA key (base_model.model.<module>.lora_A|B.weight)")
     return m.group(1), m.group(2)
 
 

@@ -226,9 +226,13 @@ def _top(x: _Translator) -> None:
             if x.has(key) and x.get(key) != x.get(name):
                 x.refuse(key, f"differs from the top-level {name} {x.get(name)!r}; {_OWN_RUN}")
             x.noop(key, _OWN_RUN)
-    x.only("enable_offload", False, "is not supported: lorabus never colocates training and "
-           "generation, so there is nothing to offload to make room for (set false)",
-           note="lorabus never colocates training and generation; nothing to offload")
+    x.only(
+        "enable_offload",
+        False,
+        "is not supported: lorabus never colocates training and "
+        "generation, so there is nothing to offload to make room for (set false)",
+        note="lorabus never colocates training and generation; nothing to offload",
+    )
     tok = x.get("tokenizer_path")
     if x.has("tokenizer_path"):
         if tok in ("", x.get("actor.path")):
@@ -276,17 +280,19 @@ def _train_alloc(x: _Translator, text: Any) -> None:
         ep = a.ffn.get("e", 1)
         etp, fpp = a.ffn.get("t", 1), a.ffn.get("p", 1)
         if etp != 1:
-            x.t.problems.append(f"{key}: {text!r} has expert tensor parallelism t{etp}; lorabus's "
-                                "Megatron engine has none (use ffn t1)")
+            x.t.problems.append(
+                f"{key}: {text!r} has expert tensor parallelism t{etp}; lorabus's Megatron engine has none (use ffn t1)"
+            )
         if fpp != pp:
             x.t.problems.append(f"{key}: {text!r} has attn p{pp} but ffn p{fpp}; they must be equal")
     if cp != 1:
-        x.t.problems.append(f"{key}: {text!r} has context parallelism c{cp}; lorabus's engines have "
-                            "none (use c1)")
+        x.t.problems.append(f"{key}: {text!r} has context parallelism c{cp}; lorabus's engines have none (use c1)")
     if a.backend == "fsdp":
         if tp != 1 or pp != 1 or ep != 1:
-            x.t.problems.append(f"{key}: {text!r}: lorabus's FSDP2 engine shards data-parallel only "
-                                "(use fsdp:dN, or megatron: for tensor parallelism)")
+            x.t.problems.append(
+                f"{key}: {text!r}: lorabus's FSDP2 engine shards data-parallel only "
+                "(use fsdp:dN, or megatron: for tensor parallelism)"
+            )
         _set(x.t.tree, "actor.backend", "fsdp2")
         world = dp
         became = f"actor.backend = 'fsdp2', actor.nproc_per_node = {world}"
@@ -296,11 +302,14 @@ def _train_alloc(x: _Translator, text: Any) -> None:
             _set(x.t.tree, f"actor.megatron.{name}_model_parallel_size", size)
             x.t.origin[f"actor.megatron.{name}_model_parallel_size"] = key
         world = dp * tp * pp
-        became = (f"actor.backend = 'megatron', actor.nproc_per_node = {world}, "
-                  f"actor.megatron tensor/pipeline/expert sizes {tp}/{pp}/{ep}")
+        became = (
+            f"actor.backend = 'megatron', actor.nproc_per_node = {world}, "
+            f"actor.megatron tensor/pipeline/expert sizes {tp}/{pp}/{ep}"
+        )
     else:
-        x.t.problems.append(f"{key}: {text!r}: backend {a.backend!r} is not supported; lorabus "
-                            "trains with fsdp or megatron")
+        x.t.problems.append(
+            f"{key}: {text!r}: backend {a.backend!r} is not supported; lorabus trains with fsdp or megatron"
+        )
         return
     _set(x.t.tree, "actor.nproc_per_node", world)
     x.t.origin.update({"actor.backend": key, "actor.nproc_per_node": key})
@@ -332,13 +341,20 @@ def _infer_alloc(x: _Translator, text: Any) -> None:
     flags: list[str] = []
     if a.backend == "vllm":
         flags = ([f"--tensor-parallel-size={tp}"] if tp > 1 else []) + (
-            [f"--pipeline-parallel-size={pp}"] if pp > 1 else [])
+            [f"--pipeline-parallel-size={pp}"] if pp > 1 else []
+        )
     else:
         flags = ([f"--tp-size={tp}"] if tp > 1 else []) + ([f"--pp-size={pp}"] if pp > 1 else [])
     x.server_flags = flags  # type: ignore[attr-defined]
-    x.t.rows.append(Row(key, text, f"rollout.engine = {a.backend!r}, rollout.replicas = {dp}"
-                        + (f", {a.backend}.extra_args += {flags}" if flags else ""),
-                        "one rollout sidecar per server; each server spans t*p GPUs"))
+    x.t.rows.append(
+        Row(
+            key,
+            text,
+            f"rollout.engine = {a.backend!r}, rollout.replicas = {dp}"
+            + (f", {a.backend}.extra_args += {flags}" if flags else ""),
+            "one rollout sidecar per server; each server spans t*p GPUs",
+        )
+    )
 
 
 _SAMPLING_ONLY = "lorabus's rollout sends no such option to the engine"
@@ -346,39 +362,62 @@ _SAMPLING_ONLY = "lorabus's rollout sends no such option to the engine"
 
 def _gconfig(x: _Translator) -> None:
     g = "gconfig"
-    for name, default in (("n_samples", 1), ("max_new_tokens", 16384), ("min_new_tokens", 0),
-                          ("greedy", False), ("top_p", 1.0), ("temperature", 1.0),
-                          ("lora_name", "default_lora")):
+    for name, default in (
+        ("n_samples", 1),
+        ("max_new_tokens", 16384),
+        ("min_new_tokens", 0),
+        ("greedy", False),
+        ("top_p", 1.0),
+        ("temperature", 1.0),
+        ("lora_name", "default_lora"),
+    ):
         x.to(f"{g}.{name}", f"gconfig.{name}", default=default)
     top_k = x.get(f"{g}.top_k", int(1e8))
     # AReaL's default 1e8 means "no limit", which lorabus writes as 0
     if not isinstance(top_k, int) or isinstance(top_k, bool):
         x.refuse(f"{g}.top_k", "must be an integer (AReaL's default 1e8: no limit)")
     else:
-        x.to(f"{g}.top_k", "gconfig.top_k", 0 if top_k >= 1_000_000 else top_k, default=int(1e8),
-             note="1e8 and above: no limit (lorabus writes 0)" if top_k >= 1_000_000 else "")
+        x.to(
+            f"{g}.top_k",
+            "gconfig.top_k",
+            0 if top_k >= 1_000_000 else top_k,
+            default=int(1e8),
+            note="1e8 and above: no limit (lorabus writes 0)" if top_k >= 1_000_000 else "",
+        )
     x.to(f"{g}.stop_token_ids", "gconfig.stop_token_ids")
     if x.has(f"{g}.max_tokens"):
         cap = x.get(f"{g}.max_tokens")
         longest = x.get("train_dataset.max_length")
         new = x.get(f"{g}.max_new_tokens", 16384)
         if longest is not None and longest + new <= cap:
-            x.noop(f"{g}.max_tokens", f"never binds: train_dataset.max_length {longest} + "
-                   f"max_new_tokens {new} <= {cap}")
+            x.noop(
+                f"{g}.max_tokens", f"never binds: train_dataset.max_length {longest} + max_new_tokens {new} <= {cap}"
+            )
         else:
-            x.refuse(f"{g}.max_tokens", "is not supported: lorabus caps only the new tokens "
-                     "(gconfig.max_new_tokens); raise max_tokens to at least train_dataset.max_length "
-                     "+ max_new_tokens so that it never binds, or remove it")
-    for name, default in (("ignore_eos", False), ("stop", None), ("frequency_penalty", 0.0),
-                          ("seed", None), ("use_beam_search", False), ("reward_normalization", False),
-                          ("drop_incomplete_group", False)):
+            x.refuse(
+                f"{g}.max_tokens",
+                "is not supported: lorabus caps only the new tokens "
+                "(gconfig.max_new_tokens); raise max_tokens to at least train_dataset.max_length "
+                "+ max_new_tokens so that it never binds, or remove it",
+            )
+    for name, default in (
+        ("ignore_eos", False),
+        ("stop", None),
+        ("frequency_penalty", 0.0),
+        ("seed", None),
+        ("use_beam_search", False),
+        ("reward_normalization", False),
+        ("drop_incomplete_group", False),
+    ):
         x.only(f"{g}.{name}", default, f"is not supported: {_SAMPLING_ONLY} (remove it)")
-    x.only(f"{g}.skip_special_tokens", True, "is not supported: lorabus decodes completions "
-           "without special tokens for the reward function (remove it)")
+    x.only(
+        f"{g}.skip_special_tokens",
+        True,
+        "is not supported: lorabus decodes completions without special tokens for the reward function (remove it)",
+    )
 
 
-_NORM_WHY = ("lorabus normalises rewards within each group or over the batch "
-             "(actor.ppo.group_adv_norm), always centring")
+_NORM_WHY = "lorabus normalises rewards within each group or over the batch (actor.ppo.group_adv_norm), always centring"
 
 
 def _actor(x: _Translator) -> None:
@@ -386,44 +425,65 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.path", "actor.path")
     x.to(f"{a}.dtype", "actor.dtype", default="bfloat16")
     x.only(f"{a}.init_from_scratch", False, "is not supported: LoRA trains on a pretrained base")
-    x.noop(f"{a}.disable_dropout", "lorabus trains with the model's own dropout config "
-           "(Qwen2/Qwen3: 0, so nothing to disable)")
+    x.noop(
+        f"{a}.disable_dropout",
+        "lorabus trains with the model's own dropout config (Qwen2/Qwen3: 0, so nothing to disable)",
+    )
     x.to(f"{a}.gradient_checkpointing", "actor.gradient_checkpointing", default=False)
-    x.to(f"{a}.mb_spec.max_tokens_per_mb", "actor.mb_spec_max_tokens",
-         note="padded tokens per micro-batch; lorabus packs greedily in order")
+    x.to(
+        f"{a}.mb_spec.max_tokens_per_mb",
+        "actor.mb_spec_max_tokens",
+        note="padded tokens per micro-batch; lorabus packs greedily in order",
+    )
     x.noop(f"{a}.mb_spec", "micro-batching changes memory and speed, not the gradient")
     x.noop(f"{a}.pad_to_maximum", "micro-batching changes memory and speed, not the gradient")
     x.noop(f"{a}.logprobs_chunk_size", "memory only")
     x.noop(f"{a}.attn_impl", "lorabus uses transformers' default attention for the model")
     x.noop(f"{a}.use_kernels", "lorabus does not kernelize the model")
-    x.noop(f"{a}.scheduling_spec", "lorabus up starts one process per trainer rank; deployments "
-           "place services with compose/kubernetes (docs/deploy.md)")
+    x.noop(
+        f"{a}.scheduling_spec",
+        "lorabus up starts one process per trainer rank; deployments "
+        "place services with compose/kubernetes (docs/deploy.md)",
+    )
     x.noop(f"{a}.scheduling_strategy", "the trainer always runs apart from the rollout servers")
     x.noop(f"{a}.offload", "lorabus never colocates training and generation")
     x.noop(f"{a}.grad_reduce_dtype", "lorabus reduces the adapter's fp32 gradients")
     x.noop(f"{a}.optimizer_dtype", "lorabus keeps the adapter and its optimizer state in fp32")
     x.noop(f"{a}.fsdp", "lorabus's FSDP2 engine shards each decoder layer; no wrap options")
-    x.noop(f"{a}.max_new_tokens", "the trainer takes lengths from the trajectories "
-           "(gconfig.max_new_tokens caps them)")
+    x.noop(f"{a}.max_new_tokens", "the trainer takes lengths from the trajectories (gconfig.max_new_tokens caps them)")
     temp = x.get(f"{a}.temperature", 1.0)
     if temp != x.get("gconfig.temperature", 1.0):
-        x.refuse(f"{a}.temperature", f"differs from gconfig.temperature {x.get('gconfig.temperature', 1.0)}; "
-                 "lorabus's trainer scores tokens at the temperature that sampled them")
+        x.refuse(
+            f"{a}.temperature",
+            f"differs from gconfig.temperature {x.get('gconfig.temperature', 1.0)}; "
+            "lorabus's trainer scores tokens at the temperature that sampled them",
+        )
     x.noop(f"{a}.temperature", "equals gconfig.temperature, which the trainer uses")
     # optimizer
     o = f"{a}.optimizer"
     kind = x.get(f"{o}.type", "adam")
     if kind == "adam":
-        x.to(f"{o}.type", "actor.optimizer.type", "adamw", default="adam",
-             note="AReaL's adam is torch.optim.AdamW (decoupled weight decay)")
+        x.to(
+            f"{o}.type",
+            "actor.optimizer.type",
+            "adamw",
+            default="adam",
+            note="AReaL's adam is torch.optim.AdamW (decoupled weight decay)",
+        )
     elif kind == "sgd":
         x.to(f"{o}.type", "actor.optimizer.type", "sgd")
     else:
-        x.refuse(f"{o}.type", "is not supported: lorabus keeps adapter optimizer state in fp32 "
-                 "(use adam)")
-    for name, default in (("lr", 1e-3), ("weight_decay", 0.01), ("beta1", 0.9), ("beta2", 0.999),
-                          ("eps", 1e-8), ("gradient_clipping", 1.0), ("min_lr_ratio", 0.0),
-                          ("lr_scheduler_type", "constant")):
+        x.refuse(f"{o}.type", "is not supported: lorabus keeps adapter optimizer state in fp32 (use adam)")
+    for name, default in (
+        ("lr", 1e-3),
+        ("weight_decay", 0.01),
+        ("beta1", 0.9),
+        ("beta2", 0.999),
+        ("eps", 1e-8),
+        ("gradient_clipping", 1.0),
+        ("min_lr_ratio", 0.0),
+        ("lr_scheduler_type", "constant"),
+    ):
         x.to(f"{o}.{name}", f"actor.optimizer.{name}", default=default)
     for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
         x.noop(f"{o}.{name}", "fp16 loss scaling; lorabus's adapter trains in fp32")
@@ -436,8 +496,7 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.reward_scaling", f"{p}.reward_scaling", default=1.0)
     x.to(f"{a}.reward_bias", f"{p}.reward_bias", default=0.0)
     x.to(f"{a}.reward_clip", f"{p}.reward_clip", default=20.0)
-    x.to(f"{a}.kl_ctl", f"{p}.kl_ctl", default=0.1,
-         note="lorabus refuses any value but 0 (no KL term)")
+    x.to(f"{a}.kl_ctl", f"{p}.kl_ctl", default=0.1, note="lorabus refuses any value but 0 (no KL term)")
     if x.get(f"{a}.kl_ctl", 0.1) == 0:
         x.noop(f"{a}.kl_estimator", "unused: kl_ctl is 0")
     else:
@@ -445,23 +504,46 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.use_decoupled_loss", f"{p}.use_decoupled_loss", default=False)
     decoupled = x.get(f"{a}.use_decoupled_loss", False)
     if decoupled or not x.get(f"{a}.recompute_logprob", False):
-        x.noop(f"{a}.recompute_logprob", "the decoupled loss always recomputes pi_prox" if decoupled
-               else "unset: PPO against the rollout's logprobs, as lorabus does")
+        x.noop(
+            f"{a}.recompute_logprob",
+            "the decoupled loss always recomputes pi_prox"
+            if decoupled
+            else "unset: PPO against the rollout's logprobs, as lorabus does",
+        )
     else:
-        x.refuse(f"{a}.recompute_logprob", "without use_decoupled_loss is not supported: lorabus's "
-                 "plain PPO takes the rollout's logprobs (set use_decoupled_loss: true)")
+        x.refuse(
+            f"{a}.recompute_logprob",
+            "without use_decoupled_loss is not supported: lorabus's "
+            "plain PPO takes the rollout's logprobs (set use_decoupled_loss: true)",
+        )
     _rejection(x)
     _norms(x)
-    for name, default in (("c_clip", None), ("m2_threshold", None), ("overlong_reward_penalty", False),
-                          ("overlong_tokens", None), ("overlong_penalty_factor", None),
-                          ("mask_no_eos_with_zero", False), ("discount", 1.0), ("gae_lambda", 1.0),
-                          ("gae_timestep_unit", "token"), ("gae_lambda_kwargs", {}),
-                          ("use_sapo_loss", False), ("use_cispo_loss", False),
-                          ("importance_sampling_level", "token"), ("prox_logp_method", "recompute"),
-                          ("log_agent_stats", False), ("log_agent_stats_keys", []),
-                          ("enable_tree_training", False), ("is_critic", False)):
-        x.only(f"{a}.{name}", default, "is not supported: lorabus implements AReaL's decoupled PPO "
-               "with GRPO group advantages only (set it back to AReaL's default)")
+    for name, default in (
+        ("c_clip", None),
+        ("m2_threshold", None),
+        ("overlong_reward_penalty", False),
+        ("overlong_tokens", None),
+        ("overlong_penalty_factor", None),
+        ("mask_no_eos_with_zero", False),
+        ("discount", 1.0),
+        ("gae_lambda", 1.0),
+        ("gae_timestep_unit", "token"),
+        ("gae_lambda_kwargs", {}),
+        ("use_sapo_loss", False),
+        ("use_cispo_loss", False),
+        ("importance_sampling_level", "token"),
+        ("prox_logp_method", "recompute"),
+        ("log_agent_stats", False),
+        ("log_agent_stats_keys", []),
+        ("enable_tree_training", False),
+        ("is_critic", False),
+    ):
+        x.only(
+            f"{a}.{name}",
+            default,
+            "is not supported: lorabus implements AReaL's decoupled PPO "
+            "with GRPO group advantages only (set it back to AReaL's default)",
+        )
     # LoRA and weight updates
     x.to(f"{a}.use_lora", "actor.use_lora", default=False)
     x.to(f"{a}.peft_type", "actor.peft_type", default="lora")
@@ -470,9 +552,14 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.target_modules", "actor.target_modules", default=[])
     mode = x.get(f"{a}.weight_update_mode", "xccl")
     if mode == "xccl":
-        x.to(f"{a}.weight_update_mode", "actor.weight_update_mode", "disk", default="xccl",
-             note="AReaL's xccl for LoRA goes through vLLM's private worker API; lorabus's "
-                  "servers load each version from the adapter directory: same adapter, same versions")
+        x.to(
+            f"{a}.weight_update_mode",
+            "actor.weight_update_mode",
+            "disk",
+            default="xccl",
+            note="AReaL's xccl for LoRA goes through vLLM's private worker API; lorabus's "
+            "servers load each version from the adapter directory: same adapter, same versions",
+        )
     elif mode == "disk":
         x.to(f"{a}.weight_update_mode", "actor.weight_update_mode")
     else:
@@ -482,8 +569,7 @@ def _actor(x: _Translator) -> None:
     x.noop(f"{a}.weight_update_delta_method", "unused without delta weight updates")
     x.noop(f"{a}.weight_update_anchor_interval", "unused without delta weight updates")
     _megatron(x)
-    for name in ("_version", "admin_api_key", "log_level", "request_timeout", "setup_timeout",
-                 "workers_ready_timeout"):
+    for name in ("_version", "admin_api_key", "log_level", "request_timeout", "setup_timeout", "workers_ready_timeout"):
         x.noop(f"{a}.{name}", "AReaL controller option; lorabus's trainer is a bus service")
 
 
@@ -500,12 +586,12 @@ def _rejection(x: _Translator) -> None:
             x.to(r, f"{p}.behav_imp_weight_cap", None, note="no filtering of stale tokens")
         else:
             _set(x.t.tree, f"{p}.behav_imp_weight_cap", None)
-            x.t.rows.append(Row(r, "None (AReaL default)", f"{p}.behav_imp_weight_cap = None",
-                                "no filtering of stale tokens"))
+            x.t.rows.append(
+                Row(r, "None (AReaL default)", f"{p}.behav_imp_weight_cap = None", "no filtering of stale tokens")
+            )
         return
     x.only(f"{r}.level", "token", "is not supported: lorabus filters per token (level: token)")
-    x.only(f"{r}.metric", "ratio", "is not supported: lorabus caps the ratio pi_prox/pi_behave "
-           "(metric: ratio)")
+    x.only(f"{r}.metric", "ratio", "is not supported: lorabus caps the ratio pi_prox/pi_behave (metric: ratio)")
     x.only(f"{r}.lower", None, "is not supported: lorabus caps from above only (remove lower)")
     x.noop(f"{r}.agg", "sequence-level only; lorabus filters per token")
     x.to(f"{r}.upper", f"{p}.behav_imp_weight_cap", default=5.0)
@@ -517,13 +603,19 @@ def _norms(x: _Translator) -> None:
     rn, an = "actor.reward_norm", "actor.adv_norm"
     eps: set[float] = set()
     if x.get(rn) is None and not any(k.startswith(rn + ".") for k in x.flat):
-        x.refuse(rn, f"(no reward normalisation) is not supported: {_NORM_WHY}; write reward_norm "
-                 "with mean_level group (or batch)")
+        x.refuse(
+            rn,
+            f"(no reward normalisation) is not supported: {_NORM_WHY}; write reward_norm "
+            "with mean_level group (or batch)",
+        )
     else:
         mean, std = x.get(f"{rn}.mean_level", "batch"), x.get(f"{rn}.std_level", "batch")
         if mean not in ("group", "batch") or std not in (mean, None):
-            x.refuse(f"{rn}.mean_level", f"with std_level {std!r} is not supported: {_NORM_WHY}, "
-                     "dividing by the std at the same level or not at all")
+            x.refuse(
+                f"{rn}.mean_level",
+                f"with std_level {std!r} is not supported: {_NORM_WHY}, "
+                "dividing by the std at the same level or not at all",
+            )
             x.used.add(f"{rn}.std_level")
         else:
             x.to(f"{rn}.mean_level", f"{p}.group_adv_norm", mean == "group", default="batch")
@@ -531,8 +623,9 @@ def _norms(x: _Translator) -> None:
         n = x.get("gconfig.n_samples", 1)
         size = x.get(f"{rn}.group_size", 1)
         if mean == "group" and size != n:
-            x.refuse(f"{rn}.group_size", f"differs from gconfig.n_samples {n}; lorabus's groups are "
-                     "one prompt's completions")
+            x.refuse(
+                f"{rn}.group_size", f"differs from gconfig.n_samples {n}; lorabus's groups are one prompt's completions"
+            )
         x.noop(f"{rn}.group_size", "equals gconfig.n_samples: a group is one prompt's completions")
         _norm_common(x, rn, eps)
     if x.get(an) is None and not any(k.startswith(an + ".") for k in x.flat):
@@ -540,8 +633,11 @@ def _norms(x: _Translator) -> None:
     else:
         mean, std = x.get(f"{an}.mean_level", "batch"), x.get(f"{an}.std_level", "batch")
         if mean != "batch" or std not in ("batch", None):
-            x.refuse(f"{an}.mean_level", f"with std_level {std!r} is not supported: lorabus "
-                     "normalises advantages over the batch (mean_level batch, std_level batch or null)")
+            x.refuse(
+                f"{an}.mean_level",
+                f"with std_level {std!r} is not supported: lorabus "
+                "normalises advantages over the batch (mean_level batch, std_level batch or null)",
+            )
             x.used.add(f"{an}.std_level")
         else:
             x.to(f"{an}.mean_level", f"{p}.batch_adv_norm", True, default="batch")
@@ -549,8 +645,10 @@ def _norms(x: _Translator) -> None:
         x.noop(f"{an}.group_size", "unused at batch level")
         _norm_common(x, an, eps)
     if len(eps) > 1:
-        x.t.problems.append(f"actor.reward_norm.eps / actor.adv_norm.eps: {sorted(eps)} differ; "
-                            "lorabus has one actor.ppo.norm_eps for both (make them equal)")
+        x.t.problems.append(
+            f"actor.reward_norm.eps / actor.adv_norm.eps: {sorted(eps)} differ; "
+            "lorabus has one actor.ppo.norm_eps for both (make them equal)"
+        )
     elif eps:
         _set(x.t.tree, f"{p}.norm_eps", eps.pop())
 
@@ -560,8 +658,13 @@ def _norm_common(x: _Translator, key: str, eps: set[float]) -> None:
     x.only(f"{key}.std_unbiased", True, "is not supported: lorabus's std is unbiased (n - 1)")
     value = x.get(f"{key}.eps", 1e-5)
     eps.add(value)
-    x.t.rows.append(Row(f"{key}.eps", value if x.has(f"{key}.eps") else f"{value} (AReaL default)",
-                        f"actor.ppo.norm_eps = {value!r}"))
+    x.t.rows.append(
+        Row(
+            f"{key}.eps",
+            value if x.has(f"{key}.eps") else f"{value} (AReaL default)",
+            f"actor.ppo.norm_eps = {value!r}",
+        )
+    )
     x.used.add(f"{key}.eps")
 
 
@@ -593,17 +696,31 @@ def _rollout(x: _Translator) -> None:
     x.noop(f"{r}.fileroot", "lorabus writes under run_dir and store.uri")
     x.noop(f"{r}.scheduling_spec", "lorabus up starts the rollout sidecars; deployments place them")
     x.noop(f"{r}.scheduling_strategy", "the rollout servers always run apart from the trainer")
-    x.noop(f"{r}.agent", "lorabus's rollout is one generation per sample scored by "
-           "train_dataset.reward_fn (AReaL's inline single-turn workflow)")
+    x.noop(
+        f"{r}.agent",
+        "lorabus's rollout is one generation per sample scored by "
+        "train_dataset.reward_fn (AReaL's inline single-turn workflow)",
+    )
     x.noop(f"{r}.request_retries", "the sidecar retries a failed generation until its lease ends")
     x.noop(f"{r}.setup_timeout", "servers are waited for by their health endpoint")
     x.noop(f"{r}.workers_ready_timeout", "servers are waited for by their health endpoint")
     x.noop(f"{r}.pause_grace_period", "lorabus never pauses generation for weight updates")
-    for name, default in (("deterministic_sampling", False), ("serialize_group_samples", False),
-                          ("check_trajectory_format", False), ("return_routed_experts", False)):
+    for name, default in (
+        ("deterministic_sampling", False),
+        ("serialize_group_samples", False),
+        ("check_trajectory_format", False),
+        ("return_routed_experts", False),
+    ):
         x.only(f"{r}.{name}", default, "is not supported by lorabus's rollout (remove it)")
-    for name in ("_version", "model", "routing_strategy", "poll_interval", "admin_api_key",
-                 "api_url", "provider_api_key"):
+    for name in (
+        "_version",
+        "model",
+        "routing_strategy",
+        "poll_interval",
+        "admin_api_key",
+        "api_url",
+        "provider_api_key",
+    ):
         x.noop(f"{r}.{name}", "AReaL controller option; lorabus's rollouts are bus services")
 
 
@@ -619,8 +736,12 @@ def _servers(x: _Translator) -> None:
         x.to(f"{v}.max_lora_rank", "vllm.max_lora_rank", default=16)
         x.to(f"{v}.max_loras", "vllm.max_loras", default=8)
         x.noop(f"{v}.lora_modules", "auto-filled with {lora_name}-v0, as in AReaL")
-        for name, flag in (("seed", "--seed"), ("gpu_memory_utilization", "--gpu-memory-utilization"),
-                           ("max_num_seqs", "--max-num-seqs"), ("block_size", "--block-size")):
+        for name, flag in (
+            ("seed", "--seed"),
+            ("gpu_memory_utilization", "--gpu-memory-utilization"),
+            ("max_num_seqs", "--max-num-seqs"),
+            ("block_size", "--block-size"),
+        ):
             if x.get(f"{v}.{name}") is not None:
                 flags.append(f"{flag}={x.get(f'{v}.{name}')}")
                 x.t.rows.append(Row(f"{v}.{name}", x.get(f"{v}.{name}"), f"vllm.extra_args += {flags[-1]}"))
@@ -641,10 +762,13 @@ def _servers(x: _Translator) -> None:
         x.to(f"{s}.max_loaded_loras", "sglang.max_loaded_loras", default=8)
         x.to(f"{s}.lora_backend", "sglang.lora_backend", default="triton")
         x.noop(f"{s}.lora_paths", "auto-filled with {lora_name}-v0, as in AReaL")
-        for name, flag in (("random_seed", "--random-seed"), ("dtype", "--dtype"),
-                           ("context_length", "--context-length"),
-                           ("mem_fraction_static", "--mem-fraction-static"),
-                           ("max_running_requests", "--max-running-requests")):
+        for name, flag in (
+            ("random_seed", "--random-seed"),
+            ("dtype", "--dtype"),
+            ("context_length", "--context-length"),
+            ("mem_fraction_static", "--mem-fraction-static"),
+            ("max_running_requests", "--max-running-requests"),
+        ):
             if x.get(f"{s}.{name}") is not None:
                 flags.append(f"{flag}={x.get(f'{s}.{name}')}")
                 x.t.rows.append(Row(f"{s}.{name}", x.get(f"{s}.{name}"), f"sglang.extra_args += {flags[-1]}"))
@@ -655,8 +779,12 @@ def _servers(x: _Translator) -> None:
         _set(x.t.tree, "sglang.extra_args", flags)
 
 
-_GSM8K = {"prompt_field": "question", "answer_field": "answer", "config_name": "main",
-          "reward_fn": "services.common.rewards:numeric_final_answer"}
+_GSM8K = {
+    "prompt_field": "question",
+    "answer_field": "answer",
+    "config_name": "main",
+    "reward_fn": "services.common.rewards:numeric_final_answer",
+}
 
 
 def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> None:
@@ -674,27 +802,45 @@ def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> No
         if "gsm8k" in path.lower():
             for key, value in _GSM8K.items():
                 _set(x.t.tree, f"{name}.{key}", value)
-            x.t.rows.append(Row(f"{d}.path", path, f"{name}: " + ", ".join(f"{k} = {v!r}" for k, v in _GSM8K.items()),
-                                "AReaL's reward and prompt live in its Python script (gsm8k_reward_fn, a "
-                                "chat-template prompt asking for \\boxed{}); lorabus sends the question as is "
-                                "and scores the final number"))
+            x.t.rows.append(
+                Row(
+                    f"{d}.path",
+                    path,
+                    f"{name}: " + ", ".join(f"{k} = {v!r}" for k, v in _GSM8K.items()),
+                    "AReaL's reward and prompt live in its Python script (gsm8k_reward_fn, a "
+                    "chat-template prompt asking for \\boxed{}); lorabus sends the question as is "
+                    "and scores the final number",
+                )
+            )
         x.noop(f"{d}.max_length", "lorabus keeps every prompt (AReaL drops prompts over max_length tokens)")
         x.noop(f"{d}.pin_memory", "data loading is per service; nothing to pin")
         x.noop(f"{d}.num_workers", "data loading is per service")
         x.noop(f"{d}.num_dataset_workers", "data loading is per service")
         x.noop(f"{d}.scheduling_spec", "data loading is per service")
         x.noop(f"{d}.setup_timeout", "data loading is per service")
-        x.only(f"{d}.dataset_kwargs", {}, "is not supported: lorabus's loader takes path, split and "
-               "the prompt/answer fields (under lorabus: train_dataset:)")
-        x.noop(f"{d}.batch_size", "the trainer's step is rollout.consumer_batch_size groups"
-               if name == "train_dataset" else "`lorabus evaluate` batches by itself")
+        x.only(
+            f"{d}.dataset_kwargs",
+            {},
+            "is not supported: lorabus's loader takes path, split and "
+            "the prompt/answer fields (under lorabus: train_dataset:)",
+        )
+        x.noop(
+            f"{d}.batch_size",
+            "the trainer's step is rollout.consumer_batch_size groups"
+            if name == "train_dataset"
+            else "`lorabus evaluate` batches by itself",
+        )
         x.noop(f"{d}.drop_last", "counted in the epochs -> steps conversion")
-    if x.has("train_dataset.batch_size") and x.has("rollout.consumer_batch_size") and \
-            x.get("train_dataset.batch_size") != x.get("rollout.consumer_batch_size"):
+    if (
+        x.has("train_dataset.batch_size")
+        and x.has("rollout.consumer_batch_size")
+        and x.get("train_dataset.batch_size") != x.get("rollout.consumer_batch_size")
+    ):
         x.t.problems.append(
             f"train_dataset.batch_size: {x.get('train_dataset.batch_size')} differs from "
             f"rollout.consumer_batch_size {x.get('rollout.consumer_batch_size')}; a lorabus step "
-            "trains on consumer_batch_size groups, one per prompt (make them equal)")
+            "trains on consumer_batch_size groups, one per prompt (make them equal)"
+        )
     _steps(x, count_rows)
 
 
@@ -706,15 +852,24 @@ def _steps(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> None:
         try:
             rows = count_rows(x.t.tree.get("train_dataset", {}))
         except ValueError as e:
-            x.refuse("total_train_epochs", f"cannot become steps: the training set could not be "
-                     f"counted ({e}); make it loadable, or set total_train_steps")
+            x.refuse(
+                "total_train_epochs",
+                f"cannot become steps: the training set could not be "
+                f"counted ({e}); make it loadable, or set total_train_steps",
+            )
             rows = None
         if rows is not None:
             per_epoch = rows // batch if x.get("train_dataset.drop_last", True) else -(-rows // batch)
             total = epochs * per_epoch
             x.used.add("total_train_epochs")
-            x.t.rows.append(Row("total_train_epochs", epochs, f"total_train_steps = {total}",
-                                f"{epochs} x ({rows} prompts // batch {batch})"))
+            x.t.rows.append(
+                Row(
+                    "total_train_epochs",
+                    epochs,
+                    f"total_train_steps = {total}",
+                    f"{epochs} x ({rows} prompts // batch {batch})",
+                )
+            )
     if steps is not None:
         x.used.add("total_train_steps")
         note = "AReaL stops at whichever ends first"
@@ -724,14 +879,14 @@ def _steps(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> None:
         _set(x.t.tree, "total_train_steps", total)
         x.t.origin["total_train_steps"] = "total_train_epochs"
     elif epochs is None:
-            x.t.problems.append("total_train_epochs: missing; AReaL requires it")
+        x.t.problems.append("total_train_epochs: missing; AReaL requires it")
 
 
 def _count_rows(dataset: dict[str, Any]) -> int:
+    import msgspec
+
     from services.common.config_schema import DatasetConfig
     from services.common.data import DataError, load_prompts
-
-    import msgspec
 
     try:
         cfg = msgspec.convert(dataset, DatasetConfig)
@@ -746,18 +901,28 @@ def _utilities(x: _Translator) -> None:
     x.noop("cluster", "lorabus up runs on this host; deployments size each service (docs/deploy.md)")
     x.noop("scheduler", "lorabus up starts local processes; deployments use compose/kubernetes (docs/deploy.md)")
     x.noop("launcher", "lorabus up starts local processes; deployments use compose/kubernetes (docs/deploy.md)")
-    x.noop("saver", "the trainer checkpoints every actor.checkpoint_every steps, and the exporter "
-           "writes every version as a PEFT directory (exporter.uri)")
-    x.noop("recover", "recovery is always on: the trainer resumes from its last checkpoint and the "
-           "registry replays its journal")
+    x.noop(
+        "saver",
+        "the trainer checkpoints every actor.checkpoint_every steps, and the exporter "
+        "writes every version as a PEFT directory (exporter.uri)",
+    )
+    x.noop(
+        "recover",
+        "recovery is always on: the trainer resumes from its last checkpoint and the registry replays its journal",
+    )
     x.noop("evaluator", "`lorabus evaluate` scores every new version on valid_dataset")
-    x.noop("stats_logger", "metrics are Prometheus (metrics.port) and events on the bus "
-           "(`lorabus watch`); no wandb/swanlab/tensorboard")
+    x.noop(
+        "stats_logger",
+        "metrics are Prometheus (metrics.port) and events on the bus (`lorabus watch`); no wandb/swanlab/tensorboard",
+    )
     x.noop("perf_tracer", "no tracer; per-service Prometheus metrics instead")
     x.noop("memory_profiler", "no memory profiler")
     x.noop("post_exit_hook", "no exit hook")
-    x.noop("ref", "no reference model: lorabus has no KL term (kl_ctl must be 0); with LoRA the "
-           "frozen base would be the reference")
+    x.noop(
+        "ref",
+        "no reference model: lorabus has no KL term (kl_ctl must be 0); with LoRA the "
+        "frozen base would be the reference",
+    )
 
 
 # --- unknown keys and renames ----------------------------------------------------------------
@@ -811,8 +976,10 @@ def rename_hint(path: str) -> str | None:
         return f"AReaL's {path} is lorabus's {RENAMES[path]}"
     for key, why in _NO_EQUIVALENT.items():
         if path == key or path.startswith(key + "."):
-            return (f"AReaL's {key} has no lorabus equivalent ({why}); remove it, or load the whole "
-                    "file as AReaL's (actor.backend like fsdp:d4)")
+            return (
+                f"AReaL's {key} has no lorabus equivalent ({why}); remove it, or load the whole "
+                "file as AReaL's (actor.backend like fsdp:d4)"
+            )
     if path.startswith(("actor.", "rollout.")) and path.endswith(".backend"):
         return RENAMES.get(path)
     return None
@@ -821,9 +988,13 @@ def rename_hint(path: str) -> str | None:
 def _unknown(key: str, value: Any, asked: set[str]) -> str:
     known = sorted(asked | set(RENAMES) | set(_NO_EQUIVALENT))
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-    fix = f"did you mean {close[0]}?" if close else (
-        f"lorabus knows no AReaL field of this name; remove it, or put native lorabus keys under "
-        f"{NATIVE_SECTION}:")
+    fix = (
+        f"did you mean {close[0]}?"
+        if close
+        else (
+            f"lorabus knows no AReaL field of this name; remove it, or put native lorabus keys under {NATIVE_SECTION}:"
+        )
+    )
     return f"{key}: {value!r} is not translated; {fix}"
 
 
@@ -836,8 +1007,14 @@ def _collapse(rows: list[Row]) -> list[Row]:
     for r in rows:
         top = r.areal.split(".")[0]
         last = out[-1] if out else None
-        if (last is not None and r.became == "-" and last.became == "-" and last.note == r.note
-                and last.areal.split(".")[0] == top and "." in r.areal):
+        if (
+            last is not None
+            and r.became == "-"
+            and last.became == "-"
+            and last.note == r.note
+            and last.areal.split(".")[0] == top
+            and "." in r.areal
+        ):
             out[-1] = Row(f"{top}.*", "…", "-", r.note)
         else:
             out.append(r)
@@ -846,6 +1023,7 @@ def _collapse(rows: list[Row]) -> list[Row]:
 
 def report(rows: list[Row]) -> str:
     """One table: AReaL field, its value, what it became here (or '-' and why not)."""
+
     def cut(text: Any, n: int) -> str:
         s = str(text)
         return s if len(s) <= n else s[: n - 1] + "…"
@@ -881,6 +1059,9 @@ def announce(t: Translation, source: str | None) -> None:
     if os.environ.get(REPORTED_ENV) == "1":
         return
     os.environ[REPORTED_ENV] = "1"
-    print(f"lorabus: {source or 'config'} is an AReaL experiment file; translated as follows "
-          "(`lorabus config translate` prints the native YAML):", file=sys.stderr)
+    print(
+        f"lorabus: {source or 'config'} is an AReaL experiment file; translated as follows "
+        "(`lorabus config translate` prints the native YAML):",
+        file=sys.stderr,
+    )
     print(report(t.rows), file=sys.stderr)

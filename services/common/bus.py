@@ -206,7 +206,7 @@ class Bus:
                 ),
                 timeout=cfg.connect_timeout_s,
             )
-        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
             cause = nc.last_error or exc
             await nc.close()
             raise BusError(
@@ -239,8 +239,12 @@ class Bus:
             return
         try:
             await asyncio.wait_for(self.nc.drain(), CLOSE_TIMEOUT_S)
-        except (asyncio.TimeoutError, nats.errors.ConnectionClosedError,
-                nats.errors.FlushTimeoutError, nats.errors.DrainTimeoutError):
+        except (
+            TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.FlushTimeoutError,
+            nats.errors.DrainTimeoutError,
+        ):
             await self.nc.close()
 
     # --- streams and KV -----------------------------------------------------------------
@@ -290,18 +294,14 @@ class Bus:
         """
         return await self._publish_raw(subject, codec.encode(msg), msg_id=msg_id, timeout=timeout)
 
-    async def _publish_raw(
-        self, subject: str, data: bytes, *, msg_id: str | None, timeout: float
-    ) -> int:
+    async def _publish_raw(self, subject: str, data: bytes, *, msg_id: str | None, timeout: float) -> int:
         headers = {MSG_ID_HEADER: msg_id} if msg_id else None
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:
             remaining = deadline - time.monotonic()
             try:
-                ack = await self.js.publish(
-                    subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0))
-                )
+                ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
                 MESSAGES.labels(self.service, "published").inc()
                 return ack.seq
             except TRANSIENT_ERRORS as exc:
@@ -324,9 +324,7 @@ class Bus:
         await self.nc.publish(subject, data)
         MESSAGES.labels(self.service, "published").inc()
 
-    async def dead_letter(
-        self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None
-    ) -> int:
+    async def dead_letter(self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None) -> int:
         """Record a message this service could not use on `deadletter.<service>`."""
         if reason not in DEAD_LETTER_REASONS:
             raise BusError(f"dead_letter reason: {reason!r} is not one of {DEAD_LETTER_REASONS}")
@@ -339,18 +337,14 @@ class Bus:
             raw=bytes(raw[:DEAD_LETTER_RAW_BYTES]),
             received_at=time.time(),
         )
-        seq = await self.publish(
-            subjects.dead_letter(self.run, self.service), letter, msg_id=msg_id
-        )
+        seq = await self.publish(subjects.dead_letter(self.run, self.service), letter, msg_id=msg_id)
         DEAD_LETTERS.labels(self.service, reason).inc()
         log.warning("bus: dead-lettered a message on %s (%s): %s", subject, reason, error[:200])
         return seq
 
     # --- request/reply ------------------------------------------------------------------
 
-    async def request(
-        self, subject: str, msg: msgspec.Struct, reply_type: type[T] | Any, *, timeout: float = 2.0
-    ) -> T:
+    async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T] | Any, *, timeout: float = 2.0) -> T:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
         reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
@@ -574,7 +568,13 @@ class Bus:
         return None if raw is None else decode(raw.data, msg_type)
 
     async def publish_expect(
-        self, subject: str, data: bytes, *, expected_last_seq: int, msg_id: str, rollup: bool = False,
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        expected_last_seq: int,
+        msg_id: str,
+        rollup: bool = False,
         timeout: float = 2.0,
     ) -> int:
         """One JetStream publish that is stored only if the stream's last sequence is still

@@ -467,9 +467,7 @@ def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
         out.append(f"rollout.consumer_batch_size: {ro.consumer_batch_size} must be >= 1 (groups per trainer step)")
     mcr = ro.max_concurrent_rollouts
     if mcr is not None and mcr < 1:
-        out.append(
-            f"rollout.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: defaults to consumer_batch_size)"
-        )
+        out.append(f"rollout.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: defaults to consumer_batch_size)")
     if g.n_samples < 1:
         out.append(f"gconfig.n_samples: {g.n_samples} must be >= 1 (completions per prompt)")
     elif g.n_samples == 1 and cfg.actor.ppo.group_adv_norm:
@@ -521,7 +519,9 @@ def check_vllm_slots(cfg: LorabusConfig) -> list[str]:
             "version is loaded before the oldest is unloaded (raise it, or leave it unset)"
         )
     if cpu < v.max_loras:
-        out.append(f"vllm.max_cpu_loras: {cpu} is below vllm.max_loras {v.max_loras}; vLLM requires max_cpu_loras >= max_loras")
+        out.append(
+            f"vllm.max_cpu_loras: {cpu} is below vllm.max_loras {v.max_loras}; vLLM requires max_cpu_loras >= max_loras"
+        )
     out.extend(_check_entries("vllm.lora_modules", v.lora_modules))
     return out
 
@@ -613,8 +613,7 @@ def check_schedule(cfg: LorabusConfig) -> list[str]:
         out.append(f"actor.optimizer.lr: {o.lr} must be > 0")
     if o.warmup_steps is not None and o.warmup_steps < 0:
         out.append(
-            f"actor.optimizer.warmup_steps: {o.warmup_steps} must be >= 0 (or unset: "
-            "warmup_steps_proportion decides)"
+            f"actor.optimizer.warmup_steps: {o.warmup_steps} must be >= 0 (or unset: warmup_steps_proportion decides)"
         )
     elif o.warmup_steps is not None and 0 < total <= o.warmup_steps:
         out.append(

@@ -20,8 +20,9 @@ from services.common.config import load_config
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lorabus config", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lorabus config", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="action", required=True)
     t = sub.add_parser("translate", help="print the equivalent native lorabus YAML")
     t.add_argument("file")

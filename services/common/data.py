@@ -44,9 +44,7 @@ def _arith_universe() -> list[Prompt]:
         for b in range(ARITH_MAX_OPERAND + 1):
             problems.append(Prompt(prompt_id=f"add-{a}-{b}", text=f"{a}+{b}=", answer=str(a + b)))
             if a >= b:
-                problems.append(
-                    Prompt(prompt_id=f"sub-{a}-{b}", text=f"{a}-{b}=", answer=str(a - b))
-                )
+                problems.append(Prompt(prompt_id=f"sub-{a}-{b}", text=f"{a}-{b}=", answer=str(a - b)))
     return problems
 
 
@@ -155,9 +153,7 @@ def _read_dir(cfg: DatasetConfig, path: Path) -> list[tuple[str, object]]:
     JSONL/Parquet files, named after the split (`train.jsonl`, `main/train-00000-of-00001.parquet`)."""
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return _read_hf(cfg, path)
-    files = sorted(
-        f for f in path.rglob(f"{cfg.split}*") if f.suffix in (".jsonl", ".parquet") and f.is_file()
-    )
+    files = sorted(f for f in path.rglob(f"{cfg.split}*") if f.suffix in (".jsonl", ".parquet") and f.is_file())
     if not files:
         raise DataError(
             f"path: {str(path)!r} is a directory with no {cfg.split}*.jsonl or {cfg.split}*.parquet "

@@ -15,9 +15,7 @@ def setup_logging(service: str, level: str | int = "INFO", file: str | None = No
     if isinstance(level, str):
         resolved = logging.getLevelName(level.upper())
         if not isinstance(resolved, int):
-            raise ValueError(
-                f"log level {level!r}: use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
-            )
+            raise ValueError(f"log level {level!r}: use one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         level = resolved
     formatter = logging.Formatter(FORMAT.format(service=service), datefmt="%H:%M:%S")
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]

@@ -62,8 +62,7 @@ def problems(targets: Sequence[str], backend: Backend) -> list[str]:
                     f"allowed: {', '.join(MEGATRON_LINEAR)} or {ALL_LINEAR}"
                 )
             out.append(
-                f"actor.target_modules: {name!r} is not a Megatron linear layer for actor.backend "
-                f"megatron; {fix}"
+                f"actor.target_modules: {name!r} is not a Megatron linear layer for actor.backend megatron; {fix}"
             )
     return out
 

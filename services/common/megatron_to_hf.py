@@ -77,9 +77,7 @@ class ModelShape(Struct, frozen=True, kw_only=True):
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank: {self.ep_rank} must be in [0, ep_size={self.ep_size})")
         if self.num_experts and self.num_experts % self.ep_size:
-            raise ValueError(
-                f"ep_size: {self.ep_size} does not divide num_experts {self.num_experts}"
-            )
+            raise ValueError(f"ep_size: {self.ep_size} does not divide num_experts {self.num_experts}")
 
     @property
     def q_per_group(self) -> int:
@@ -150,14 +148,12 @@ _WRAPPERS = ("module.",)
 
 def _strip_wrappers(name: str) -> str:
     while name.startswith(_WRAPPERS):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int | None, ...]) -> None:
-    ok = tensor.dim() == len(expected) and all(
-        e is None or s == e for s, e in zip(tensor.shape, expected)
-    )
+    ok = tensor.dim() == len(expected) and all(e is None or s == e for s, e in zip(tensor.shape, expected))
     if not ok:
         want = "[" + ", ".join("r" if e is None else str(e) for e in expected) + "]"
         raise ConversionError(f"{name}: shape {list(tensor.shape)} does not match {want}")
@@ -172,9 +168,7 @@ def _split_qkv(name: str, b: torch.Tensor, shape: ModelShape) -> tuple[torch.Ten
     return tuple(part.reshape(-1, rank).clone() for part in (q, k, v))
 
 
-def convert(
-    state: Mapping[str, torch.Tensor], shape: ModelShape
-) -> dict[str, torch.Tensor]:
+def convert(state: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Megatron-bridge LoRA state (one EP rank's) -> PEFT-standard tensors.
 
     Every input tensor must be recognised and have the shape `shape` implies; anything else
@@ -192,9 +186,7 @@ def convert(
             )
         layer = int(m["layer"])
         if layer >= shape.num_layers:
-            raise ConversionError(
-                f"{raw_name}: layer {layer} is beyond the model's num_layers {shape.num_layers}"
-            )
+            raise ConversionError(f"{raw_name}: layer {layer} is beyond the model's num_layers {shape.num_layers}")
         module, expert = m["module"], m["expert"]
         if expert and not module.startswith("mlp.experts."):
             raise ConversionError(f"{raw_name}: only expert tensors carry an expert index")
@@ -245,15 +237,12 @@ def _convert_module(layer, module, expert, a_name, a, b_name, b, shape: ModelSha
         yield from _pair(f"{prefix}.mlp.down_proj", a, b)
     else:
         if not shape.num_experts:
-            raise ConversionError(
-                f"{b_name}: an expert tensor, but the model shape has num_experts 0 (not MoE)"
-            )
+            raise ConversionError(f"{b_name}: an expert tensor, but the model shape has num_experts 0 (not MoE)")
         if expert:
             local = int(expert)
             if local >= shape.experts_per_rank:
                 raise ConversionError(
-                    f"{b_name}: local expert {local} is beyond num_experts / ep_size = "
-                    f"{shape.experts_per_rank}"
+                    f"{b_name}: local expert {local} is beyond num_experts / ep_size = {shape.experts_per_rank}"
                 )
             experts = [local + shape.ep_rank * shape.experts_per_rank]
         else:
@@ -280,9 +269,7 @@ def _pair(module_path: str, a: torch.Tensor, b: torch.Tensor):
     yield peft_key(module_path, "B"), b.contiguous().clone()
 
 
-def merge_ep_shards(
-    shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape
-) -> dict[str, torch.Tensor]:
+def merge_ep_shards(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Convert each expert-parallel rank's state (`shards[i]` from rank i) and merge them.
 
     Expert tensors of different ranks are disjoint; everything else is replicated across EP

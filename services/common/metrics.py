@@ -21,8 +21,7 @@ def metric_name(service: str, thing: str, unit: str | None = None) -> str:
     for part in parts:
         if not _PART.match(part):
             raise ValueError(
-                f"metric name part {part!r}: use lower-case letters, digits and '_', "
-                "starting with a letter"
+                f"metric name part {part!r}: use lower-case letters, digits and '_', starting with a letter"
             )
     return "_".join(["lorabus", *parts])
 

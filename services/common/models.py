@@ -45,9 +45,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"tokenizer {str(path)!r}: could not be loaded ({exc})") from exc
 
 
-def load_base_model(
-    path: str | Path, dtype: str = "float32", device: str = "cpu"
-) -> PreTrainedModel:
+def load_base_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     try:
@@ -70,9 +68,7 @@ def encode_prompt(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
 def eos_token_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     """Ids that end a completion."""
     if tok.eos_token_id is None:
-        raise ModelLoadError(
-            f"tokenizer {tok.name_or_path!r} has no eos token; completions could never end"
-        )
+        raise ModelLoadError(f"tokenizer {tok.name_or_path!r} has no eos token; completions could never end")
     return [tok.eos_token_id]
 
 

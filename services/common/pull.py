@@ -171,7 +171,7 @@ class Puller(Generic[T]):
         self._ready.clear()
         try:
             await asyncio.wait_for(self._ready.wait(), max(timeout, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _done(self) -> bool:

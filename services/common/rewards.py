@@ -27,23 +27,20 @@ def load_reward_fn(spec: str) -> RewardFn:
     module_name, sep, attr = (spec or "").partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"reward_fn: {spec!r} must be 'package.module:function', "
-            f"e.g. 'services.common.rewards:arith_reward'"
+            f"reward_fn: {spec!r} must be 'package.module:function', e.g. 'services.common.rewards:arith_reward'"
         )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise RewardError(
-            f"reward_fn: module {module_name!r} cannot be imported ({exc}); check the name "
-            f"and that it is on PYTHONPATH"
+            f"reward_fn: module {module_name!r} cannot be imported ({exc}); check the name and that it is on PYTHONPATH"
         ) from exc
     fn = getattr(module, attr, None)
     if fn is None:
         raise RewardError(f"reward_fn: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise RewardError(
-            f"reward_fn: {spec!r} is a {type(fn).__name__}, not a function of "
-            f"(prompt, completion, answer)"
+            f"reward_fn: {spec!r} is a {type(fn).__name__}, not a function of (prompt, completion, answer)"
         )
     return fn
 

@@ -212,9 +212,7 @@ class LocalStore:
         uri = self.uri_for(key)
         try:
             with open(path, "rb") as src:
-                n, sha = _write_atomically(
-                    dest, lambda f: _copy_verified(_file_chunks(src), f.write, uri, None, None)
-                )
+                n, sha = _write_atomically(dest, lambda f: _copy_verified(_file_chunks(src), f.write, uri, None, None))
         except OSError as exc:
             raise StoreError(f"{uri}: upload of {path} failed: {exc}") from exc
         return ObjectRef(uri=uri, bytes=n, sha256=sha)
@@ -284,8 +282,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     bucket, _, rest = uri[len("s3://") :].partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
         raise StoreError(
-            f"{uri!r}: bucket {bucket!r} is not a valid S3 bucket name "
-            "(3-63 of lowercase letters, digits, '.', '-')"
+            f"{uri!r}: bucket {bucket!r} is not a valid S3 bucket name (3-63 of lowercase letters, digits, '.', '-')"
         )
     if "@" in bucket or ":" in bucket:
         raise StoreError(f"{uri!r}: credentials or ports do not belong in the URI; use the config")
@@ -316,9 +313,7 @@ class S3Store:
         self.prefix = prefix
         self.endpoint = endpoint
         self.uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        self._client = Minio(
-            endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region
-        )
+        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region)
         if create_bucket:
             self._ensure_bucket(region)
 

@@ -111,8 +111,7 @@ def check_matches(manifest: list[TensorSpec], tensors: dict[str, torch.Tensor]) 
         extra = sorted(set(got) - set(expected))[:3]
         differ = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])[:3]
         raise ManifestError(
-            f"tensors do not match the manifest: missing {missing}, unexpected {extra}, "
-            f"other shape/dtype {differ}"
+            f"tensors do not match the manifest: missing {missing}, unexpected {extra}, other shape/dtype {differ}"
         )
 
 
@@ -218,9 +217,7 @@ def timeout(seconds: float) -> datetime.timedelta:
 
 def host_store(address: str, port: int, timeout_s: float) -> torch.distributed.TCPStore:
     """The trainer's store server; port 0 picks a free one (read it back from `.port`)."""
-    return torch.distributed.TCPStore(
-        address, port, None, True, timeout=timeout(timeout_s), wait_for_workers=False
-    )
+    return torch.distributed.TCPStore(address, port, None, True, timeout=timeout(timeout_s), wait_for_workers=False)
 
 
 def connect_store(address: str, port: int, timeout_s: float) -> torch.distributed.TCPStore:

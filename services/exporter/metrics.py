@@ -6,8 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 EXPORTS = Counter(
     "lorabus_exporter_exports_total",
-    "Adapter versions written as PEFT directories (a redelivered, already exported version "
-    "is not counted again)",
+    "Adapter versions written as PEFT directories (a redelivered, already exported version is not counted again)",
 )
 EXPORT_SECONDS = Histogram(
     "lorabus_exporter_export_seconds",

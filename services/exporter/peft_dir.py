@@ -18,8 +18,8 @@ from msgspec import Struct
 from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.common.config_schema import StoreConfig
-from services.common.store import ObjectNotFound, S3Store, StoreError
 from services.common.megatron_to_hf import ModelShape, convert, target_modules_of
+from services.common.store import ObjectNotFound, S3Store, StoreError
 
 FILES = [adapter_io.CONFIG_NAME, adapter_io.WEIGHTS_NAME]
 
@@ -38,9 +38,7 @@ class PeftFiles(Struct, frozen=True, kw_only=True):
         return json.dumps(adapter_io.adapter_config(self.lora), indent=2).encode()
 
 
-def peft_files(
-    data: bytes, layout: str, lora: LoraSpec, model_shape: Callable[[], ModelShape]
-) -> PeftFiles:
+def peft_files(data: bytes, layout: str, lora: LoraSpec, model_shape: Callable[[], ModelShape]) -> PeftFiles:
     """The export of one payload. `model_shape` is called only for the megatron-bridge layout,
     which needs the base model's dimensions to split the fused tensors."""
     try:
@@ -76,15 +74,14 @@ def load_model_shape(model_path: str, *, ep_size: int = 1) -> ModelShape:
 
 def _local_root(export_uri: str) -> Path | None:
     if export_uri.startswith("file://"):
-        return Path(export_uri[len("file://"):]).resolve()
+        return Path(export_uri[len("file://") :]).resolve()
     return None
 
 
 def _s3_store(export_uri: str, store_cfg: StoreConfig) -> S3Store:
     if not export_uri.startswith("s3://"):
         raise StoreError(
-            f"exporter.uri {export_uri!r}: must start with file:// or s3:// (versions land in "
-            "<uri>/v<N>/)"
+            f"exporter.uri {export_uri!r}: must start with file:// or s3:// (versions land in <uri>/v<N>/)"
         )
     return S3Store.from_config(store_cfg, uri=export_uri)
 
@@ -123,4 +120,3 @@ def existing_sha256(export_uri: str, version: int, store_cfg: StoreConfig) -> st
     except ObjectNotFound:
         return None
     return hashlib.sha256(data).hexdigest()
-

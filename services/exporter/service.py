@@ -19,9 +19,9 @@ from proto.messages import AdapterReady, ExportDone, ObjectPayload
 from services.common import streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
+from services.common.megatron_to_hf import ModelShape
 from services.common.store import store_for_uri
 from services.exporter import metrics
-from services.common.megatron_to_hf import ModelShape
 from services.exporter.peft_dir import (
     FILES,
     PeftFiles,
@@ -107,8 +107,8 @@ class Exporter:
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
             data = xccl.fetch_when_stored(
-                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes),
-                what=payload.uri)
+                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes), what=payload.uri
+            )
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 

@@ -93,13 +93,15 @@ def plan_vllm_servers(cfg: LorabusConfig, run_dir: Path, python: str) -> list[Se
     for i in range(cfg.rollout.replicas):
         replica = f"rollout-{i}"
         port = free_port()
-        plans.append(ServerPlan(
-            replica=replica,
-            argv=vllm_command(cfg, host="127.0.0.1", port=port, python=python),
-            env=env,
-            url=f"http://127.0.0.1:{port}",
-            adapter_dir=str(run_dir / "adapters" / replica),
-        ))
+        plans.append(
+            ServerPlan(
+                replica=replica,
+                argv=vllm_command(cfg, host="127.0.0.1", port=port, python=python),
+                env=env,
+                url=f"http://127.0.0.1:{port}",
+                adapter_dir=str(run_dir / "adapters" / replica),
+            )
+        )
     return plans
 
 

@@ -58,8 +58,12 @@ class Child:
         # own process group: Ctrl-C in the terminal reaches only the launcher, which then stops
         # the children in order
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env_extra},
-            start_new_session=True, stdin=subprocess.DEVNULL,
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, **self.env_extra},
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
             preexec_fn=processes.die_with_parent if self.server else None,
         )
 
@@ -113,19 +117,19 @@ def trainer_launcher(cfg: LorabusConfig) -> list[str]:
     n = cfg.actor.nproc_per_node
     if n == 1:
         return [sys.executable, "-m"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={n}", "-m"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m"]
 
 
 def server_children(plans: list[inference_servers.ServerPlan], run_dir: Path) -> list[Child]:
-    return [
-        Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True)
-        for p in plans
-    ]
+    return [Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True) for p in plans]
 
 
 def child_commands(
-    cfg: LorabusConfig, config_path: str, overrides: list[str], run_dir: Path, evaluate: bool,
+    cfg: LorabusConfig,
+    config_path: str,
+    overrides: list[str],
+    run_dir: Path,
+    evaluate: bool,
     servers: Sequence[inference_servers.ServerPlan] = (),
 ) -> list[Child]:
     py = [sys.executable, "-m"]
@@ -167,8 +171,7 @@ def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
         at = child.argv.index("--replica") if "--replica" in child.argv else len(child.argv)
         child.argv[at:at] = extra
         component = "rollout" if child.name.startswith("rollout-") else child.name
-        targets.append({"targets": [f"127.0.0.1:{port}"],
-                        "labels": {"component": component, "process": child.name}})
+        targets.append({"targets": [f"127.0.0.1:{port}"], "labels": {"component": component, "process": child.name}})
     (run_dir / "prometheus_targets.json").write_text(json.dumps(targets, indent=2))
 
 
@@ -274,8 +277,10 @@ def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: floa
 
 def print_summary(result: dict) -> None:
     print("\n== lorabus run summary ==")
-    print(f"run {result['run']}: {result['trainer_steps']} steps, head v{result['head_version']}, "
-          f"{result['elapsed_s']} s; logs in {result['run_dir']}")
+    print(
+        f"run {result['run']}: {result['trainer_steps']} steps, head v{result['head_version']}, "
+        f"{result['elapsed_s']} s; logs in {result['run_dir']}"
+    )
     print(f"trajectories: {result['trajectories']}")
     print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
     versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
@@ -358,7 +363,11 @@ class Deployment:
 
 
 async def supervise(
-    dep: Deployment, cfg: LorabusConfig, args: argparse.Namespace, progress: Progress, stop: asyncio.Event,
+    dep: Deployment,
+    cfg: LorabusConfig,
+    args: argparse.Namespace,
+    progress: Progress,
+    stop: asyncio.Event,
 ) -> tuple[Outcome, str]:
     """Start the children in order, then watch them until one of the ways out."""
     # the sidecars wait for their servers; the trainer starts meanwhile (v0 is ready sooner)
@@ -465,15 +474,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lorabus up", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (e.g. examples/tiny.yaml)")
     p.add_argument("--bus-url", help="use this NATS server instead of starting one")
-    p.add_argument("--no-evaluate", dest="evaluate", action="store_false",
-                   help="do not start the held-out evaluator")
+    p.add_argument("--no-evaluate", dest="evaluate", action="store_false", help="do not start the held-out evaluator")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per service process")
-    p.add_argument("--vllm-python", help="rollout.engine vllm without server_urls: the python of "
-                   f"the venv with vLLM (default {inference_servers.DEFAULT_VLLM_PYTHON} if it exists)")
-    p.add_argument("--server-timeout", type=float, default=300.0,
-                   help="seconds the vLLM servers may take to become healthy")
+    p.add_argument(
+        "--vllm-python",
+        help="rollout.engine vllm without server_urls: the python of "
+        f"the venv with vLLM (default {inference_servers.DEFAULT_VLLM_PYTHON} if it exists)",
+    )
+    p.add_argument(
+        "--server-timeout", type=float, default=300.0, help="seconds the vLLM servers may take to become healthy"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return p.parse_args(argv)
 

@@ -114,15 +114,12 @@ class NatsServer:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise NatsServerError(
-                    f"nats-server: exited with code {proc.returncode} during start; "
-                    f"log tail:\n{self.log_tail()}"
+                    f"nats-server: exited with code {proc.returncode} during start; log tail:\n{self.log_tail()}"
                 )
             if ports_file.exists() and self._read_ports(ports_file) and self._healthz():
                 return
             time.sleep(0.02)
-        raise NatsServerError(
-            f"nats-server: not healthy within {HEALTH_TIMEOUT_S}s; log tail:\n{self.log_tail()}"
-        )
+        raise NatsServerError(f"nats-server: not healthy within {HEALTH_TIMEOUT_S}s; log tail:\n{self.log_tail()}")
 
     def _read_ports(self, ports_file: Path) -> bool:
         try:

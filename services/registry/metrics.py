@@ -6,9 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 HEAD_VERSION = Gauge("lorabus_registry_head_version", "Latest adapter version published (H)")
 GRANTS = Counter("lorabus_registry_grants_total", "Admission grants issued")
-DENIALS = Counter(
-    "lorabus_registry_denials_total", "Admission requests denied, by reason", ["reason"]
-)
+DENIALS = Counter("lorabus_registry_denials_total", "Admission requests denied, by reason", ["reason"])
 TRAJECTORIES = Counter(
     "lorabus_registry_trajectories_total",
     "Trajectory decisions (first decisions only; duplicates are not counted), by verdict",
@@ -30,9 +28,7 @@ DECISION_SECONDS = Histogram(
     "From receiving a trajectory to its decision being persisted and published",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
-LEDGER_WRITES = Counter(
-    "lorabus_registry_ledger_writes_total", "Ledger snapshots written to the KV bucket"
-)
+LEDGER_WRITES = Counter("lorabus_registry_ledger_writes_total", "Ledger snapshots written to the KV bucket")
 
 
 def observe_ledger(ledger) -> None:

@@ -231,8 +231,7 @@ def on_adapter_ready(ledger: Ledger, event: AdapterReady, cfg: PolicyConfig) -> 
     if ledger.head is not None and event.version <= ledger.head:
         return Applied(
             False,
-            f"version: v{event.version} is not above the head v{ledger.head}; versions only "
-            "increase",
+            f"version: v{event.version} is not above the head v{ledger.head}; versions only increase",
         )
     ledger.head = event.version
     ledger.versions[event.version] = VersionRecord(
@@ -273,9 +272,7 @@ def _set_loaded(ledger: Ledger, replica: str, loaded: set[int]) -> None:
 def on_report(ledger: Ledger, report: RolloutReport) -> Applied:
     """A rollout's loaded/unloaded/failed/heartbeat report: who holds which version."""
     if report.run != ledger.run:
-        return Applied(
-            False, f"run: report is for run {report.run!r}, this ledger is {ledger.run!r}"
-        )
+        return Applied(False, f"run: report is for run {report.run!r}, this ledger is {ledger.run!r}")
     state = ledger.replicas.setdefault(report.replica, ReplicaState())
     if isinstance(report, AdapterLoaded):
         _set_loaded(ledger, report.replica, state.loaded | {report.version})
@@ -343,17 +340,14 @@ def _deny(ledger: Ledger, request: AdmissionRequest, reason: str, retry: float) 
     return AdmissionDeny(request_id=request.request_id, reason=reason, retry_after_s=retry)
 
 
-def admit(
-    ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig
-) -> AdmissionGrant | AdmissionDeny:
+def admit(ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig) -> AdmissionGrant | AdmissionDeny:
     """Grant one group of work, or say why not and when to ask again. A retried request
     (same replica and request_id, grant still live) gets the same grant back."""
     if request.run != ledger.run:
         return _deny(
             ledger,
             request,
-            f"{DENY_WRONG_RUN}: request is for run {request.run!r}, this registry serves "
-            f"{ledger.run!r}",
+            f"{DENY_WRONG_RUN}: request is for run {request.run!r}, this registry serves {ledger.run!r}",
             cfg.retry_after_s,
         )
     key = f"{request.replica}/{request.request_id}"
@@ -466,10 +460,7 @@ def _bad_values(t: Trajectory) -> str | None:
             return f"completions[{i}].reward: {c.reward} is not finite"
         for j, lp in enumerate(c.logprobs):
             if not (lp <= 0.0):  # also catches NaN
-                return (
-                    f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability "
-                    "(must be <= 0 and not NaN)"
-                )
+                return f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability (must be <= 0 and not NaN)"
     return None
 
 
@@ -498,9 +489,7 @@ def decision_input(trajectory: Trajectory) -> DecisionInput:
     )
 
 
-def decide(
-    ledger: Ledger, trajectory: Trajectory, now: float, cfg: PolicyConfig
-) -> TrajectoryDecision:
+def decide(ledger: Ledger, trajectory: Trajectory, now: float, cfg: PolicyConfig) -> TrajectoryDecision:
     """Accept or reject one finished trajectory, consuming its grant.
 
     Invalid: another run, unknown or expired grant, a replica using another's grant, tokens
@@ -513,9 +502,7 @@ def decide(
     return decide_input(ledger, decision_input(trajectory), now, cfg)
 
 
-def decide_input(
-    ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
-) -> TrajectoryDecision:
+def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig) -> TrajectoryDecision:
     """`decide` on the extracted `DecisionInput` (same rules, same result)."""
     first = seen_decision(ledger, t.trajectory_id)
     if first is not None:
@@ -530,23 +517,18 @@ def decide_input(
         consume = False
     elif grant is None:
         reason = (
-            f"{REJECT_UNKNOWN_GRANT}: grant {t.grant_id!r} was never issued, was "
-            "already used, or its lease expired"
+            f"{REJECT_UNKNOWN_GRANT}: grant {t.grant_id!r} was never issued, was already used, or its lease expired"
         )
         consume = False
     elif grant.replica != t.replica:
         reason = (
-            f"{REJECT_REPLICA_MISMATCH}: grant {t.grant_id!r} belongs to replica "
-            f"{grant.replica!r}, not {t.replica!r}"
+            f"{REJECT_REPLICA_MISMATCH}: grant {t.grant_id!r} belongs to replica {grant.replica!r}, not {t.replica!r}"
         )
         consume = False
     elif grant.expires_at <= now:
         reason = f"{REJECT_LEASE_EXPIRED}: grant {t.grant_id!r} expired at {grant.expires_at}"
     elif oldest < grant.version:
-        reason = (
-            f"{REJECT_OLDER_THAN_GRANT}: tokens from v{oldest}, but the grant was for "
-            f"v{grant.version}"
-        )
+        reason = f"{REJECT_OLDER_THAN_GRANT}: tokens from v{oldest}, but the grant was for v{grant.version}"
     elif newest > head:
         reason = f"{REJECT_NEWER_THAN_HEAD}: tokens from v{newest}, but the head is v{head}"
     elif t.bad_values is not None:
@@ -564,9 +546,7 @@ def decide_input(
         code = code_of(reason)
         verdict = "rejected-stale" if code == REJECT_STALE else "rejected-invalid"
         ledger.rejected[code] = ledger.rejected.get(code, 0) + 1
-    ledger.seen[t.trajectory_id] = SeenDecision(
-        verdict, reason, t.grant_id, t.replica, head, oldest, now
-    )
+    ledger.seen[t.trajectory_id] = SeenDecision(verdict, reason, t.grant_id, t.replica, head, oldest, now)
     while len(ledger.seen) > cfg.seen_limit:
         del ledger.seen[next(iter(ledger.seen))]
     return seen_decision(ledger, t.trajectory_id)

@@ -103,9 +103,7 @@ class RegistryService:
 
     async def start(self) -> None:
         kw = {} if self.snapshot_every is None else {"snapshot_every": self.snapshot_every}
-        self.journal = await Journal.open(
-            self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw
-        )
+        self.journal = await Journal.open(self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw)
         led = self.ledger
         log.info(
             "registry: ledger loaded (revision %d, %d journal entries replayed): head %s, "
@@ -126,12 +124,8 @@ class RegistryService:
         self._puller = await bus.pull(streams.consumer(run, "registry-trajectories"), Trajectory,
                                       batch=PULL_BATCH, keep_open=True)  # fmt: skip
         self._tasks.append(asyncio.create_task(self._trajectory_loop(), name="registry-trajectories"))
-        self._subs.append(
-            await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry")
-        )
-        self._subs.append(
-            await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status)
-        )
+        self._subs.append(await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry"))
+        self._subs.append(await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status))
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
 
     async def stop(self) -> None:

@@ -51,11 +51,16 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: str) -> int:
     engine = build_engine(engine_name, cfg)
     async with entry.connected(cfg, f"rollout-{replica}"[:64]) as bus:
         service = RolloutService(
-            cfg, replica, engine, bus, fetch=fetcher(cfg),
+            cfg,
+            replica,
+            engine,
+            bus,
+            fetch=fetcher(cfg),
             encode=lambda text: models.encode_prompt(tok, text),
             decode_text=lambda ids: models.decode_completion(tok, ids),
             reward_fn=load_reward_fn(cfg.train_dataset.reward_fn),
-            prompts=load_prompts(cfg.train_dataset), engine_name=engine_name,
+            prompts=load_prompts(cfg.train_dataset),
+            engine_name=engine_name,
             admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
         )
         try:
@@ -69,13 +74,22 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = entry.parser(PROG, "rollout service")
     ap.add_argument("--replica", help="replica id ([A-Za-z0-9_-], unique per run); required to serve")
-    ap.add_argument("--engine", choices=ENGINES, default=None,
-                    help="defaults to rollout.engine of the config (embedded)")
-    ap.add_argument("--server-url", action="append", default=[], metavar="URL",
-                    help="vllm/sglang: a server replica's base URL (repeat for each data-parallel "
-                         "replica); replaces rollout.server_urls")
-    ap.add_argument("--print-server-cmd", action="store_true",
-                    help="print the vLLM/SGLang server command line the config asks for, and exit")
+    ap.add_argument(
+        "--engine", choices=ENGINES, default=None, help="defaults to rollout.engine of the config (embedded)"
+    )
+    ap.add_argument(
+        "--server-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="vllm/sglang: a server replica's base URL (repeat for each data-parallel "
+        "replica); replaces rollout.server_urls",
+    )
+    ap.add_argument(
+        "--print-server-cmd",
+        action="store_true",
+        help="print the vLLM/SGLang server command line the config asks for, and exit",
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.engine:
         args.overrides = [f"rollout.engine={args.engine}", *args.overrides]

@@ -83,8 +83,7 @@ class AdapterFollower:
         if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
             return
         if self.engine_name != "embedded":
-            log.info("rollout %s: engine %s takes adapters from the object copy only",
-                     self.replica, self.engine_name)
+            log.info("rollout %s: engine %s takes adapters from the object copy only", self.replica, self.engine_name)
             return
         from services.rollout.xccl_receiver import XcclReceiver
 
@@ -118,8 +117,9 @@ class AdapterFollower:
             if ev.version in self.book.loaded():
                 return
             if ev.version <= self.newest_seen - self.keep:
-                log.info("rollout %s: skip v%d (outside the keep window of v%d)",
-                         self.replica, ev.version, self.newest_seen)
+                log.info(
+                    "rollout %s: skip v%d (outside the keep window of v%d)", self.replica, ev.version, self.newest_seen
+                )
                 return
             if ev.lora_name != self.cfg.rollout.lora_name and self.cfg.rollout.lora_name:
                 raise ValueError(
@@ -148,8 +148,9 @@ class AdapterFollower:
         try:
             await self.engine.load_version(ev.version, tensors, ev.lora)
         except Exception as exc:
-            log.warning("rollout %s: staged %s does not load (%r); object copy instead",
-                        self.replica, ev.adapter_name, exc)
+            log.warning(
+                "rollout %s: staged %s does not load (%r); object copy instead", self.replica, ev.adapter_name, exc
+            )
             return False
         finally:
             self.xccl.release(ev.version)
@@ -167,22 +168,31 @@ class AdapterFollower:
                     via = "xccl"
                 else:
                     if ev.object_payload() is None:
-                        raise ValueError(f"{ev.adapter_name}: no object payload and this replica "
-                                         "did not receive it by xccl")
+                        raise ValueError(
+                            f"{ev.adapter_name}: no object payload and this replica did not receive it by xccl"
+                        )
                     # under xccl the event may precede its object by an upload time
-                    data = await asyncio.to_thread(
-                        xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
+                    data = await asyncio.to_thread(xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
                     await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
                 retry = attempt < self.load_attempts
-                log.warning("rollout %s: load of %s failed (attempt %d): %r",
-                            self.replica, ev.adapter_name, attempt, exc)
-                await self._report("failed", AdapterFailed(
-                    run=self.run_id, replica=self.replica, version=ev.version,
-                    reason=f"{type(exc).__name__}: {exc}"[:1000], attempt=attempt,
-                    will_retry=retry, failed_at=time.time(),
-                ), msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}")
+                log.warning(
+                    "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
+                )
+                await self._report(
+                    "failed",
+                    AdapterFailed(
+                        run=self.run_id,
+                        replica=self.replica,
+                        version=ev.version,
+                        reason=f"{type(exc).__name__}: {exc}"[:1000],
+                        attempt=attempt,
+                        will_retry=retry,
+                        failed_at=time.time(),
+                    ),
+                    msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}",
+                )
                 if not retry:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
@@ -195,10 +205,18 @@ class AdapterFollower:
             metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
             metrics.LOADED_VERSION.labels(self.replica).set(self.book.head())
-            await self._report("loaded", AdapterLoaded(
-                run=self.run_id, replica=self.replica, version=ev.version, via=via,
-                load_seconds=now - t0, loaded_at=now,
-            ), msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}")
+            await self._report(
+                "loaded",
+                AdapterLoaded(
+                    run=self.run_id,
+                    replica=self.replica,
+                    version=ev.version,
+                    via=via,
+                    load_seconds=now - t0,
+                    loaded_at=now,
+                ),
+                msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}",
+            )
             return
 
     async def _make_room(self) -> None:
@@ -220,10 +238,17 @@ class AdapterFollower:
             await self.engine.unload_version(version)
             self.book.mark_unloaded(version)
             self._events.pop(version, None)
-            await self._report("unloaded", AdapterUnloaded(
-                run=self.run_id, replica=self.replica, version=version,
-                reason=f"outside the keep window of {self.keep}", unloaded_at=time.time(),
-            ), msg_id=f"{self.replica}-unloaded-v{version}-{uuid.uuid4().hex[:8]}")
+            await self._report(
+                "unloaded",
+                AdapterUnloaded(
+                    run=self.run_id,
+                    replica=self.replica,
+                    version=version,
+                    reason=f"outside the keep window of {self.keep}",
+                    unloaded_at=time.time(),
+                ),
+                msg_id=f"{self.replica}-unloaded-v{version}-{uuid.uuid4().hex[:8]}",
+            )
 
     async def _report(self, kind: str, msg: msgspec.Struct, msg_id: str) -> None:
         await self.bus.publish(subjects.rollout_report(self.run_id, self.replica, kind), msg, msg_id=msg_id)
@@ -256,20 +281,36 @@ class AdapterFollower:
                     await self.engine.load_version(version, data, ev.lora)
                 except Exception as exc:
                     attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
-                    await self._report("failed", AdapterFailed(
-                        run=self.run_id, replica=self.replica, version=version,
-                        reason=f"re-load after the server forgot it: {type(exc).__name__}: {exc}"[:1000],
-                        attempt=attempt, will_retry=True, failed_at=time.time(),
-                    ), msg_id=f"{self.replica}-failed-v{version}-r{attempt}-{uuid.uuid4().hex[:8]}")
+                    await self._report(
+                        "failed",
+                        AdapterFailed(
+                            run=self.run_id,
+                            replica=self.replica,
+                            version=version,
+                            reason=f"re-load after the server forgot it: {type(exc).__name__}: {exc}"[:1000],
+                            attempt=attempt,
+                            will_retry=True,
+                            failed_at=time.time(),
+                        ),
+                        msg_id=f"{self.replica}-failed-v{version}-r{attempt}-{uuid.uuid4().hex[:8]}",
+                    )
                     continue
                 restored.append(version)
             for version in restored:
                 self._restore_failures.pop(version, None)
                 log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
-                await self._report("loaded", AdapterLoaded(
-                    run=self.run_id, replica=self.replica, version=version, via="object",
-                    load_seconds=0.0, loaded_at=time.time(),
-                ), msg_id=f"{self.replica}-reloaded-v{version}-{uuid.uuid4().hex[:8]}")
+                await self._report(
+                    "loaded",
+                    AdapterLoaded(
+                        run=self.run_id,
+                        replica=self.replica,
+                        version=version,
+                        via="object",
+                        load_seconds=0.0,
+                        loaded_at=time.time(),
+                    ),
+                    msg_id=f"{self.replica}-reloaded-v{version}-{uuid.uuid4().hex[:8]}",
+                )
             return restored
 
     async def watch_engine_loop(self, stop: asyncio.Event) -> None:
@@ -278,7 +319,7 @@ class AdapterFollower:
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.rollout.heartbeat_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if not stop.is_set():
                 await self.restore()

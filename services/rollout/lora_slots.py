@@ -63,11 +63,13 @@ class SlotLinear(nn.Module):
         w = base.weight.detach()
         self.register_buffer("w0", w.clone(), persistent=False)
         self.register_buffer(
-            "a", torch.zeros(slots, rank, self.in_features, dtype=w.dtype, device=w.device),
+            "a",
+            torch.zeros(slots, rank, self.in_features, dtype=w.dtype, device=w.device),
             persistent=False,
         )
         self.register_buffer(
-            "bt", torch.zeros(slots, rank, self.out_features, dtype=w.dtype, device=w.device),
+            "bt",
+            torch.zeros(slots, rank, self.out_features, dtype=w.dtype, device=w.device),
             persistent=False,
         )
         self._a_all = self.a.view(slots * rank, self.in_features).T
@@ -98,7 +100,7 @@ def module_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Te
     """PEFT-layout tensors -> {module path: (A [r, in], B [out, r])}."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        name = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
         for which in ("A", "B"):
             for suffix in (f".lora_{which}.weight", f".lora_{which}.default.weight"):
                 if name.endswith(suffix):

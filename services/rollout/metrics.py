@@ -4,29 +4,29 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-LOADED_VERSION = Gauge(
-    "lorabus_rollout_loaded_version", "Newest adapter version loaded (the head served)", ["replica"]
-)
+LOADED_VERSION = Gauge("lorabus_rollout_loaded_version", "Newest adapter version loaded (the head served)", ["replica"])
 ADAPTER_LOAD_SECONDS = Histogram(
-    "lorabus_rollout_adapter_load_seconds", "Fetch + verify + load of one adapter version",
-    ["replica"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    "lorabus_rollout_adapter_load_seconds",
+    "Fetch + verify + load of one adapter version",
+    ["replica"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 PROPAGATION_SECONDS = Histogram(
-    "lorabus_rollout_propagation_seconds", "AdapterReady.created_at to loaded here",
-    ["replica"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    "lorabus_rollout_propagation_seconds",
+    "AdapterReady.created_at to loaded here",
+    ["replica"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 TOKENS = Counter("lorabus_rollout_tokens_total", "Completion tokens generated", ["replica"])
 TOKENS_PER_SECOND = Gauge(
     "lorabus_rollout_tokens_per_second", "Completion tokens/s of the last engine batch", ["replica"]
 )
-TRAJECTORIES = Counter(
-    "lorabus_rollout_trajectories_total", "Trajectories (groups) published", ["replica"]
-)
+TRAJECTORIES = Counter("lorabus_rollout_trajectories_total", "Trajectories (groups) published", ["replica"])
 REWARD = Histogram(
-    "lorabus_rollout_reward", "Reward of each completion", ["replica"],
+    "lorabus_rollout_reward",
+    "Reward of each completion",
+    ["replica"],
     buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5),
 )
-LOAD_FAILURES = Counter(
-    "lorabus_rollout_load_failures_total", "Failed adapter load attempts", ["replica"]
-)
+LOAD_FAILURES = Counter("lorabus_rollout_load_failures_total", "Failed adapter load attempts", ["replica"])
 IN_FLIGHT = Gauge("lorabus_rollout_in_flight", "Granted groups being generated", ["replica"])

@@ -218,8 +218,8 @@ def decode(
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row.prompt):] = torch.tensor(list(row.prompt), dtype=torch.long)
-        mask[i, width - len(row.prompt):] = 1
+        ids[i, width - len(row.prompt) :] = torch.tensor(list(row.prompt), dtype=torch.long)
+        mask[i, width - len(row.prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -287,14 +287,21 @@ class _Dynamic:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.pos = positions[:, -1:]
-        return _forward(self.model, self.cache_arg, self.extra, input_ids=ids,
-                        attention_mask=self.attn, position_ids=positions)
+        return _forward(
+            self.model, self.cache_arg, self.extra, input_ids=ids, attention_mask=self.attn, position_ids=positions
+        )
 
     def step(self, tok: torch.Tensor, variant: Hashable) -> torch.Tensor:
         self.pos = self.pos + 1
         self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
-        return _forward(self.model, self.cache_arg, self.extra, input_ids=tok[:, None],
-                        attention_mask=self.attn, position_ids=self.pos)
+        return _forward(
+            self.model,
+            self.cache_arg,
+            self.extra,
+            input_ids=tok[:, None],
+            attention_mask=self.attn,
+            position_ids=self.pos,
+        )
 
     def close(self) -> None:
         pass
@@ -322,8 +329,14 @@ class _Static:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.state.pos.copy_(positions[:, -1:])
-        return _forward(self.graphs.model, self.cache_arg, self.extra, input_ids=ids,
-                        attention_mask=self.prefill_mask, position_ids=positions)
+        return _forward(
+            self.graphs.model,
+            self.cache_arg,
+            self.extra,
+            input_ids=ids,
+            attention_mask=self.prefill_mask,
+            position_ids=positions,
+        )
 
     def step(self, tok: torch.Tensor, variant: Hashable) -> torch.Tensor:
         st = self.state
@@ -343,8 +356,9 @@ class _Static:
 
     def _eager(self) -> torch.Tensor:
         st = self.state
-        return _forward(self.graphs.model, self.cache_arg, self.extra, input_ids=st.ids,
-                        attention_mask=st.mask, position_ids=st.pos)
+        return _forward(
+            self.graphs.model, self.cache_arg, self.extra, input_ids=st.ids, attention_mask=st.mask, position_ids=st.pos
+        )
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Capture records without running, so the cache is not advanced here; the caller

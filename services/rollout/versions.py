@@ -45,9 +45,7 @@ class SlotTable:
         try:
             return self._slot_of[version]
         except KeyError:
-            raise KeyError(
-                f"version {version} is not loaded (loaded: {sorted(self._slot_of)})"
-            ) from None
+            raise KeyError(f"version {version} is not loaded (loaded: {sorted(self._slot_of)})") from None
 
     def versions(self) -> list[int]:
         return sorted(self._slot_of)

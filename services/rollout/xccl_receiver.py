@@ -59,8 +59,9 @@ RETRY_S = 0.2
 
 
 class XcclReceiver:
-    def __init__(self, replica: str, *, device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                 poll_s: float = 0.005):
+    def __init__(
+        self, replica: str, *, device: torch.device | str = "cpu", timeout_s: float = 30.0, poll_s: float = 0.005
+    ):
         self.replica = replica
         self.device = torch.device(device)
         self.timeout_s, self.poll_s = timeout_s, poll_s
@@ -148,8 +149,9 @@ class XcclReceiver:
             except _Retarget:
                 continue
             except Exception as exc:
-                log.warning("xccl %s: session with %s:%d ended: %s", self.replica, *target,
-                            f"{type(exc).__name__}: {exc}"[:300])
+                log.warning(
+                    "xccl %s: session with %s:%d ended: %s", self.replica, *target, f"{type(exc).__name__}: {exc}"[:300]
+                )
             finally:
                 self._end_session()
             with self._cond:  # a dead trainer: wait before trying its address again

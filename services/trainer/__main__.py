@@ -44,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             port = start_metrics_server(cfg.metrics)
             lora = engine.lora_spec()
-            log.info("metrics on :%d; LoRA r=%d on %s; %s, world size %d", port, lora.rank,
-                     ",".join(lora.target_modules), engine.device, engine.world_size)
+            log.info(
+                "metrics on :%d; LoRA r=%d on %s; %s, world size %d",
+                port,
+                lora.rank,
+                ",".join(lora.target_modules),
+                engine.device,
+                engine.world_size,
+            )
             asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers))
         finally:
             followers.stop()  # however rank 0 ends, the followers must stop too
@@ -73,8 +79,7 @@ def follow_parent() -> None:
     PR_SET_PDEATHSIG = 1
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); ranks may outlive torchrun",
-                    ctypes.get_errno())
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); ranks may outlive torchrun", ctypes.get_errno())
 
 
 if __name__ == "__main__":

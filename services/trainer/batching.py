@@ -52,8 +52,7 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
     )
     if ppo.batch_adv_norm:
         lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.completions])
-        flat = batch_normalise(torch.cat(advantages), lengths, use_std=ppo.batch_adv_norm_std,
-                               eps=ppo.norm_eps)
+        flat = batch_normalise(torch.cat(advantages), lengths, use_std=ppo.batch_adv_norm_std, eps=ppo.norm_eps)
         advantages = list(flat.split([len(g.completions) for g in groups]))
     samples = []
     for group, adv in zip(groups, advantages):
@@ -117,9 +116,7 @@ def _pack(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     return packs
 
 
-def plan_micro_batches(
-    minibatch: list[Sample], rank: int, world_size: int, max_tokens: int
-) -> list[list[Sample]]:
+def plan_micro_batches(minibatch: list[Sample], rank: int, world_size: int, max_tokens: int) -> list[list[Sample]]:
     """This rank's micro-batches of `minibatch`: samples are dealt round-robin to ranks, then
     packed; every rank gets the same number of micro-batches, a rank short of work gets
     zero-weight copies of a sample so its forward/backward still joins the collectives."""

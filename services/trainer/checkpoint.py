@@ -74,8 +74,12 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint) -> Path:
     tmp.mkdir()
     (tmp / adapter_io.WEIGHTS_NAME).write_bytes(ckpt.adapter_bytes)
     torch.save({"optimizer": ckpt.optimizer, "rng": ckpt.rng}, tmp / TRAINER_NAME)
-    state = {"step": ckpt.step, "version": ckpt.version, "trained_ids": ckpt.trained_ids,
-             "adapter_sha256": adapter_io.sha256(ckpt.adapter_bytes)}
+    state = {
+        "step": ckpt.step,
+        "version": ckpt.version,
+        "trained_ids": ckpt.trained_ids,
+        "adapter_sha256": adapter_io.sha256(ckpt.adapter_bytes),
+    }
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
     for path in tmp.iterdir():  # data on disk before the rename makes it visible
         with open(path, "rb") as f:

@@ -45,9 +45,7 @@ def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
     try:
         model = get_peft_model(base, lora_config(actor), autocast_adapter_dtype=False)
     except ValueError as exc:
-        raise ValueError(
-            f"actor.target_modules: {actor.target_modules} did not match the model ({exc})"
-        ) from exc
+        raise ValueError(f"actor.target_modules: {actor.target_modules} did not match the model ({exc})") from exc
     upcast([p for _, p in lora_parameters(model)])
     return model
 

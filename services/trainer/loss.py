@@ -23,9 +23,7 @@ ADV_EPS = 1e-6
 """added to the std so that a group of nearly equal rewards does not explode"""
 
 
-def shape_rewards(
-    rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0, clip: float | None = None
-) -> Tensor:
+def shape_rewards(rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0, clip: float | None = None) -> Tensor:
     """AReaL's reward shaping: (r + bias) * scaling, then clipped to [-clip, clip]."""
     shaped = (rewards + bias) * scaling
     return shaped if clip is None else shaped.clamp(-clip, clip)
@@ -39,9 +37,7 @@ def _normalise(values: Tensor, use_std: bool, eps: float = ADV_EPS) -> Tensor:
     return centred / (values.std(correction=1) + eps)
 
 
-def batch_normalise(
-    advantages: Tensor, tokens: Tensor, *, use_std: bool = True, eps: float = ADV_EPS
-) -> Tensor:
+def batch_normalise(advantages: Tensor, tokens: Tensor, *, use_std: bool = True, eps: float = ADV_EPS) -> Tensor:
     """AReaL's batch-level `adv_norm` for per-completion advantages: AReaL normalises per
     token over the batch's completion tokens, and every token of a completion carries the
     completion's advantage, so each completion counts with its token count. The std is
@@ -76,10 +72,7 @@ def group_advantages(
     """
     if not groups:
         raise ValueError("groups: need at least one group of rewards")
-    shaped = [
-        shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias, clip=reward_clip)
-        for g in groups
-    ]
+    shaped = [shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias, clip=reward_clip) for g in groups]
     if group_adv_norm:
         advs = [_normalise(g, adv_norm_std, eps) for g in shaped]
     else:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-
 from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, streams
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ANNOUNCED_NAME = "announced.sha256"
+
 
 def adapter_key(run: str, version: int) -> str:
     return f"{run}/adapters/v{version}/{adapter_io.WEIGHTS_NAME}"
@@ -78,7 +78,12 @@ def build_payloads(ref: ObjectRef, xccl: XcclPayload | None = None) -> list[Payl
 
 
 def adapter_event(
-    *, run: str, lora_name: str, version: int, payloads: list[Payload], lora: LoraSpec,
+    *,
+    run: str,
+    lora_name: str,
+    version: int,
+    payloads: list[Payload],
+    lora: LoraSpec,
     trainer_step: int,
 ) -> AdapterReady:
     return AdapterReady(
@@ -109,8 +114,9 @@ async def already_published(bus: Bus, run: str, version: int) -> bool:
 def _checked_put(store: ObjectStore, key: str, weights: bytes, sha256: str) -> ObjectRef:
     ref = store.put_bytes(key, weights)
     if ref.sha256 != sha256:
-        raise RuntimeError(f"store returned sha256 {ref.sha256} for {key}, expected {sha256}; "
-                           "the object store corrupted the upload")
+        raise RuntimeError(
+            f"store returned sha256 {ref.sha256} for {key}, expected {sha256}; the object store corrupted the upload"
+        )
     return ref
 
 
@@ -136,8 +142,13 @@ def _upload_in_background(store: ObjectStore, key: str, weights: bytes, sha256: 
 
 
 async def deliver(
-    store: ObjectStore, *, run: str, version: int, weights: bytes,
-    publish: Callable[[list[Payload]], Awaitable[None]], sender: XcclSender | None = None,
+    store: ObjectStore,
+    *,
+    run: str,
+    version: int,
+    weights: bytes,
+    publish: Callable[[list[Payload]], Awaitable[None]],
+    sender: XcclSender | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
 ) -> list[Payload]:
     """Store and broadcast `weights`/`tensors` as `version` and call `publish(payloads)` (an
@@ -177,17 +188,30 @@ async def _repair(store: ObjectStore, event: AdapterReady | None, run: str, vers
         return
     sha = adapter_io.sha256(weights)
     if sha != obj.sha256:
-        log.error("v%d was announced with sha256 %s but never stored, and the weights at hand "
-                  "are %s: readers of v%d cannot get its object copy", version, obj.sha256[:12],
-                  sha[:12], version)
+        log.error(
+            "v%d was announced with sha256 %s but never stored, and the weights at hand "
+            "are %s: readers of v%d cannot get its object copy",
+            version,
+            obj.sha256[:12],
+            sha[:12],
+            version,
+        )
         return
     await asyncio.to_thread(_checked_put, store, key, weights, sha)
     log.info("v%d: stored the object copy its event named (the announcing trainer died first)", version)
 
 
 async def publish_adapter(
-    bus: Bus, store: ObjectStore, *, run: str, lora_name: str, version: int, weights: bytes,
-    lora: LoraSpec, trainer_step: int, sender: XcclSender | None = None,
+    bus: Bus,
+    store: ObjectStore,
+    *,
+    run: str,
+    lora_name: str,
+    version: int,
+    weights: bytes,
+    lora: LoraSpec,
+    trainer_step: int,
+    sender: XcclSender | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
 ) -> AdapterReady | None:
     """Store `weights` as version `version` and announce it (see `deliver` for the order);
@@ -200,11 +224,11 @@ async def publish_adapter(
     sent: list[AdapterReady] = []
 
     async def publish(payloads: list[Payload]) -> None:
-        event = adapter_event(run=run, lora_name=lora_name, version=version, payloads=payloads,
-                              lora=lora, trainer_step=trainer_step)
+        event = adapter_event(
+            run=run, lora_name=lora_name, version=version, payloads=payloads, lora=lora, trainer_step=trainer_step
+        )
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
         sent.append(event)
 
-    await deliver(store, run=run, version=version, weights=weights, publish=publish,
-                  sender=sender, tensors=tensors)
+    await deliver(store, run=run, version=version, weights=weights, publish=publish, sender=sender, tensors=tensors)
     return sent[0]

@@ -91,8 +91,7 @@ class Followers:
             self.broken = True
             why = f"failed ({errors[0]})" if errors else f"was not taken within {self.wait_s:.0f}s"
             raise PeerLost(
-                f"rank 0: a broadcast to the other ranks {why}: a rank died or hangs; see "
-                "torchrun's failure report"
+                f"rank 0: a broadcast to the other ranks {why}: a rank died or hangs; see torchrun's failure report"
             ) from (errors[0] if errors else None)
 
     def stop(self) -> None:
@@ -117,7 +116,8 @@ class Followers:
 
 
 def run_step(
-    engine: TrainEngine, work: Work,
+    engine: TrainEngine,
+    work: Work,
 ) -> tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
     optimizer state when the step is checkpointed)."""
@@ -130,6 +130,7 @@ def run_step(
 def worker_loop(engine: TrainEngine) -> None:
     """Ranks > 0: follow rank 0's broadcasts until it says stop. torchrun signals every rank
     at once; stopping here mid-step would break rank 0's collectives, so rank 0 decides."""
+
     def defer(signum: int, _frame: FrameType | None) -> None:
         log.info("rank %d: %s; stopping when rank 0 does", engine.rank, signal.Signals(signum).name)
 

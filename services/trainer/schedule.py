@@ -37,9 +37,7 @@ def lr_multiplier(opt: OptimizerConfig, total_train_steps: int) -> Callable[[int
     """step (0-based) -> factor applied to `opt.lr` for that step."""
     kind, floor = opt.lr_scheduler_type, opt.min_lr_ratio
     if kind not in SCHEDULES:
-        raise ValueError(
-            f"actor.optimizer.lr_scheduler_type: {kind!r} is not one of {', '.join(SCHEDULES)}"
-        )
+        raise ValueError(f"actor.optimizer.lr_scheduler_type: {kind!r} is not one of {', '.join(SCHEDULES)}")
     warmup = warmup_steps(opt, total_train_steps)
     decay = max(1, total_train_steps - warmup)
 
@@ -60,7 +58,8 @@ def lr_multiplier(opt: OptimizerConfig, total_train_steps: int) -> Callable[[int
     return {"constant": constant, "linear": linear, "cosine": cosine}[kind]
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, opt: OptimizerConfig,
-                   total_train_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, opt: OptimizerConfig, total_train_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` whose `get_last_lr()` is the LR of the step about to run."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(opt, total_train_steps))

@@ -152,15 +152,19 @@ class Resume:
 
     @classmethod
     def plan(
-        cls, ckpt: checkpoint.Checkpoint | None, initial: dict[str, torch.Tensor] | None,
+        cls,
+        ckpt: checkpoint.Checkpoint | None,
+        initial: dict[str, torch.Tensor] | None,
         highest_stored: int | None,
     ) -> Resume:
         """`initial` is the untrained adapter, needed when there is no checkpoint."""
         version, unchanged = resume_plan(ckpt, highest_stored)
         if ckpt is None:
             if initial is None:
-                raise ValueError("initial: None without a checkpoint; gather the untrained adapter "
-                                 "(engine.adapter_state() on every rank) before serving")
+                raise ValueError(
+                    "initial: None without a checkpoint; gather the untrained adapter "
+                    "(engine.adapter_state() on every rank) before serving"
+                )
             return cls(version, adapter_io.to_bytes(initial), initial, frozenset())
         tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
@@ -184,9 +188,17 @@ class Rank0:
     async def announce(self, version: int, weights: bytes, tensors: dict[str, torch.Tensor]) -> AdapterReady | None:
         """Store (or broadcast) and announce `version`; None when it was announced already."""
         return await publish_adapter(
-            self.bus, self.store, run=self.cfg.run, lora_name=self.cfg.gconfig.lora_name, version=version,
-            weights=weights, lora=self.engine.lora_spec(), trainer_step=self.engine.step,
-            sender=self.sender, tensors=tensors)
+            self.bus,
+            self.store,
+            run=self.cfg.run,
+            lora_name=self.cfg.gconfig.lora_name,
+            version=version,
+            weights=weights,
+            lora=self.engine.lora_spec(),
+            trainer_step=self.engine.step,
+            sender=self.sender,
+            tensors=tensors,
+        )
 
 
 def make_sender(cfg: LorabusConfig, engine: TrainEngine) -> XcclSender | None:
@@ -199,8 +211,11 @@ def make_sender(cfg: LorabusConfig, engine: TrainEngine) -> XcclSender | None:
     a = cfg.actor
     backend = xccl.resolve_backend(a.xccl_backend, engine.device)
     sender = XcclSender(
-        address=a.xccl_master_address, port=a.xccl_master_port, backend=backend,
-        bucket_bytes=xccl.bucket_bytes_of(a.xccl_bucket_mb), timeout_s=a.xccl_timeout_s,
+        address=a.xccl_master_address,
+        port=a.xccl_master_port,
+        backend=backend,
+        bucket_bytes=xccl.bucket_bytes_of(a.xccl_bucket_mb),
+        timeout_s=a.xccl_timeout_s,
         device=engine.device if backend == "nccl" else "cpu",
     )
     log.info("xccl: %s group host on %s:%d", sender.backend, sender.address, sender.port)
@@ -232,8 +247,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     keep_alive = asyncio.create_task(queue.keep_alive())
     try:
         while engine.step < cfg.total_train_steps:
-            groups = await followers.heartbeat_while(
-                queue.next_batch(cfg.rollout.consumer_batch_size, ctx.stop))
+            groups = await followers.heartbeat_while(queue.next_batch(cfg.rollout.consumer_batch_size, ctx.stop))
             if groups is None:
                 break
             step_index = engine.step
@@ -245,20 +259,47 @@ async def serve(ctx: Rank0, start: Resume) -> int:
             weights = adapter_io.to_bytes(adapter)
             ids = [g.trajectory_id for g in groups]
             if optim is not None:  # gathered by run_step because this step is checkpoint_due
-                await asyncio.to_thread(checkpoint.save, cfg.actor.checkpoint_dir, checkpoint.Checkpoint(
-                    step=engine.step, version=version, adapter_bytes=weights, optimizer=optim,
-                    rng=checkpoint.rng_state(), trained_ids=ids))
+                await asyncio.to_thread(
+                    checkpoint.save,
+                    cfg.actor.checkpoint_dir,
+                    checkpoint.Checkpoint(
+                        step=engine.step,
+                        version=version,
+                        adapter_bytes=weights,
+                        optimizer=optim,
+                        rng=checkpoint.rng_state(),
+                        trained_ids=ids,
+                    ),
+                )
             await ctx.announce(version, weights, adapter)
             metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
-            await bus.publish(subjects.trainer_step(run), TrainerStep(
-                run=run, step=step_index, version=version, loss=stats.loss,
-                reward_mean=stats.reward_mean, groups=stats.groups, tokens=stats.tokens,
-                step_seconds=stats.step_seconds, mean_staleness=stats.mean_staleness,
-                finished_at=time.time()), msg_id=f"trainer-step-{step_index}")
+            await bus.publish(
+                subjects.trainer_step(run),
+                TrainerStep(
+                    run=run,
+                    step=step_index,
+                    version=version,
+                    loss=stats.loss,
+                    reward_mean=stats.reward_mean,
+                    groups=stats.groups,
+                    tokens=stats.tokens,
+                    step_seconds=stats.step_seconds,
+                    mean_staleness=stats.mean_staleness,
+                    finished_at=time.time(),
+                ),
+                msg_id=f"trainer-step-{step_index}",
+            )
             await queue.ack_held()
             record(stats, version)
-            log.info("step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs", step_index, version,
-                     stats.loss, stats.reward_mean, stats.tokens, stats.step_seconds)
+            log.info(
+                "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
+                step_index,
+                version,
+                stats.loss,
+                stats.reward_mean,
+                stats.tokens,
+                stats.step_seconds,
+            )
     finally:
         keep_alive.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -286,8 +327,11 @@ def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | 
 
 
 async def run_rank0(
-    cfg: LorabusConfig, engine: TrainEngine, ckpt: checkpoint.Checkpoint | None,
-    initial: dict[str, torch.Tensor] | None, followers: Followers,
+    cfg: LorabusConfig,
+    engine: TrainEngine,
+    ckpt: checkpoint.Checkpoint | None,
+    initial: dict[str, torch.Tensor] | None,
+    followers: Followers,
 ) -> int:
     """Connect, plan the start from `ckpt` (after `restore`) or `initial` (the untrained
     adapter, gathered on every rank beforehand: a collective under FSDP2) and `serve`;

@@ -53,8 +53,7 @@ def receive_weights(model: nn.Module, state: dict[str, torch.Tensor], device: to
 
     if on_meta(model):
         model.to_empty(device=device)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
-                                                                broadcast_from_rank0=True))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for _, buf in model.named_buffers():
             dist.broadcast(buf, src=0)

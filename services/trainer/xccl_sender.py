@@ -49,7 +49,13 @@ class SendStats:
 
 class XcclSender:
     def __init__(
-        self, *, address: str, port: int, backend: str, bucket_bytes: int, timeout_s: float,
+        self,
+        *,
+        address: str,
+        port: int,
+        backend: str,
+        bucket_bytes: int,
+        timeout_s: float,
         device: torch.device | str = "cpu",
     ):
         self.address, self.backend = address, backend
@@ -77,9 +83,14 @@ class XcclSender:
 
     def handle(self, manifest: list[TensorSpec], ranks: dict[str, int]) -> XcclPayload:
         return XcclPayload(
-            backend=self.backend, master_address=self.address, master_port=self.port,
-            world_size=len(ranks) + 1 if ranks else 1, group_name=self.group_name,
-            tensors=manifest, bucket_bytes=self.bucket_bytes, ranks=dict(ranks),
+            backend=self.backend,
+            master_address=self.address,
+            master_port=self.port,
+            world_size=len(ranks) + 1 if ranks else 1,
+            group_name=self.group_name,
+            tensors=manifest,
+            bucket_bytes=self.bucket_bytes,
+            ranks=dict(ranks),
         )
 
     # --- membership ---
@@ -95,10 +106,17 @@ class XcclSender:
         self.epoch += 1
         self.members = {name: i + 1 for i, name in enumerate(members)}
         e = self.epoch
-        self.store.set(f"g{e}/plan", xccl.dumps({
-            "manifest": [[s.name, list(s.shape), s.dtype] for s in manifest],
-            "bucket_bytes": self.bucket_bytes, "digest": self.digest, "backend": self.backend,
-        }))
+        self.store.set(
+            f"g{e}/plan",
+            xccl.dumps(
+                {
+                    "manifest": [[s.name, list(s.shape), s.dtype] for s in manifest],
+                    "bucket_bytes": self.bucket_bytes,
+                    "digest": self.digest,
+                    "backend": self.backend,
+                }
+            ),
+        )
         self.store.set(f"g{e}/members", xccl.dumps({"group": self.group_name, "ranks": self.members}))
         self.store.set("epoch", str(e))
         # its own client connection: the group's rendezvous must not hold up our key writes
@@ -161,13 +179,20 @@ class XcclSender:
             got = flags.cpu().tolist()
             ranks = {name: r for name, r in self.members.items() if got[r] == 1}
             if len(ranks) < len(self.members):
-                log.warning("xccl v%d: %s did not stage it (object copy for them)", version,
-                            sorted(set(self.members) - set(ranks)))
+                log.warning(
+                    "xccl v%d: %s did not stage it (object copy for them)",
+                    version,
+                    sorted(set(self.members) - set(ranks)),
+                )
             return self.handle(manifest, ranks)
         except Exception as exc:
             st.error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("xccl v%d: group %s failed (%s); aborted, the object copy serves this "
-                        "version and members re-join", version, self.group_name, st.error)
+            log.warning(
+                "xccl v%d: group %s failed (%s); aborted, the object copy serves this version and members re-join",
+                version,
+                self.group_name,
+                st.error,
+            )
             self._drop_group()
             self.members = {}
             return self.handle(manifest, {})

@@ -41,10 +41,10 @@ def read_env_file(path: Path = ENV_EXAMPLE) -> dict[str, str]:
     return env
 
 
-def compose(*args: str, env_file: Path = ENV_EXAMPLE, file: Path = COMPOSE_FILE,
-            profiles: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
-    cmd = [compose_binary(), "-f", str(file), "--project-directory", str(DEPLOY),
-           "--env-file", str(env_file)]
+def compose(
+    *args: str, env_file: Path = ENV_EXAMPLE, file: Path = COMPOSE_FILE, profiles: tuple[str, ...] | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [compose_binary(), "-f", str(file), "--project-directory", str(DEPLOY), "--env-file", str(env_file)]
     for profile in profiles or ():
         cmd += ["--profile", profile]
     # a clean environment: only the env file decides, not whatever the test machine exports

@@ -46,8 +46,18 @@ def test_compose_file_validates(profiles):
 
 def test_default_profile_is_vllm(project):
     services = compose("config", "--services").stdout.split()
-    assert {"nats", "minio", "minio-init", "registry", "trainer", "exporter", "vllm-0",
-            "rollout-vllm-0", "prometheus", "grafana"} <= set(services)
+    assert {
+        "nats",
+        "minio",
+        "minio-init",
+        "registry",
+        "trainer",
+        "exporter",
+        "vllm-0",
+        "rollout-vllm-0",
+        "prometheus",
+        "grafana",
+    } <= set(services)
     assert "sglang-0" not in services
     sglang = compose("config", "--services", profiles=("sglang",)).stdout.split()
     assert {"sglang-0", "rollout-sglang-0"} <= set(sglang) and "vllm-0" not in sglang
@@ -61,16 +71,20 @@ def test_validator_rejects_a_broken_file(tmp_path):
     result = compose("config", "-q", file=bad_key)
     assert result.returncode != 0 and "gpus_please" in result.stderr
     dangling = tmp_path / "dangling.yml"
-    dangling.write_text(text.replace("registry: {condition: service_healthy}",
-                                     "regsitry: {condition: service_healthy}", 1))
+    dangling.write_text(
+        text.replace("registry: {condition: service_healthy}", "regsitry: {condition: service_healthy}", 1)
+    )
     result = compose("config", "-q", file=dangling)
     assert result.returncode != 0 and "regsitry" in result.stderr
 
 
 def test_missing_password_is_an_error(tmp_path):
     env = tmp_path / ".env"
-    env.write_text("\n".join(line for line in ENV_EXAMPLE.read_text().splitlines()
-                             if not line.startswith("NATS_TRAINER_PASSWORD=")))
+    env.write_text(
+        "\n".join(
+            line for line in ENV_EXAMPLE.read_text().splitlines() if not line.startswith("NATS_TRAINER_PASSWORD=")
+        )
+    )
     result = compose("config", "-q", env_file=env)
     assert result.returncode != 0 and "NATS_TRAINER_PASSWORD" in result.stderr
 
@@ -92,8 +106,7 @@ def test_every_command_is_a_real_entry_point(project):
                 argv.append("status")
             tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
             assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), module
-            help_text = subprocess.run(argv + ["--help"], cwd=REPO, capture_output=True, text=True,
-                                       timeout=120)
+            help_text = subprocess.run(argv + ["--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
             assert help_text.returncode == 0, f"{name}: {' '.join(argv)} --help: {help_text.stderr}"
             for flag in flags:
                 assert flag in help_text.stdout, f"{name}: `lorabus {sub}` has no {flag} option"
@@ -181,8 +194,13 @@ def test_inference_servers_preload_v0_under_the_configured_name(project):
     vllm = project["services"]["vllm-0"]
     script = vllm["command"][0].replace("$$", "$")
     assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
-    for flag in ("--enable-lora", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
-                 '--lora-modules "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"'):
+    for flag in (
+        "--enable-lora",
+        "--max-lora-rank",
+        "--max-loras",
+        "--max-cpu-loras",
+        '--lora-modules "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"',
+    ):
         assert flag in script, flag
     assert vllm["environment"]["LORABUS_LORA_NAME"] == env["LORABUS_LORA_NAME"]
     sglang = project["services"]["sglang-0"]["command"][0].replace("$$", "$")
@@ -190,8 +208,9 @@ def test_inference_servers_preload_v0_under_the_configured_name(project):
     assert '--lora-paths "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"' in sglang
     # sidecar and server see the adapters volume at the same path
     for sidecar, server in (("rollout-vllm-0", "vllm-0"), ("rollout-sglang-0", "sglang-0")):
-        mounts = lambda s: {(v["source"], v["target"]) for v in project["services"][s]["volumes"]
-                            if v["type"] == "volume"}
+        mounts = lambda s: {
+            (v["source"], v["target"]) for v in project["services"][s]["volumes"] if v["type"] == "volume"
+        }
         assert ("adapters", "/adapters") in mounts(sidecar) & mounts(server)
 
 
@@ -223,12 +242,23 @@ for module in sys.argv[2:]:
 """
 
 
-@pytest.mark.parametrize("blocked,modules", [
-    ("torch,safetensors,transformers,peft", ["services.registry.__main__", "services.registry.service",
-                                             "services.registry.status", "services.clients.watch"]),
-    ("transformers,peft,accelerate", ["services.exporter.__main__", "services.exporter.service"]),
-])
+@pytest.mark.parametrize(
+    "blocked,modules",
+    [
+        (
+            "torch,safetensors,transformers,peft",
+            [
+                "services.registry.__main__",
+                "services.registry.service",
+                "services.registry.status",
+                "services.clients.watch",
+            ],
+        ),
+        ("transformers,peft,accelerate", ["services.exporter.__main__", "services.exporter.service"]),
+    ],
+)
 def test_slim_services_import_without_the_gpu_stack(blocked, modules):
-    result = subprocess.run([sys.executable, "-c", BLOCKER, blocked, *modules], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKER, blocked, *modules], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]

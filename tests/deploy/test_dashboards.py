@@ -20,8 +20,21 @@ import make_dashboards  # noqa: E402
 import metrics_catalog  # noqa: E402
 
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                "or", "unless", "offset", "inf", "nan"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def promtool() -> str:
@@ -47,14 +60,14 @@ def concrete(expr: str) -> str:
 
 
 def metric_names_in(expr: str) -> set[str]:
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)          # strings
-    text = re.sub(r"\{[^}]*\}", "", text)                  # label matchers
-    text = re.sub(r"\[[^\]]*\]", "", text)                 # ranges
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # ranges
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
         word = m.group(0)
-        following = text[m.end():].lstrip()[:1]
+        following = text[m.end() :].lstrip()[:1]
         if following == "(" or word.lower() in PROMQL_WORDS:
             continue  # a function or a keyword
         names.add(word)
@@ -62,19 +75,29 @@ def metric_names_in(expr: str) -> set[str]:
 
 
 def grouping_labels(expr: str) -> set[str]:
-    return {label.strip() for group in re.findall(r"\bby\s*\(([^)]*)\)", expr)
-            for label in group.split(",") if label.strip()}
+    return {
+        label.strip()
+        for group in re.findall(r"\bby\s*\(([^)]*)\)", expr)
+        for label in group.split(",")
+        if label.strip()
+    }
 
 
 def test_prometheus_config_passes_promtool():
-    result = subprocess.run([promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_rejects_a_broken_config(tmp_path):
     bad = tmp_path / "prometheus.yml"
-    bad.write_text((DEPLOY / "prometheus" / "prometheus.yml").read_text().replace("scrape_interval", "scrape_intervall"))
+    bad.write_text(
+        (DEPLOY / "prometheus" / "prometheus.yml").read_text().replace("scrape_interval", "scrape_intervall")
+    )
     result = subprocess.run([promtool(), "check", "config", str(bad)], capture_output=True, text=True)
     assert result.returncode != 0
 
@@ -104,10 +127,17 @@ def test_dashboards_are_grafana_models_on_the_provisioned_datasource():
 
 
 def test_every_query_is_promql(tmp_path):
-    rules = {"groups": [{"name": "dashboards", "rules": [
-        {"record": f"lorabus:check:{i}", "expr": concrete(expr)}
-        for i, (_, _, expr) in enumerate(expressions())
-    ]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboards",
+                "rules": [
+                    {"record": f"lorabus:check:{i}", "expr": concrete(expr)}
+                    for i, (_, _, expr) in enumerate(expressions())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(rules))
     result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
@@ -133,12 +163,19 @@ def test_metric_name_parser():
 
 def test_dashboards_cover_what_the_issue_asks_for():
     text = " ".join(expr for _, _, expr in expressions())
-    for needed in ("lorabus_registry_head_version", "lorabus_rollout_loaded_version",
-                   "lorabus_rollout_propagation_seconds", "lorabus_registry_staleness",
-                   "lorabus_registry_trajectories_total", "lorabus_trainer_reward_mean",
-                   "lorabus_trainer_step_seconds", "lorabus_trainer_tokens_per_second",
-                   "lorabus_rollout_tokens_total", "lorabus_bus_dead_letters_total",
-                   "lorabus_bus_reconnects_total"):
+    for needed in (
+        "lorabus_registry_head_version",
+        "lorabus_rollout_loaded_version",
+        "lorabus_rollout_propagation_seconds",
+        "lorabus_registry_staleness",
+        "lorabus_registry_trajectories_total",
+        "lorabus_trainer_reward_mean",
+        "lorabus_trainer_step_seconds",
+        "lorabus_trainer_tokens_per_second",
+        "lorabus_rollout_tokens_total",
+        "lorabus_bus_dead_letters_total",
+        "lorabus_bus_reconnects_total",
+    ):
         assert needed in text, needed
 
 

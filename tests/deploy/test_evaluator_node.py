@@ -34,7 +34,10 @@ def node_example(tmp_path_factory):
         shutil.copy(EXAMPLE / name, work / name)
     result = subprocess.run(
         ["npm", "install", "--no-audit", "--no-fund", "--prefer-offline", "--ignore-scripts"],
-        cwd=work, capture_output=True, text=True, timeout=180,
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return work
@@ -54,19 +57,29 @@ async def test_node_evaluator_validates_real_events(node_example, tmp_path, monk
         monkeypatch.setenv(var, value)
     server = start_with_deploy_config(tmp_path, passwords)
     run = f"node{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ, NATS_URL=server.url, NATS_USER="watcher",
-               NATS_PASSWORD=passwords["NATS_WATCHER_PASSWORD"], LORABUS_RUN=run,
-               LORABUS_SCHEMA_DIR=str(REPO / "proto" / "schema"))
+    env = dict(
+        os.environ,
+        NATS_URL=server.url,
+        NATS_USER="watcher",
+        NATS_PASSWORD=passwords["NATS_WATCHER_PASSWORD"],
+        LORABUS_RUN=run,
+        LORABUS_SCHEMA_DIR=str(REPO / "proto" / "schema"),
+    )
     proc = await asyncio.create_subprocess_exec(
-        "node", "evaluator.mjs", cwd=node_example, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "node",
+        "evaluator.mjs",
+        cwd=node_example,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     trainer = None
     try:
         assert await read_line(proc) == "ready"
         trainer = await Bus.connect(
             BusConfig(url=server.url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"]),
-            run=run, service="trainer",
+            run=run,
+            service="trainer",
         )
         await trainer.ensure_streams()
         await trainer.publish(subjects.adapter_ready(run, 4), adapter_event(run, 4), msg_id=f"{run}-v4")

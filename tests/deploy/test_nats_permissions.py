@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -54,8 +54,7 @@ def run() -> str:
 
 
 def bus_config(server, passwords, user: str) -> BusConfig:
-    return BusConfig(url=server.url, user=user, password=passwords[users()[user]],
-                     connect_timeout_s=3.0)
+    return BusConfig(url=server.url, user=user, password=passwords[users()[user]], connect_timeout_s=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,10 @@ rollout: {{max_head_offpolicyness: 1, consumer_batch_size: 2}}
     env = dict(os.environ, NATS_REGISTRY_PASSWORD=passwords["NATS_REGISTRY_PASSWORD"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.registry", "--config", str(config)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     yield proc, tmp / "registry.log"
     proc.terminate()
@@ -103,7 +105,10 @@ async def raw_connect(server, passwords, user: str):
         errors.append(str(exc))
 
     nc = await nats.connect(
-        servers=[server.url], user=user, password=passwords[users()[user]], error_cb=on_error,
+        servers=[server.url],
+        user=user,
+        password=passwords[users()[user]],
+        error_cb=on_error,
         allow_reconnect=False,
     )
     return nc, errors
@@ -130,21 +135,32 @@ async def streams_ready(server, passwords, run, registry) -> None:
 
 def adapter_event(run: str, version: int) -> m.AdapterReady:
     return m.AdapterReady(
-        run=run, lora_name="tiny_lora", version=version, trainer_step=max(version - 1, 0),
+        run=run,
+        lora_name="tiny_lora",
+        version=version,
+        trainer_step=max(version - 1, 0),
         created_at=time.time(),
         lora=m.LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj"], base_model="tiny"),
-        payloads=[m.ObjectPayload(uri=f"s3://lorabus/{run}/adapters/v{version}/adapter_model.safetensors",
-                                  bytes=10, sha256="0" * 64)],
+        payloads=[
+            m.ObjectPayload(
+                uri=f"s3://lorabus/{run}/adapters/v{version}/adapter_model.safetensors", bytes=10, sha256="0" * 64
+            )
+        ],
     )
 
 
 def trajectory(run: str, replica: str, version: int) -> m.Trajectory:
     now = time.time()
     return m.Trajectory(
-        run=run, trajectory_id=f"t-{uuid.uuid4().hex[:8]}", grant_id="g", replica=replica,
-        prompt_id="p0", prompt_token_ids=[1, 2],
+        run=run,
+        trajectory_id=f"t-{uuid.uuid4().hex[:8]}",
+        grant_id="g",
+        replica=replica,
+        prompt_id="p0",
+        prompt_token_ids=[1, 2],
         completions=[m.Completion(token_ids=[3], logprobs=[-0.5], versions=[version], reward=1.0)],
-        started_at=now, finished_at=now,
+        started_at=now,
+        finished_at=now,
     )
 
 
@@ -159,8 +175,15 @@ async def subject_count(bus: Bus, stream: str, subject: str) -> int:
 
 
 def test_config_declares_every_service_user():
-    assert set(users()) >= {"registry", "trainer", "exporter", "rollout-vllm-0",
-                            "rollout-sglang-0", "evaluator", "watcher"}
+    assert set(users()) >= {
+        "registry",
+        "trainer",
+        "exporter",
+        "rollout-vllm-0",
+        "rollout-sglang-0",
+        "evaluator",
+        "watcher",
+    }
     # every password is an environment variable, never a literal in the file
     assert len(password_vars()) == len(users())
 
@@ -169,11 +192,19 @@ async def test_trainer_publishes_adapter_event_to_jetstream(server, passwords, r
     await streams_ready(server, passwords, run, registry)
     trainer = await connect(server, passwords, "trainer", run, "trainer")
     try:
-        seq = await trainer.publish(subjects.adapter_ready(run, 0), adapter_event(run, 0),
-                                    msg_id=f"{run}-v0")
+        seq = await trainer.publish(subjects.adapter_ready(run, 0), adapter_event(run, 0), msg_id=f"{run}-v0")
         assert seq >= 1
-        step = m.TrainerStep(run=run, step=0, version=1, loss=0.1, reward_mean=0.5, groups=2,
-                             tokens=10, step_seconds=0.2, finished_at=time.time())
+        step = m.TrainerStep(
+            run=run,
+            step=0,
+            version=1,
+            loss=0.1,
+            reward_mean=0.5,
+            groups=2,
+            tokens=10,
+            step_seconds=0.2,
+            finished_at=time.time(),
+        )
         assert await trainer.publish(subjects.trainer_step(run), step) >= 1
         assert await subject_count(trainer, streams.ADAPTERS(run), subjects.adapter_ready(run, 0)) == 1
     finally:
@@ -188,7 +219,9 @@ async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords,
         with pytest.raises(nats.errors.TimeoutError):  # dropped by the server: no PubAck
             await nc.jetstream().publish(subject, codec.encode(adapter_event(run, 99)), timeout=1.0)
         await wait_until(lambda: errors, what="a permissions violation")
-        assert any("permissions violation for publish" in e.lower() and subject.lower() in e.lower() for e in errors), errors
+        assert any("permissions violation for publish" in e.lower() and subject.lower() in e.lower() for e in errors), (
+            errors
+        )
     finally:
         await nc.close()
     admin = await connect(server, passwords, "trainer", run, "check")
@@ -198,21 +231,21 @@ async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords,
         await admin.close()
 
 
-async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admission(
-    server, passwords, run, registry
-):
+async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admission(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
     bus = await connect(server, passwords, "rollout-vllm-0", run, f"rollout-{ROLLOUT}")
     try:
         assert await bus.publish(subjects.trajectory(run, ROLLOUT), trajectory(run, ROLLOUT, 0)) >= 1
-        beat = m.ReplicaHeartbeat(run=run, replica=ROLLOUT, engine="vllm", loaded_versions=[0],
-                                  in_flight=0, sent_at=time.time())
+        beat = m.ReplicaHeartbeat(
+            run=run, replica=ROLLOUT, engine="vllm", loaded_versions=[0], in_flight=0, sent_at=time.time()
+        )
         assert await bus.publish(subjects.rollout_report(run, ROLLOUT, "heartbeat"), beat) >= 1
         # the real registry answers (grant or deny): request and reply both pass the permissions
         reply = await bus.request(
             subjects.admission(run),
             m.AdmissionRequest(run=run, replica=ROLLOUT, request_id="r1", loaded_versions=[0]),
-            m.AdmissionReply, timeout=10.0,
+            m.AdmissionReply,
+            timeout=10.0,
         )
         assert reply.request_id == "r1"
         # the durable adapter consumer a rollout runs: create, fetch, ack
@@ -234,9 +267,12 @@ async def test_rollout_is_refused_another_replicas_subjects(server, passwords, r
     await streams_ready(server, passwords, run, registry)
     nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
     try:
-        others = [subjects.trajectory(run, "sglang-0"),
-                  subjects.rollout_report(run, "sglang-0", "loaded"),
-                  subjects.accepted(run), subjects.decision(run, ROLLOUT)]
+        others = [
+            subjects.trajectory(run, "sglang-0"),
+            subjects.rollout_report(run, "sglang-0", "loaded"),
+            subjects.accepted(run),
+            subjects.decision(run, ROLLOUT),
+        ]
         for subject in others:
             await nc.publish(subject, b"{}")
         await nc.flush()
@@ -250,9 +286,7 @@ async def test_rollout_is_refused_another_replicas_subjects(server, passwords, r
         await nc.close()
 
 
-async def test_watcher_is_refused_publishing_anything_but_receives_events(
-    server, passwords, run, registry
-):
+async def test_watcher_is_refused_publishing_anything_but_receives_events(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
     nc, errors = await raw_connect(server, passwords, "watcher")
     try:
@@ -263,9 +297,15 @@ async def test_watcher_is_refused_publishing_anything_but_receives_events(
 
         await nc.subscribe(subjects.adapter_ready_all(run), cb=on_msg)
         await nc.flush()
-        attempts = [subjects.eval_result(run, "mine"), subjects.adapter_ready(run, 5),
-                    subjects.trajectory(run, ROLLOUT), subjects.admission(run), "$JS.API.INFO",
-                    "_INBOX.anything", "other.subject"]
+        attempts = [
+            subjects.eval_result(run, "mine"),
+            subjects.adapter_ready(run, 5),
+            subjects.trajectory(run, ROLLOUT),
+            subjects.admission(run),
+            "$JS.API.INFO",
+            "_INBOX.anything",
+            "other.subject",
+        ]
         for subject in attempts:
             await nc.publish(subject, b"{}")
         await nc.flush()
@@ -274,8 +314,7 @@ async def test_watcher_is_refused_publishing_anything_but_receives_events(
             assert any("publish" in e.lower() and subject.lower() in e.lower() for e in errors), (subject, errors)
         # subscribing to what it may not read is refused too
         await nc.subscribe(subjects.trajectory_all(run), cb=on_msg)
-        await wait_until(lambda: any("subscription" in e.lower() for e in errors),
-                         what="a subscription violation")
+        await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="a subscription violation")
 
         trainer = await connect(server, passwords, "trainer", run, "trainer")
         await trainer.publish(subjects.adapter_ready(run, 2), adapter_event(run, 2), msg_id=f"{run}-v2")
@@ -285,14 +324,19 @@ async def test_watcher_is_refused_publishing_anything_but_receives_events(
         await nc.close()
 
 
-async def test_evaluator_reads_exports_and_publishes_only_eval_results(
-    server, passwords, run, registry
-):
+async def test_evaluator_reads_exports_and_publishes_only_eval_results(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
     exporter = await connect(server, passwords, "exporter", run, "exporter")
-    done = m.ExportDone(run=run, lora_name="tiny_lora", version=0, uri=f"s3://lorabus/{run}/export/v0",
-                        files=["adapter_config.json", "adapter_model.safetensors"], bytes=10,
-                        sha256="0" * 64, exported_at=time.time())
+    done = m.ExportDone(
+        run=run,
+        lora_name="tiny_lora",
+        version=0,
+        uri=f"s3://lorabus/{run}/export/v0",
+        files=["adapter_config.json", "adapter_model.safetensors"],
+        bytes=10,
+        sha256="0" * 64,
+        exported_at=time.time(),
+    )
     try:
         await exporter.publish(subjects.export_done(run, 0), done, msg_id=f"{run}-export-v0")
     finally:
@@ -303,8 +347,15 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(
         scored: list[int] = []
 
         async def on_export(msg: m.ExportDone, _meta) -> None:
-            result = m.EvalResult(run=run, evaluator="heldout", version=msg.version, metric="acc",
-                                  score=0.5, n=4, evaluated_at=time.time())
+            result = m.EvalResult(
+                run=run,
+                evaluator="heldout",
+                version=msg.version,
+                metric="acc",
+                score=0.5,
+                n=4,
+                evaluated_at=time.time(),
+            )
             await evaluator.publish(subjects.eval_result(run, "heldout"), result)
             scored.append(msg.version)
 
@@ -316,8 +367,7 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(
 
     nc, errors = await raw_connect(server, passwords, "evaluator")
     try:
-        for subject in (subjects.adapter_ready(run, 7), subjects.export_done(run, 7),
-                        subjects.trainer_step(run)):
+        for subject in (subjects.adapter_ready(run, 7), subjects.export_done(run, 7), subjects.trainer_step(run)):
             await nc.publish(subject, b"{}")
         await nc.flush()
         await wait_until(lambda: len(errors) >= 3, what="three violations")
@@ -327,8 +377,14 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(
 
 async def test_wrong_password_is_refused(server, passwords):
     with pytest.raises(Exception) as info:
-        await nats.connect(servers=[server.url], user="trainer", password="wrong",
-                           allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+        await nats.connect(
+            servers=[server.url],
+            user="trainer",
+            password="wrong",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+        )
     assert "authorization" in str(info.value).lower() or isinstance(
         info.value, (nats.errors.NoServersError, nats.errors.AuthorizationError)
     )
@@ -349,7 +405,7 @@ async def test_operator_runs_lorabus_watch_and_registry_status_but_publishes_no_
 experiment_name: {run}
 trial_name: t
 run: {run}
-bus: {{url: "{server.url}", user: operator, password: "{passwords['NATS_OPERATOR_PASSWORD']}"}}
+bus: {{url: "{server.url}", user: operator, password: "{passwords["NATS_OPERATOR_PASSWORD"]}"}}
 actor: {{path: examples/tiny/model}}
 train_dataset: {{path: "builtin:arith"}}
 """)
@@ -388,7 +444,11 @@ async def test_object_store_credentials_never_travel_in_events(s3_store, monkeyp
     secret = os.environ["LORABUS_S3_SECRET_KEY"]
     ref = s3_store.put_bytes("run/adapters/v1/adapter_model.safetensors", b"weights")
     event = m.AdapterReady(
-        run="r", lora_name="l", version=1, trainer_step=0, created_at=time.time(),
+        run="r",
+        lora_name="l",
+        version=1,
+        trainer_step=0,
+        created_at=time.time(),
         lora=m.LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj"], base_model="tiny"),
         payloads=[m.ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
     )
@@ -411,17 +471,47 @@ async def test_object_store_credentials_never_travel_in_events(s3_store, monkeyp
 def make_certs(directory) -> dict[str, str]:
     """A throw-away CA and a server certificate for 127.0.0.1 (openssl CLI)."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca, key, csr, crt = (str(directory / n) for n in
-                                 ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+    ca_key, ca, key, csr, crt = (
+        str(directory / n) for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt")
+    )
     ext = directory / "san.ext"
     ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     steps = [
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
-         "-days", "1", "-subj", "/CN=lorabus-test-ca"],
-        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
-         "-subj", "/CN=127.0.0.1"],
-        ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-         "-out", crt, "-days", "1", "-extfile", str(ext)],
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            ca_key,
+            "-out",
+            ca,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=lorabus-test-ca",
+        ],
+        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            crt,
+            "-days",
+            "1",
+            "-extfile",
+            str(ext),
+        ],
     ]
     for step in steps:
         subprocess.run(step, check=True, capture_output=True, timeout=60)
@@ -441,8 +531,13 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
     srv = start_with_deploy_config(tmp_path, passwords, tls_conf=NATS_DIR / "tls-on.conf")
     try:
         url = f"tls://127.0.0.1:{srv.port}"
-        cfg = BusConfig(url=url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"],
-                        tls_ca=certs["NATS_TLS_CA"], connect_timeout_s=3.0)
+        cfg = BusConfig(
+            url=url,
+            user="trainer",
+            password=passwords["NATS_TRAINER_PASSWORD"],
+            tls_ca=certs["NATS_TLS_CA"],
+            connect_timeout_s=3.0,
+        )
         bus = await Bus.connect(cfg, run="tlsrun", service="trainer")
         try:
             await bus.ensure_streams()
@@ -450,8 +545,13 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
         finally:
             await bus.close()
         with pytest.raises(Exception):
-            await nats.connect(servers=[srv.url], user="trainer",
-                               password=passwords["NATS_TRAINER_PASSWORD"], allow_reconnect=False,
-                               max_reconnect_attempts=0, connect_timeout=2)
+            await nats.connect(
+                servers=[srv.url],
+                user="trainer",
+                password=passwords["NATS_TRAINER_PASSWORD"],
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=2,
+            )
     finally:
         srv.close()

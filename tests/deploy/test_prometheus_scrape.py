@@ -69,10 +69,22 @@ actor: {{path: examples/tiny/model}}
 train_dataset: {{path: "builtin:arith"}}
 """)
         registry_log = open(tmp_path / "registry.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "services.registry", "--config", str(config),
-             f"metrics.port={metrics_port}", "metrics.host=127.0.0.1"],
-            cwd=REPO, stdout=registry_log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.registry",
+                    "--config",
+                    str(config),
+                    f"metrics.port={metrics_port}",
+                    "metrics.host=127.0.0.1",
+                ],
+                cwd=REPO,
+                stdout=registry_log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         registry_log.close()
 
         # the deploy scrape config, with its registry target pointed at this process
@@ -85,10 +97,18 @@ train_dataset: {{path: "builtin:arith"}}
         prom_config.write_text(yaml.safe_dump(scrape))
         prom_port = free_port()
         prom_log = open(tmp_path / "prometheus.log", "wb")
-        procs.append(subprocess.Popen(
-            ["prometheus", f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=prom_log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "prometheus",
+                    f"--config.file={prom_config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}",
+                ],
+                stdout=prom_log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         prom_log.close()
         yield server, passwords, run, prom_port, tmp_path
     finally:
@@ -110,14 +130,16 @@ train_dataset: {{path: "builtin:arith"}}
 async def test_prometheus_scrapes_the_registry(stack):
     server, passwords, run, prom_port, tmp = stack
     started = time.monotonic()
-    up = await asyncio.to_thread(wait_for_series, prom_port, 'up{component="registry"}',
-                                 lambda r: r[0]["value"][1] == "1")
+    up = await asyncio.to_thread(
+        wait_for_series, prom_port, 'up{component="registry"}', lambda r: r[0]["value"][1] == "1"
+    )
     first_scrape_s = time.monotonic() - started
     assert up[0]["metric"]["job"] == "lorabus"
 
     trainer = await Bus.connect(
         BusConfig(url=server.url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"]),
-        run=run, service="trainer",
+        run=run,
+        service="trainer",
     )
     try:
         deadline = time.monotonic() + 20
@@ -132,11 +154,15 @@ async def test_prometheus_scrapes_the_registry(stack):
     finally:
         await trainer.close()
 
-    head = await asyncio.to_thread(wait_for_series, prom_port, "lorabus_registry_head_version",
-                                   lambda r: r[0]["value"][1] == "3")
+    head = await asyncio.to_thread(
+        wait_for_series, prom_port, "lorabus_registry_head_version", lambda r: r[0]["value"][1] == "3"
+    )
     assert head[0]["metric"]["component"] == "registry"
     consumed = await asyncio.to_thread(
-        wait_for_series, prom_port, 'lorabus_bus_messages_total{service="registry",direction="consumed"}',
-        lambda r: float(r[0]["value"][1]) >= 1)
+        wait_for_series,
+        prom_port,
+        'lorabus_bus_messages_total{service="registry",direction="consumed"}',
+        lambda r: float(r[0]["value"][1]) >= 1,
+    )
     assert consumed
     print(f"first scrape after {first_scrape_s:.1f}s")

@@ -59,23 +59,48 @@ def test_prometheus_scrapes_a_running_local_deployment(tmp_path):
     targets = run_dir / "prometheus_targets.json"
     targets.write_text("[]")
     prom_config = tmp_path / "prometheus.yml"
-    prom_config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "lorabus",
-            "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
-        }],
-    }))
+    prom_config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "lorabus",
+                        "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
+                    }
+                ],
+            }
+        )
+    )
     prom_port = free_port()
     prom = subprocess.Popen(
-        ["prometheus", f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+        [
+            "prometheus",
+            f"--config.file={prom_config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=open(tmp_path / "prometheus.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         up = subprocess.run(
-            [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
-             "--timeout", "240", f"run_dir={run_dir}", f"total_train_steps={STEPS}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=280)
+            [
+                sys.executable,
+                "-m",
+                "services.local.launcher",
+                "--config",
+                "examples/tiny.yaml",
+                "--timeout",
+                "240",
+                f"run_dir={run_dir}",
+                f"total_train_steps={STEPS}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         time.sleep(2)  # the last samples before the services stopped
         found = {series: query_max(prom_port, series) for series in KEY_SERIES}

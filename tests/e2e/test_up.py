@@ -36,12 +36,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
-        "--timeout", "780", "--progress-every", "10",
-        f"run_dir={run_dir}", f"total_train_steps={STEPS}", *overrides,
+        sys.executable,
+        "-m",
+        "services.local.launcher",
+        "--config",
+        "examples/tiny.yaml",
+        "--timeout",
+        "780",
+        "--progress-every",
+        "10",
+        f"run_dir={run_dir}",
+        f"total_train_steps={STEPS}",
+        *overrides,
     ]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> dict:

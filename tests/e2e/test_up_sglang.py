@@ -45,11 +45,17 @@ def sglang_url():
 def test_up_with_sglang_protocol_server_improves_heldout_score(tmp_path, sglang_url):
     url, server = sglang_url
     summary = run_up(
-        "examples/tiny.yaml", tmp_path / "run", STEPS,
-        "rollout.engine=sglang", f"rollout.server_urls=[{url}]", "rollout.preload_v0=false",
+        "examples/tiny.yaml",
+        tmp_path / "run",
+        STEPS,
+        "rollout.engine=sglang",
+        f"rollout.server_urls=[{url}]",
+        "rollout.preload_v0=false",
         # one sidecar per server (two would unload each other's versions); its batches carry
         # the work of tiny.yaml's two embedded replicas
-        "rollout.replicas=1", "rollout.batch_groups=4", "sglang.max_lora_rank=8",
+        "rollout.replicas=1",
+        "rollout.batch_groups=4",
+        "sglang.max_lora_rank=8",
     )
     check_learned(summary, STEPS)
     # the versions went through the server's load/unload: only the keep window is left

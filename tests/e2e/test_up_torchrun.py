@@ -18,9 +18,14 @@ def test_lorabus_up_with_two_trainer_ranks(tmp_path):
     run_dir = tmp_path / "run"
     steps = 4
     summary = run_up(
-        "examples/tiny.yaml", run_dir, steps,
-        "actor.nproc_per_node=2", "rollout.consumer_batch_size=2", "rollout.replicas=1",
-        timeout_s=200.0, evaluate=False,
+        "examples/tiny.yaml",
+        run_dir,
+        steps,
+        "actor.nproc_per_node=2",
+        "rollout.consumer_batch_size=2",
+        "rollout.replicas=1",
+        timeout_s=200.0,
+        evaluate=False,
     )
     trainer_log = (run_dir / "trainer.log").read_text()
     assert summary["trainer_steps"] == steps

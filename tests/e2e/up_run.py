@@ -14,16 +14,32 @@ MARGIN = 0.06
 
 
 def run_up(
-    config: str, run_dir: Path, steps: int, *overrides: str, timeout_s: float = 420.0, evaluate: bool = True,
+    config: str,
+    run_dir: Path,
+    steps: int,
+    *overrides: str,
+    timeout_s: float = 420.0,
+    evaluate: bool = True,
 ) -> dict:
     flags = [] if evaluate else ["--no-evaluate"]
     cmd = [
-        sys.executable, "-m", "services.local.launcher", "--config", config, *flags,
-        "--timeout", str(timeout_s), "--progress-every", "10",
-        f"run_dir={run_dir}", f"total_train_steps={steps}", *overrides,
+        sys.executable,
+        "-m",
+        "services.local.launcher",
+        "--config",
+        config,
+        *flags,
+        "--timeout",
+        str(timeout_s),
+        "--progress-every",
+        "10",
+        f"run_dir={run_dir}",
+        f"total_train_steps={steps}",
+        *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout_s + 120)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s + 120
+    )
     print(proc.stdout)
     assert proc.returncode == 0, f"lorabus up failed:\n{proc.stdout[-4000:]}{trainer_log_tail(run_dir)}"
     return json.loads((run_dir / "summary.json").read_text())

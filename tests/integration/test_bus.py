@@ -70,7 +70,7 @@ class Collector:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def steps(self) -> list[int]:
@@ -85,12 +85,10 @@ async def dead_letters(bus: Bus, service: str, n: int, timeout: float = 5.0) -> 
     letters: list[DeadLetter] = []
 
     async def read() -> bool:
-        sub = await bus.js.pull_subscribe(
-            subjects.dead_letter(bus.run, service), stream=streams.DEADLETTER(bus.run)
-        )
+        sub = await bus.js.pull_subscribe(subjects.dead_letter(bus.run, service), stream=streams.DEADLETTER(bus.run))
         try:
             msgs = await sub.fetch(100, timeout=0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             msgs = []
         finally:
             await sub.unsubscribe()
@@ -156,9 +154,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(bus, run):
         got = Collector(fail_steps={0})
         for i in range(2):
             await flaky.publish(subjects.trainer_step(run), step(i, run))
-        await flaky.consume(
-            streams.TRAINER(run), "flaky", TrainerStep, got, max_deliver=3, retry_delay_s=0.05
-        )
+        await flaky.consume(streams.TRAINER(run), "flaky", TrainerStep, got, max_deliver=3, retry_delay_s=0.05)
         letters = await dead_letters(bus, service, 1)
         assert [m.step for m, meta in got.got if m.step == 0] == [0, 0, 0]
         assert [meta.num_delivered for m, meta in got.got if m.step == 0] == [1, 2, 3]
@@ -206,7 +202,7 @@ async def test_burst_consumer_loses_nothing_when_the_burst_pull_times_out(bus, r
 
     async def slow_burst(self, batch: int = 1, timeout: float | None = 5, heartbeat=None):
         if batch > 1:
-            raise asyncio.TimeoutError  # what nats-py raises when `deadline <= 0`
+            raise TimeoutError  # what nats-py raises when `deadline <= 0`
         return await fetch(self, batch, timeout, heartbeat)
 
     monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", slow_burst)
@@ -306,7 +302,7 @@ async def test_key_value_put_get(bus, run):
     await kv.put("head", b"3")
     again = await bus.key_value(bucket)  # opening an existing bucket, not re-creating it
     assert (await again.get("head")).value == b"3"
-    rev = (await again.put("head", b"4"))
+    rev = await again.put("head", b"4")
     assert rev == 2 and (await kv.get("head")).value == b"4"
 
 

@@ -32,9 +32,16 @@ REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 4, 8.0
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
-MODEL = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                    num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
-                    max_position_embeddings=64)
+MODEL = Qwen3Config(
+    vocab_size=80,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=GROUPS,
+    head_dim=HEAD_DIM,
+    max_position_embeddings=64,
+)
 
 
 class ExporterProcess(ServiceProcess):
@@ -64,8 +71,10 @@ def store_cfg(request, tmp_path) -> StoreConfig:
 def source_model(base, seed: int):
     """The trainer's side of version `seed`: a LoRA model with every A and B random, where the
     A's that Megatron fuses (q/k/v, gate/up) are shared, so both layouts can express it."""
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"),
+    )
     g = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -73,8 +82,11 @@ def source_model(base, seed: int):
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         for name, p in params.items():
-            for shared, owner in (("k_proj.lora_A", "q_proj.lora_A"), ("v_proj.lora_A", "q_proj.lora_A"),
-                                  ("up_proj.lora_A", "gate_proj.lora_A")):
+            for shared, owner in (
+                ("k_proj.lora_A", "q_proj.lora_A"),
+                ("v_proj.lora_A", "q_proj.lora_A"),
+                ("up_proj.lora_A", "gate_proj.lora_A"),
+            ):
                 if shared in name:
                     p.copy_(params[name.replace(shared, owner)])
     return model.eval()
@@ -92,14 +104,25 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
     for layer in range(MODEL.num_hidden_layers):
         m, d = f"model.layers.{layer}", f"decoder.layers.{layer}"
         q, k, v = (t[(f"{m}.self_attn.{n}", "B")] for n in ("q_proj", "k_proj", "v_proj"))
-        qkv = torch.cat([torch.cat([q[g * qpg * HEAD_DIM:(g + 1) * qpg * HEAD_DIM],
-                                    k[g * HEAD_DIM:(g + 1) * HEAD_DIM], v[g * HEAD_DIM:(g + 1) * HEAD_DIM]])
-                         for g in range(GROUPS)])
+        qkv = torch.cat(
+            [
+                torch.cat(
+                    [
+                        q[g * qpg * HEAD_DIM : (g + 1) * qpg * HEAD_DIM],
+                        k[g * HEAD_DIM : (g + 1) * HEAD_DIM],
+                        v[g * HEAD_DIM : (g + 1) * HEAD_DIM],
+                    ]
+                )
+                for g in range(GROUPS)
+            ]
+        )
         fused = {
             "self_attention.linear_qkv": (t[(f"{m}.self_attn.q_proj", "A")], qkv),
             "self_attention.linear_proj": (t[(f"{m}.self_attn.o_proj", "A")], t[(f"{m}.self_attn.o_proj", "B")]),
-            "mlp.linear_fc1": (t[(f"{m}.mlp.gate_proj", "A")],
-                               torch.cat([t[(f"{m}.mlp.gate_proj", "B")], t[(f"{m}.mlp.up_proj", "B")]])),
+            "mlp.linear_fc1": (
+                t[(f"{m}.mlp.gate_proj", "A")],
+                torch.cat([t[(f"{m}.mlp.gate_proj", "B")], t[(f"{m}.mlp.up_proj", "B")]]),
+            ),
             "mlp.linear_fc2": (t[(f"{m}.mlp.down_proj", "A")], t[(f"{m}.mlp.down_proj", "B")]),
         }
         for module, (a, b) in fused.items():
@@ -132,26 +155,31 @@ async def wait_export(bus: Bus, proc: ExporterProcess, version: int, timeout: fl
 def fetch_dir(done: ExportDone, store_cfg: StoreConfig, dest: Path) -> Path:
     """The exported directory as a local path (downloaded from S3 when exported there)."""
     if done.uri.startswith("file://"):
-        return Path(done.uri[len("file://"):])
-    store = open_store(StoreConfig(**{**{f: getattr(store_cfg, f) for f in store_cfg.__struct_fields__},
-                                      "uri": done.uri}))
+        return Path(done.uri[len("file://") :])
+    store = open_store(
+        StoreConfig(**{**{f: getattr(store_cfg, f) for f in store_cfg.__struct_fields__}, "uri": done.uri})
+    )
     dest.mkdir(parents=True)
     for name in done.files:
         (dest / name).write_bytes(store.get_bytes(store.uri_for(name)))
     return dest
 
 
-def start_exporter(tmp_path: Path, nats_url: str, store_cfg: StoreConfig, run: str,
-                   base_dir: Path) -> tuple[ExporterProcess, str]:
-    export_uri = (f"file://{tmp_path}/export" if store_cfg.uri.startswith("file://")
-                  else store_cfg.uri.rsplit("/", 1)[0] + "/export")
+def start_exporter(
+    tmp_path: Path, nats_url: str, store_cfg: StoreConfig, run: str, base_dir: Path
+) -> tuple[ExporterProcess, str]:
+    export_uri = (
+        f"file://{tmp_path}/export"
+        if store_cfg.uri.startswith("file://")
+        else store_cfg.uri.rsplit("/", 1)[0] + "/export"
+    )
     config = tmp_path / "exporter.yaml"
     config.write_text(f"""
 experiment_name: {run}
 trial_name: t
 run: {run}
 bus: {{url: "{nats_url}"}}
-store: {{uri: "{store_cfg.uri}", endpoint: {store_cfg.endpoint or 'null'},
+store: {{uri: "{store_cfg.uri}", endpoint: {store_cfg.endpoint or "null"},
          access_key_env: {store_cfg.access_key_env}, secret_key_env: {store_cfg.secret_key_env}}}
 metrics: {{host: 127.0.0.1, port: 0}}
 actor: {{path: "{base_dir}"}}
@@ -178,11 +206,17 @@ async def test_exporter_writes_loadable_versions(tmp_path, nats_url, store_cfg):
 
     async def publish(version: int, tensors, layout: str, msg_id: str) -> None:
         ref = await asyncio.to_thread(
-            store.put_bytes, f"{run}/adapters/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors))
+            store.put_bytes, f"{run}/adapters/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors)
+        )
         event = AdapterReady(
-            run=run, lora_name="default_lora", version=version, trainer_step=version,
-            created_at=time.time(), lora=spec,
-            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256, layout=layout)])
+            run=run,
+            lora_name="default_lora",
+            version=version,
+            trainer_step=version,
+            created_at=time.time(),
+            lora=spec,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256, layout=layout)],
+        )
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=msg_id)
 
     async def check(version: int, source) -> tuple[ExportDone, int]:
@@ -249,16 +283,23 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
     async def publish(version, data: bytes, layout="hf-peft", sha256=None):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         event = AdapterReady(
-            run=run, lora_name="default_lora", version=version, trainer_step=version,
-            created_at=time.time(), lora=spec,
-            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha256 or ref.sha256, layout=layout)])
+            run=run,
+            lora_name="default_lora",
+            version=version,
+            trainer_step=version,
+            created_at=time.time(),
+            lora=spec,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha256 or ref.sha256, layout=layout)],
+        )
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=f"adapter-v{version}")
 
     try:
         good = hf_tensors(source_model(base, seed=2))
         await publish(0, adapter_io.to_bytes(good), sha256="0" * 64)  # swapped/corrupted object
-        wrong = {"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 47),
-                 "decoder.layers.0.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(32, RANK)}
+        wrong = {
+            "decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 47),
+            "decoder.layers.0.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(32, RANK),
+        }
         await publish(1, adapter_io.to_bytes(wrong), layout="megatron-bridge")
         await publish(2, adapter_io.to_bytes(good))
         done, _ = await wait_export(bus, proc, 2)  # not held up by the failing two

@@ -35,9 +35,15 @@ def tiny_base():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                      max_position_embeddings=128)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(cfg)
 
 
@@ -45,7 +51,11 @@ def config() -> LorabusConfig:
     return LorabusConfig(
         gconfig=GenerationConfig(temperature=0.8, n_samples=3),
         actor=ActorConfig(
-            path="tiny", lora_rank=4, lora_alpha=8.0, device="cpu", seed=7,
+            path="tiny",
+            lora_rank=4,
+            lora_alpha=8.0,
+            device="cpu",
+            seed=7,
             mb_spec_max_tokens=40,  # forces several micro-batches per rank
             # SGD, not Adam: Adam is blind to a wrong gradient scale across ranks
             optimizer=OptimizerConfig(type="sgd", lr=2.0, gradient_clipping=100.0),
@@ -63,15 +73,27 @@ def batch(step: int) -> list[Trajectory]:
         completions = []
         for j in range(3):
             n = 2 + (i + j) % 4
-            completions.append(Completion(
-                token_ids=torch.randint(1, 96, (n,), generator=g).tolist(),
-                logprobs=(-4.5 - 0.5 * torch.rand(n, generator=g)).tolist(),
-                versions=[max(0, step - j % 2)] * n,
-                reward=float((i + j + step) % 3 == 0),
-            ))
-        groups.append(Trajectory(run="t", trajectory_id=f"s{step}g{i}", grant_id="x",
-                                 replica="r", prompt_id=str(i), prompt_token_ids=prompt,
-                                 completions=completions, started_at=0.0, finished_at=1.0))
+            completions.append(
+                Completion(
+                    token_ids=torch.randint(1, 96, (n,), generator=g).tolist(),
+                    logprobs=(-4.5 - 0.5 * torch.rand(n, generator=g)).tolist(),
+                    versions=[max(0, step - j % 2)] * n,
+                    reward=float((i + j + step) % 3 == 0),
+                )
+            )
+        groups.append(
+            Trajectory(
+                run="t",
+                trajectory_id=f"s{step}g{i}",
+                grant_id="x",
+                replica="r",
+                prompt_id=str(i),
+                prompt_token_ids=prompt,
+                completions=completions,
+                started_at=0.0,
+                finished_at=1.0,
+            )
+        )
     return groups
 
 
@@ -81,8 +103,7 @@ def run_steps(engine: FSDP2Engine) -> list:
 
 def test_single_process_step_trains_only_the_adapter():
     engine = FSDP2Engine(config(), tiny_base())
-    base_before = {n: p.detach().clone() for n, p in engine.model.named_parameters()
-                   if not p.requires_grad}
+    base_before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not p.requires_grad}
     v0 = engine.adapter_state()
     stats = run_steps(engine)
     v2 = engine.adapter_state()
@@ -104,10 +125,21 @@ def test_two_gloo_ranks_match_single_process(tmp_path):
     out = tmp_path / "adapter.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
-         __file__, str(out)],
-        env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port=0",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=127.0.0.1:0",
+            __file__,
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sharded = torch.load(out)
@@ -118,7 +150,9 @@ def test_two_gloo_ranks_match_single_process(tmp_path):
     single = engine.adapter_state()
     assert sharded["adapter"].keys() == single.keys()
     for k in single:
-        torch.testing.assert_close(sharded["adapter"][k], single[k], atol=2e-4, rtol=1e-3)  # lr 2 amplifies reduction-order noise
+        torch.testing.assert_close(
+            sharded["adapter"][k], single[k], atol=2e-4, rtol=1e-3
+        )  # lr 2 amplifies reduction-order noise
     assert any(not torch.equal(v0[k], single[k]) for k in single)
     assert sharded["tokens"] == [s.tokens for s in single_stats]
     for got, want in zip(sharded["loss"], [s.loss for s in single_stats]):
@@ -131,8 +165,7 @@ def _worker(out: str) -> None:
     stats = run_steps(engine)
     adapter = engine.adapter_state()  # collective: every rank gathers
     if engine.rank == 0:
-        torch.save({"adapter": adapter, "tokens": [s.tokens for s in stats],
-                    "loss": [s.loss for s in stats]}, out)
+        torch.save({"adapter": adapter, "tokens": [s.tokens for s in stats], "loss": [s.loss for s in stats]}, out)
     torch.distributed.destroy_process_group()
 
 

@@ -50,9 +50,11 @@ async def test_restart_replays_snapshot_and_entries_and_compacts(bus):
     await journal.commit()
     # concurrent commits share writes: 30 admissions in 3 rounds, far fewer than 30 writes
     for round_ in range(3):
+
         async def one(i):
             journal.apply(j.AdmitOp(request(run, i), 10.0))
             await journal.commit()
+
         await asyncio.gather(*(one(round_ * 10 + i) for i in range(10)))
     assert journal.ledger.running == 30
     writes = journal.revision

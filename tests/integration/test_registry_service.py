@@ -152,7 +152,7 @@ async def stream_messages(bus, stream: str, subject: str) -> list[bytes]:
     sub = await bus.js.pull_subscribe(subject, stream=stream)
     try:
         msgs = await sub.fetch(1000, timeout=0.5)
-    except (asyncio.TimeoutError, nats.errors.TimeoutError):
+    except (TimeoutError, nats.errors.TimeoutError):
         msgs = []
     finally:
         await sub.unsubscribe()
@@ -168,9 +168,7 @@ async def dead_letters(bus, n: int, timeout: float = 10.0) -> list[DeadLetter]:
     letters: list[DeadLetter] = []
 
     async def enough() -> bool:
-        raw = await stream_messages(
-            bus, streams.DEADLETTER(bus.run), subjects.dead_letter(bus.run, "registry")
-        )
+        raw = await stream_messages(bus, streams.DEADLETTER(bus.run), subjects.dead_letter(bus.run, "registry"))
         letters[:] = [codec.decode(r, DeadLetter) for r in raw]
         return len(letters) >= n
 

@@ -76,8 +76,11 @@ class Recorder:
         self.trajectories.append(msg)
 
     def of(self, kind, replica, **match):
-        return [r for r in self.reports if isinstance(r, kind) and r.replica == replica
-                and all(getattr(r, k) == v for k, v in match.items())]
+        return [
+            r
+            for r in self.reports
+            if isinstance(r, kind) and r.replica == replica and all(getattr(r, k) == v for k, v in match.items())
+        ]
 
 
 @pytest.fixture
@@ -88,7 +91,10 @@ def base():
 async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     run = f"rt{uuid.uuid4().hex[:8]}"
     cfg = LorabusConfig(
-        run=run, seed=3, bus=BusConfig(url=nats_url), store=StoreConfig(uri=f"file://{tmp_path}/store"),
+        run=run,
+        seed=3,
+        bus=BusConfig(url=nats_url),
+        store=StoreConfig(uri=f"file://{tmp_path}/store"),
         gconfig=GenerationConfig(n_samples=2, max_new_tokens=6, temperature=1.0),
         rollout=RolloutConfig(lora_name="tiny", lora_keep_versions=KEEP, batch_groups=2, heartbeat_s=0.2),
         train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
@@ -101,8 +107,12 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
 
     async def admission(req: AdmissionRequest):
-        return AdmissionGrant(request_id=req.request_id, grant_id=uuid.uuid4().hex,
-                              version=max(req.loaded_versions), lease_expires_at=time.time() + 60)
+        return AdmissionGrant(
+            request_id=req.request_id,
+            grant_id=uuid.uuid4().hex,
+            version=max(req.loaded_versions),
+            lease_expires_at=time.time() + 60,
+        )
 
     await bus.serve(subjects.admission(run), AdmissionRequest, admission)
 
@@ -111,8 +121,13 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     async def publish(version: int, data: bytes, sha: str | None = None):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
-            run=run, lora_name="tiny", version=version, trainer_step=version, created_at=time.time(),
-            lora=SPEC, payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
+            run=run,
+            lora_name="tiny",
+            version=version,
+            trainer_step=version,
+            created_at=time.time(),
+            lora=SPEC,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
         )
         await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}-{sha}")
 
@@ -121,10 +136,17 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     def replica(name: str):
         engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
         return engine, RolloutService(
-            cfg, name, engine, bus, fetch=fetcher(cfg), encode=encode,
+            cfg,
+            name,
+            engine,
+            bus,
+            fetch=fetcher(cfg),
+            encode=encode,
             decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
             reward_fn=lambda prompt, completion, answer: float(completion.startswith(answer)),
-            prompts=prompts, load_attempts=2, retry_base_s=0.05,
+            prompts=prompts,
+            load_attempts=2,
+            retry_base_s=0.05,
         )
 
     await publish(0, versions[0][1])

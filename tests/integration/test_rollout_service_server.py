@@ -61,11 +61,19 @@ class Run:
         self.id = f"rs{uuid.uuid4().hex[:8]}"
         self.tmp = tmp_path
         self.cfg = LorabusConfig(
-            run=self.id, seed=5, bus=BusConfig(url=nats_url),
+            run=self.id,
+            seed=5,
+            bus=BusConfig(url=nats_url),
             store=StoreConfig(uri=f"file://{tmp_path}/store"),
             gconfig=GenerationConfig(n_samples=2, max_new_tokens=4, temperature=1.0, lora_name=LORA),
-            rollout=RolloutConfig(engine="sglang", lora_name=LORA, lora_keep_versions=2, batch_groups=2,
-                                  heartbeat_s=heartbeat_s, adapter_dir=str(tmp_path / "adapters")),
+            rollout=RolloutConfig(
+                engine="sglang",
+                lora_name=LORA,
+                lora_keep_versions=2,
+                batch_groups=2,
+                heartbeat_s=heartbeat_s,
+                adapter_dir=str(tmp_path / "adapters"),
+            ),
             train_dataset=DatasetConfig(path="builtin:none"),
         )
         self.store = LocalStore(tmp_path / "store")
@@ -86,8 +94,12 @@ class Run:
 
         async def admission(req: AdmissionRequest):
             # any loaded version: batches mix versions, so a mix-up would show in the logprobs
-            return AdmissionGrant(request_id=req.request_id, grant_id=uuid.uuid4().hex,
-                                  version=random.choice(req.loaded_versions), lease_expires_at=time.time() + 60)
+            return AdmissionGrant(
+                request_id=req.request_id,
+                grant_id=uuid.uuid4().hex,
+                version=random.choice(req.loaded_versions),
+                lease_expires_at=time.time() + 60,
+            )
 
         await self.bus.subscribe(subjects.rollout_report_all(self.id), RolloutReport, on_report)
         await self.bus.subscribe(subjects.trajectory_all(self.id), Trajectory, on_trajectory)
@@ -96,21 +108,35 @@ class Run:
     async def publish(self, version: int) -> None:
         data, spec = self.adapters[version]
         ref = self.store.put_bytes(f"{self.id}/adapters/v{version}/adapter_model.safetensors", data)
-        ev = AdapterReady(run=self.id, lora_name=LORA, version=version, trainer_step=version,
-                          created_at=time.time(), lora=spec,
-                          payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)])
+        ev = AdapterReady(
+            run=self.id,
+            lora_name=LORA,
+            version=version,
+            trainer_step=version,
+            created_at=time.time(),
+            lora=spec,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
+        )
         await self.bus.publish(subjects.adapter_ready(self.id, version), ev, msg_id=f"{self.id}-v{version}")
 
     def service(self, url: str) -> tuple[SglangEngine, RolloutService]:
-        engine = SglangEngine([url], AdapterDirs(LORA, self.cfg.rollout.adapter_dir),
-                              http=Http(timeout_s=60, attempts=2, backoff_s=0.05))
+        engine = SglangEngine(
+            [url], AdapterDirs(LORA, self.cfg.rollout.adapter_dir), http=Http(timeout_s=60, attempts=2, backoff_s=0.05)
+        )
         prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
         return engine, RolloutService(
-            self.cfg, "r1", engine, self.bus, fetch=fetcher(self.cfg),
+            self.cfg,
+            "r1",
+            engine,
+            self.bus,
+            fetch=fetcher(self.cfg),
             encode=lambda text: models.encode_prompt(self.tok, text),
             decode_text=lambda ids: models.decode_completion(self.tok, ids),
-            reward_fn=lambda prompt, completion, answer: 0.0, prompts=prompts,
-            engine_name="sglang", load_attempts=8, retry_base_s=0.1,
+            reward_fn=lambda prompt, completion, answer: 0.0,
+            prompts=prompts,
+            engine_name="sglang",
+            load_attempts=8,
+            retry_base_s=0.1,
         )
 
     def of(self, kind, **match) -> list:
@@ -171,8 +197,10 @@ async def test_server_down_then_restarted(nats_url, tmp_path, watch):
 
         server = await restart(server, port)
         before = len(run.trajectories)
-        await until(lambda: len(run.of(AdapterLoaded, version=1)) == 2 and len(run.of(AdapterLoaded, version=0)) == 2,
-                    what="v0 and v1 reported loaded again")
+        await until(
+            lambda: len(run.of(AdapterLoaded, version=1)) == 2 and len(run.of(AdapterLoaded, version=0)) == 2,
+            what="v0 and v1 reported loaded again",
+        )
         assert sorted(server.loaded_adapters()) == [f"{LORA}-v0", f"{LORA}-v1"]
         await until(lambda: len(run.trajectories) >= before + 6, what="trajectories after the restart")
         assert await engine.loaded_versions() == [0, 1]

@@ -32,7 +32,9 @@ async def start(tmp_path):
     async def go(port: int = 0, **kw):
         server = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), **kw))
         url = await server.start(port=port)
-        engine = SglangEngine([url], AdapterDirs(LORA, tmp_path / "adapters"), http=Http(timeout_s=60, attempts=2, backoff_s=0.01))
+        engine = SglangEngine(
+            [url], AdapterDirs(LORA, tmp_path / "adapters"), http=Http(timeout_s=60, attempts=2, backoff_s=0.01)
+        )
         made.append((server, engine))
         return server, engine
 
@@ -65,13 +67,17 @@ async def test_load_generate_unload_with_genuine_logprobs(start, tok):
     assert await engine.health()
     prompt = ids(tok, "12+34=")
     for temperature in (0.0, 0.8):
-        out = await engine.generate([GenRequest(prompt_token_ids=prompt, n=3, max_new_tokens=5, temperature=temperature, seed=9)], 1)
+        out = await engine.generate(
+            [GenRequest(prompt_token_ids=prompt, n=3, max_new_tokens=5, temperature=temperature, seed=9)], 1
+        )
         assert len(out) == 1 and len(out[0]) == 3
         for r in out[0]:
             ref = reference_logprobs(engine.dirs.local(1), prompt, r.token_ids, temperature)
             assert r.logprobs == pytest.approx(ref, abs=1e-4)
             assert r.finish_reason in ("stop", "length")
-    again = await engine.generate([GenRequest(prompt_token_ids=prompt, n=3, max_new_tokens=5, temperature=0.8, seed=9)], 1)
+    again = await engine.generate(
+        [GenRequest(prompt_token_ids=prompt, n=3, max_new_tokens=5, temperature=0.8, seed=9)], 1
+    )
     assert [c.token_ids for c in again[0]] == [c.token_ids for c in out[0]]
 
     await engine.unload_version(1)
@@ -99,7 +105,9 @@ async def test_load_failures_carry_sglangs_message(start, tmp_path):
     from services.common import adapter_io
 
     adapter_io.write_peft_dir(tmp_path / "other", w, spec)
-    await engine.http.post(f"{engine.urls[0]}/load_lora_adapter", {"lora_name": f"{LORA}-v5", "lora_path": str(tmp_path / "other")})
+    await engine.http.post(
+        f"{engine.urls[0]}/load_lora_adapter", {"lora_name": f"{LORA}-v5", "lora_path": str(tmp_path / "other")}
+    )
     with pytest.raises(AdapterError, match="because it is already loaded.*it serves"):
         await engine.load_version(5, w, spec)
 
@@ -131,8 +139,9 @@ async def test_evicted_adapter_comes_back_silently(start, tok):
 async def test_unload_waits_for_inflight_requests(start, tok):
     server, engine = await start()
     await engine.load_version(1, *make_adapter(rank=8, seed=1, scale=3.0))
-    long = GenRequest(prompt_token_ids=ids(tok, "12+34="), max_new_tokens=100, temperature=1.0,
-                      stop_token_ids=[], seed=1)
+    long = GenRequest(
+        prompt_token_ids=ids(tok, "12+34="), max_new_tokens=100, temperature=1.0, stop_token_ids=[], seed=1
+    )
     done = {}
 
     async def gen():

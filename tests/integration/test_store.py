@@ -126,7 +126,7 @@ def test_uri_outside_store_rejected(store):
     outside = ref.uri.replace(store.uri, store.uri + "-other")
     with pytest.raises(StoreError, match="outside this store"):
         store.get_bytes(outside)
-    scheme_swapped = ("file:///tmp/a" if ref.uri.startswith("s3://") else "s3://bucket/a")
+    scheme_swapped = "file:///tmp/a" if ref.uri.startswith("s3://") else "s3://bucket/a"
     with pytest.raises(StoreError, match="outside this store"):
         store.get_bytes(scheme_swapped)
     with pytest.raises(StoreError):
@@ -136,9 +136,7 @@ def test_uri_outside_store_rejected(store):
 def test_list_and_delete(store):
     for key in ["r/adapters/v0/w", "r/adapters/v1/w", "r/adapters/v10/w", "r/exports/v0/w", "s/x"]:
         store.put_bytes(key, key.encode())
-    assert store.list() == sorted(
-        ["r/adapters/v0/w", "r/adapters/v1/w", "r/adapters/v10/w", "r/exports/v0/w", "s/x"]
-    )
+    assert store.list() == sorted(["r/adapters/v0/w", "r/adapters/v1/w", "r/adapters/v10/w", "r/exports/v0/w", "s/x"])
     assert store.list("r/adapters/") == ["r/adapters/v0/w", "r/adapters/v1/w", "r/adapters/v10/w"]
     assert store.list("r/adapters/v1") == ["r/adapters/v1/w", "r/adapters/v10/w"]
     assert store.list("nothing/") == []

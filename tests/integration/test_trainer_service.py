@@ -38,9 +38,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                      max_position_embeddings=64, eos_token_id=1)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+        eos_token_id=1,
+    )
     path = tmp_path_factory.mktemp("tiny-model")
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -61,9 +68,15 @@ def sample_group(model, prompt: list[int], seed: int, max_new: int = 6) -> list[
             lps.append(float(logp[tok]))
             if tok == 1:
                 break
-        completion = ids[len(prompt):]
-        out.append(Completion(token_ids=completion, logprobs=lps, versions=[0] * len(completion),
-                              reward=float(k % 2 == 0) + 0.1 * len(completion)))
+        completion = ids[len(prompt) :]
+        out.append(
+            Completion(
+                token_ids=completion,
+                logprobs=lps,
+                versions=[0] * len(completion),
+                reward=float(k % 2 == 0) + 0.1 * len(completion),
+            )
+        )
     return out
 
 
@@ -71,26 +84,43 @@ def trajectories(model, run: str, start: int) -> list[Trajectory]:
     groups = []
     for i in range(start, start + B):
         prompt = [2 + i, 5, 7 + i]
-        groups.append(Trajectory(run=run, trajectory_id=f"traj-{i}", grant_id=f"g-{i}",
-                                 replica="r0", prompt_id=f"p{i}", prompt_token_ids=prompt,
-                                 completions=sample_group(model, prompt, seed=i),
-                                 started_at=time.time(), finished_at=time.time()))
+        groups.append(
+            Trajectory(
+                run=run,
+                trajectory_id=f"traj-{i}",
+                grant_id=f"g-{i}",
+                replica="r0",
+                prompt_id=f"p{i}",
+                prompt_token_ids=prompt,
+                completions=sample_group(model, prompt, seed=i),
+                started_at=time.time(),
+                finished_at=time.time(),
+            )
+        )
     return groups
 
 
 def write_config(tmp_path: Path, run: str, nats_url: str, store_cfg, model_dir: Path) -> Path:
     store = msgspec.to_builtins(store_cfg)
     doc = {
-        "experiment_name": run, "trial_name": "t", "run": run,
+        "experiment_name": run,
+        "trial_name": "t",
+        "run": run,
         "run_dir": str(tmp_path / "run"),
         "total_train_steps": 5,
         "bus": {"url": nats_url},
         "store": store,
         "metrics": {"host": "127.0.0.1", "port": 0},
         "gconfig": {"n_samples": N_SAMPLES, "temperature": TEMPERATURE, "lora_name": "it_lora"},
-        "actor": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "lora_rank": 4,
-                  "lora_alpha": 8, "checkpoint_every": 1,
-                  "optimizer": {"lr": 1e-2}},
+        "actor": {
+            "path": str(model_dir),
+            "device": "cpu",
+            "dtype": "float32",
+            "lora_rank": 4,
+            "lora_alpha": 8,
+            "checkpoint_every": 1,
+            "optimizer": {"lr": 1e-2},
+        },
         "rollout": {"consumer_batch_size": B, "max_head_offpolicyness": 2},
         "train_dataset": {"path": "builtin:arith", "reward_fn": "services.common.rewards:arith_reward"},
     }
@@ -101,8 +131,13 @@ def write_config(tmp_path: Path, run: str, nats_url: str, store_cfg, model_dir: 
 
 def start_trainer(config: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "services.trainer", "--config", str(config)],
-                            cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.trainer", "--config", str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 async def wait_event(bus: Bus, run: str, version: int, proc, log: Path, timeout: float = 120.0) -> AdapterReady:
@@ -164,8 +199,7 @@ async def test_trainer_publishes_trains_and_resumes(store_kind, request, tmp_pat
         raw = await bus.js.get_last_msg(streams.TRAINER(run), subjects.trainer_step(run))
         step = codec.decode(raw.data, TrainerStep)
         assert (step.step, step.version, step.groups) == (0, 1, B)
-        assert step.tokens == sum(len(c.token_ids) for t in trajectories(model, run, 0)
-                                  for c in t.completions)
+        assert step.tokens == sum(len(c.token_ids) for t in trajectories(model, run, 0) for c in t.completions)
 
         # the acks follow the publish: wait until the durable has no pending message
         for _ in range(100):

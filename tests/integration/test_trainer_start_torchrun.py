@@ -27,11 +27,17 @@ from tests.unit.test_trainer_precision import batch  # noqa: E402
 
 
 def config(model_dir: str) -> LorabusConfig:
-    return LorabusConfig(actor=ActorConfig(
-        path=model_dir, device="cpu", lora_rank=4, lora_alpha=8.0, seed=7,
-        gradient_checkpointing=True,
-        optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9),
-    ))
+    return LorabusConfig(
+        actor=ActorConfig(
+            path=model_dir,
+            device="cpu",
+            lora_rank=4,
+            lora_alpha=8.0,
+            seed=7,
+            gradient_checkpointing=True,
+            optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9),
+        )
+    )
 
 
 def test_rank0_broadcast_start_gives_the_single_process_weights(tmp_path):
@@ -40,9 +46,21 @@ def test_rank0_broadcast_start_gives_the_single_process_weights(tmp_path):
     out = tmp_path / "state.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", __file__, str(model_dir), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=127.0.0.1:0",
+            __file__,
+            str(model_dir),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sharded = torch.load(out)
@@ -69,8 +87,7 @@ def _worker(model_dir: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     was_meta = startup.on_meta(startup.load_base(config(model_dir).actor, torch.device("cpu"), rank, 2))
     engine = FSDP2Engine(config(model_dir))
-    start = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=True))
+    start = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for s in range(2):
         engine.train_step(batch(s), head_version=s)
     adapter = engine.adapter_state()

@@ -42,8 +42,7 @@ DEATH_S = 40.0
 
 
 def torchrun_config(tmp_path: Path, run: str, nats_url: str, model_dir: Path) -> Path:
-    path = write_config(tmp_path, run, nats_url, StoreConfig(uri=f"file://{tmp_path / 'store'}"),
-                        model_dir)
+    path = write_config(tmp_path, run, nats_url, StoreConfig(uri=f"file://{tmp_path / 'store'}"), model_dir)
     doc = yaml.safe_load(path.read_text())
     # SGD, not Adam: Adam's update ignores the gradient's scale, so it would hide ranks that
     # sum instead of average (or count a batch twice); lr is large so such an error is visible
@@ -54,12 +53,23 @@ def torchrun_config(tmp_path: Path, run: str, nats_url: str, model_dir: Path) ->
 
 
 def start_torchrun(config: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "LORABUS_DIST_TIMEOUT_S": str(TIMEOUT_S)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LORABUS_DIST_TIMEOUT_S": str(TIMEOUT_S)}
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "services.trainer", "--config", str(config)],
-        cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "services.trainer",
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -130,8 +140,9 @@ async def test_two_ranks_train_like_one_process_fail_fast_and_resume(tmp_path, n
         try:
             code = await asyncio.to_thread(proc.wait, DEATH_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"torchrun still running {DEATH_S}s after a rank was killed:\n"
-                                 f"{log.read_text()[-4000:]}") from None
+            raise AssertionError(
+                f"torchrun still running {DEATH_S}s after a rank was killed:\n{log.read_text()[-4000:]}"
+            ) from None
         died_s = time.monotonic() - t0
         assert code != 0
         text = log.read_text()

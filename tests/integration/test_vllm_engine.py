@@ -73,8 +73,12 @@ async def test_load_generate_unload(engine, vllm_server, tok):
         assert r[0].finish_reason in ("stop", "length")
         assert r[0].finish_reason == "length" or r[0].token_ids[-1] == 2  # eos kept, like embedded
 
-    sampled = await engine.generate([GenRequest(prompt_token_ids=reqs[0].prompt_token_ids, n=4, max_new_tokens=4, seed=5)], 1)
-    again = await engine.generate([GenRequest(prompt_token_ids=reqs[0].prompt_token_ids, n=4, max_new_tokens=4, seed=5)], 1)
+    sampled = await engine.generate(
+        [GenRequest(prompt_token_ids=reqs[0].prompt_token_ids, n=4, max_new_tokens=4, seed=5)], 1
+    )
+    again = await engine.generate(
+        [GenRequest(prompt_token_ids=reqs[0].prompt_token_ids, n=4, max_new_tokens=4, seed=5)], 1
+    )
     assert [c.token_ids for c in sampled[0]] == [c.token_ids for c in again[0]], "same seed, same samples"
     assert len({tuple(c.token_ids) for c in sampled[0]}) > 1, "n samples are not all the same"
 
@@ -143,7 +147,9 @@ async def test_error_paths(engine, vllm_server, tmp_path):
         from services.common import adapter_io
 
         adapter_io.write_peft_dir(tmp_path / "other", other, spec)
-        await http.post(f"{url}/v1/load_lora_adapter", {"lora_name": "tiny_lora-v4", "lora_path": str(tmp_path / "other")})
+        await http.post(
+            f"{url}/v1/load_lora_adapter", {"lora_name": "tiny_lora-v4", "lora_path": str(tmp_path / "other")}
+        )
         with pytest.raises(AdapterError, match="already serves 'tiny_lora-v4' from"):
             await engine.load_version(4, make_adapter(rank=8, seed=3)[0], spec)
         await http.post(f"{url}/v1/unload_lora_adapter", {"lora_name": "tiny_lora-v4"})
@@ -162,7 +168,9 @@ async def test_error_paths(engine, vllm_server, tmp_path):
 async def test_unreachable_server_is_unhealthy_and_errors_name_it(tmp_path):
     from services.rollout.engines.http import AdapterDirs
 
-    eng = VllmEngine(["http://127.0.0.1:9"], AdapterDirs("tiny_lora", tmp_path), http=Http(timeout_s=2, attempts=2, backoff_s=0.01))
+    eng = VllmEngine(
+        ["http://127.0.0.1:9"], AdapterDirs("tiny_lora", tmp_path), http=Http(timeout_s=2, attempts=2, backoff_s=0.01)
+    )
     try:
         assert not await eng.health()
         weights, spec = make_adapter(rank=8, seed=1)

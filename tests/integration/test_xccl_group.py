@@ -124,15 +124,20 @@ def replica_main(name: str, kill_after: int | None) -> None:
                 for path, layer in slots.layers.items():
                     held[f"base_model.model.{path}.lora_A.weight"] = layer.a[s, :RANK].clone()
                     held[f"base_model.model.{path}.lora_B.weight"] = layer.b[s, :, :RANK].clone()
-            _emit({"head": head, "head_sha": digest(held) if held else None, "group": rx.group,
-                   "staged": sorted(rx._staged)})
+            _emit(
+                {
+                    "head": head,
+                    "head_sha": digest(held) if held else None,
+                    "group": rx.group,
+                    "staged": sorted(rx._staged),
+                }
+            )
 
 
 def trainer_main(kill_after: int | None, kill_version: int | None) -> None:
     from services.trainer.xccl_sender import XcclSender
 
-    sender = XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET,
-                        timeout_s=TIMEOUT_S)
+    sender = XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
     _emit({"port": sender.port})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -145,8 +150,12 @@ def trainer_main(kill_after: int | None, kill_version: int | None) -> None:
 class Child:
     def __init__(self, *args: str):
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, *args], cwd=ROOT, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=open(os.environ.get("XCCL_CHILD_LOG", os.devnull), "a"), text=True,
+            [sys.executable, __file__, *args],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.environ.get("XCCL_CHILD_LOG", os.devnull), "a"),
+            text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         self.first = self.read()
@@ -196,8 +205,7 @@ def wait_joins(sender, n: int, timeout: float = 10.0) -> None:
 def in_process_sender():
     from services.trainer.xccl_sender import XcclSender
 
-    return XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET,
-                      timeout_s=TIMEOUT_S)
+    return XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
 
 
 def test_replicas_join_receive_every_version_exactly_idle_or_not_and_a_late_joiner_reforms(children):
@@ -317,11 +325,20 @@ def test_deliver_announces_after_the_broadcast_and_stores_the_object_behind_the_
         weights = adapter_io.to_bytes(tensors)
 
         async def publish(payloads):
-            seen.append((version, payloads, store.exists(pub.adapter_key("run", version)),
-                         store.exists(pub.announced_key("run", version))))
+            seen.append(
+                (
+                    version,
+                    payloads,
+                    store.exists(pub.adapter_key("run", version)),
+                    store.exists(pub.announced_key("run", version)),
+                )
+            )
 
-        asyncio.run(pub.deliver(store, run="run", version=version, weights=weights,
-                                publish=publish, sender=sender, tensors=tensors))
+        asyncio.run(
+            pub.deliver(
+                store, run="run", version=version, weights=weights, publish=publish, sender=sender, tensors=tensors
+            )
+        )
         return weights
 
     try:

@@ -40,16 +40,33 @@ def test_fsdp_sglang_example_shape(gsm8k):
     assert (cfg.experiment_name, cfg.trial_name, cfg.seed) == ("gsm8k-grpo", "trial0", 1)
     assert cfg.total_train_steps == 10 * (TRAIN_ROWS // 256)
     assert (a.backend, a.nproc_per_node, a.path, a.dtype) == ("fsdp2", 4, "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16")
-    assert (a.use_lora, a.peft_type, a.lora_rank, a.lora_alpha, a.target_modules) == (True, "lora", 16, 16, ["all-linear"])
+    assert (a.use_lora, a.peft_type, a.lora_rank, a.lora_alpha, a.target_modules) == (
+        True,
+        "lora",
+        16,
+        16,
+        ["all-linear"],
+    )
     assert a.weight_update_mode == "disk" and a.mb_spec_max_tokens == 10240
     assert (o.type, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps) == ("adamw", 1.7e-4, 0.017, 0.9, 0.999, 1e-8)
     assert (o.gradient_clipping, o.lr_scheduler_type, o.warmup_steps, o.min_lr_ratio) == (1.0, "constant", None, 0.0)
     assert warmup_steps(o, cfg.total_train_steps) == 0  # int(0.001 x 20), as AReaL
-    assert (p.eps_clip, p.eps_clip_higher, p.reward_scaling, p.reward_bias, p.reward_clip) == (0.4, None, 10.0, -0.5, 20.0)
+    assert (p.eps_clip, p.eps_clip_higher, p.reward_scaling, p.reward_bias, p.reward_clip) == (
+        0.4,
+        None,
+        10.0,
+        -0.5,
+        20.0,
+    )
     assert (p.kl_ctl, p.ppo_n_minibatches, p.use_decoupled_loss) == (0.0, 1, True)
     assert (p.behav_imp_weight_cap, p.behav_imp_weight_mode) == (5.0, "mask")
     assert (p.group_adv_norm, p.adv_norm_std, p.batch_adv_norm, p.batch_adv_norm_std, p.norm_eps) == (
-        True, True, True, True, 1e-5)
+        True,
+        True,
+        True,
+        True,
+        1e-5,
+    )
     assert (g.n_samples, g.min_new_tokens, g.max_new_tokens, g.greedy, g.temperature) == (4, 0, 1024, False, 1.0)
     assert (g.top_p, g.top_k, g.lora_name) == (1.0, 0, "lora-gsm8k")
     assert (r.engine, r.replicas, r.max_concurrent_rollouts, r.consumer_batch_size) == ("sglang", 4, 256, 256)
@@ -57,11 +74,26 @@ def test_fsdp_sglang_example_shape(gsm8k):
     assert len(r.server_urls) == 4  # from the lorabus: section
     s = cfg.sglang
     assert (s.model_path, s.enable_lora, s.max_lora_rank, s.max_loaded_loras, s.lora_backend) == (
-        "Qwen/Qwen2.5-1.5B-Instruct", True, 16, 8, "triton")
-    assert s.extra_args == ["--random-seed=1", "--dtype=bfloat16", "--context-length=32768",
-                            "--mem-fraction-static=0.8"]
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        True,
+        16,
+        8,
+        "triton",
+    )
+    assert s.extra_args == [
+        "--random-seed=1",
+        "--dtype=bfloat16",
+        "--context-length=32768",
+        "--mem-fraction-static=0.8",
+    ]
     t, v = cfg.train_dataset, cfg.valid_dataset
-    assert (t.path, t.split, t.shuffle, t.prompt_field, t.answer_field) == (str(gsm8k), "train", True, "question", "answer")
+    assert (t.path, t.split, t.shuffle, t.prompt_field, t.answer_field) == (
+        str(gsm8k),
+        "train",
+        True,
+        "question",
+        "answer",
+    )
     assert t.reward_fn == "services.common.rewards:numeric_final_answer"
     assert (v.split, v.shuffle) == ("test", False)
 
@@ -70,15 +102,25 @@ def test_megatron_vllm_example_shape(gsm8k):
     cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora.yaml")
     a, m = cfg.actor, cfg.actor.megatron
     assert (a.backend, a.nproc_per_node, a.path) == ("megatron", 4, "Qwen/Qwen3-0.6B")
-    assert (m.bridge_type, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-            m.expert_model_parallel_size) == ("megatron-bridge", 1, 1, 1)
+    assert (
+        m.bridge_type,
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.expert_model_parallel_size,
+    ) == ("megatron-bridge", 1, 1, 1)
     assert a.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert (a.lora_rank, a.lora_alpha, a.optimizer.lr, a.optimizer.weight_decay) == (16, 16, 3e-5, 0.003)
     assert a.weight_update_mode == "disk"  # AReaL's xccl, reported as such
     assert (cfg.rollout.engine, cfg.rollout.replicas) == ("vllm", 4)
     v = cfg.vllm
     assert (v.model, v.dtype, v.max_model_len, v.enable_lora, v.max_lora_rank, v.max_loras) == (
-        "Qwen/Qwen3-0.6B", "bfloat16", 32768, True, 16, 8)
+        "Qwen/Qwen3-0.6B",
+        "bfloat16",
+        32768,
+        True,
+        16,
+        8,
+    )
     assert v.extra_args == ["--seed=1", "--gpu-memory-utilization=0.9", "--enforce-eager"]
     assert cfg.total_train_steps == 20
 
@@ -92,8 +134,7 @@ def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k):
         "tensor_model_parallel_size or more trainer ranks instead) (from AReaL's actor.backend)"
     ]
     # everything else of the file survives: with the stage count overridden it loads
-    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml",
-                      ["actor.megatron.pipeline_model_parallel_size=1"])
+    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml", ["actor.megatron.pipeline_model_parallel_size=1"])
     a, o = cfg.actor, cfg.actor.optimizer
     assert (a.nproc_per_node, a.lora_rank, a.lora_alpha, a.path) == (6, 32, 32, "Qwen/Qwen3-30B-A3B-Base")
     assert (o.lr, o.lr_scheduler_type, o.warmup_steps, o.warmup_steps_proportion) == (3e-6, "cosine", None, 0.001)
@@ -179,12 +220,16 @@ def test_uncountable_dataset_is_an_error_that_says_what_to_do(gsm8k, monkeypatch
 
 def test_native_file_with_areal_keys_gets_same_meaning_hints(tmp_path):
     path = tmp_path / "n.yaml"
-    path.write_text("total_train_epochs: 3\nactor: {path: m, disable_dropout: true, eps_clip: 0.4}\n"
-                    "train_dataset: {path: builtin:arith}\n")
+    path.write_text(
+        "total_train_epochs: 3\nactor: {path: m, disable_dropout: true, eps_clip: 0.4}\n"
+        "train_dataset: {path: builtin:arith}\n"
+    )
     with pytest.raises(ConfigError) as info:
         load_config(path)
     text = "\n".join(info.value.problems)
-    assert "total_train_epochs: unknown key (value 3); AReaL's total_train_epochs is lorabus's total_train_steps" in text
+    assert (
+        "total_train_epochs: unknown key (value 3); AReaL's total_train_epochs is lorabus's total_train_steps" in text
+    )
     assert "AReaL's actor.disable_dropout has no lorabus equivalent" in text
     assert "AReaL's actor.eps_clip is lorabus's actor.ppo.eps_clip" in text
     assert "checkpoint_dir" not in text
@@ -195,8 +240,12 @@ def test_native_file_with_areal_keys_gets_same_meaning_hints(tmp_path):
     [
         ("fsdp:d4", "fsdp", {"d": 4}, None),
         ("vllm:d4p1t1", "vllm", {"d": 4, "p": 1, "t": 1}, None),
-        ("megatron:(attn:d1p6t1c1|ffn:d1p6t1e1)", "megatron", {"d": 1, "p": 6, "t": 1, "c": 1},
-         {"d": 1, "p": 6, "t": 1, "e": 1}),
+        (
+            "megatron:(attn:d1p6t1c1|ffn:d1p6t1e1)",
+            "megatron",
+            {"d": 1, "p": 6, "t": 1, "c": 1},
+            {"d": 1, "p": 6, "t": 1, "e": 1},
+        ),
         ("megatron[actor]:d2t2", "megatron", {"d": 2, "t": 2}, None),
     ],
 )
@@ -248,8 +297,9 @@ def test_parquet_file_and_directory(tmp_path):
 
     d = tmp_path / "ds" / "main"
     d.mkdir(parents=True)
-    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["#### 1", "#### 2"]}),
-                   d / "train-00000-of-00001.parquet")
+    pq.write_table(
+        pa.table({"question": ["a?", "b?"], "answer": ["#### 1", "#### 2"]}), d / "train-00000-of-00001.parquet"
+    )
     for path in (d / "train-00000-of-00001.parquet", tmp_path / "ds"):
         prompts = load_prompts(DatasetConfig(path=str(path), prompt_field="question"))
         assert [(p.text, p.answer) for p in prompts] == [("a?", "1"), ("b?", "2")]
@@ -265,7 +315,8 @@ def test_directory_of_jsonl_splits(tmp_path):
 def test_saved_datasets_directory(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["p"], "answer": ["3"]})}).save_to_disk(
-        str(tmp_path / "saved"))
+        str(tmp_path / "saved")
+    )
     assert [p.answer for p in load_prompts(DatasetConfig(path=str(tmp_path / "saved")))] == ["3"]
 
 
@@ -280,5 +331,7 @@ def test_hub_id_without_datasets_library_is_a_clear_error(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_datasets)
-    with pytest.raises(DataError, match=r"'openai/gsm8k' is a Hugging Face dataset, which needs the `datasets` library"):
+    with pytest.raises(
+        DataError, match=r"'openai/gsm8k' is a Hugging Face dataset, which needs the `datasets` library"
+    ):
         load_prompts(DatasetConfig(path="openai/gsm8k"))

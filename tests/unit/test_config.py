@@ -303,7 +303,10 @@ SGLANG = ("rollout.engine=sglang",)
     "overrides,expected",
     [
         # LoRA itself
-        (("actor.peft_type=ia3",), "actor.peft_type: 'ia3' is not supported; lorabus trains LoRA only (peft_type: lora)"),
+        (
+            ("actor.peft_type=ia3",),
+            "actor.peft_type: 'ia3' is not supported; lorabus trains LoRA only (peft_type: lora)",
+        ),
         (("actor.use_lora=false",), "actor.use_lora: false is not supported"),
         (("rollout.use_lora=false",), "rollout.use_lora: False disagrees with actor.use_lora: True"),
         (("actor.lora_rank=0",), "actor.lora_rank: 0 must be >= 1"),
@@ -311,37 +314,79 @@ SGLANG = ("rollout.engine=sglang",)
         (("gconfig.lora_name=my lora",), "gconfig.lora_name: 'my lora' is not a valid subject token"),
         # Megatron
         (("actor.backend=megatron",), "actor.megatron.bridge_type: 'none' cannot train LoRA"),
-        ((*MEGATRON, "actor.megatron.use_distributed_optimizer=true"), "actor.megatron.use_distributed_optimizer: true is not supported with LoRA"),
-        ((*MEGATRON, "actor.megatron.gradient_accumulation_fusion=true"), "actor.megatron.gradient_accumulation_fusion: true is not supported with LoRA"),
+        (
+            (*MEGATRON, "actor.megatron.use_distributed_optimizer=true"),
+            "actor.megatron.use_distributed_optimizer: true is not supported with LoRA",
+        ),
+        (
+            (*MEGATRON, "actor.megatron.gradient_accumulation_fusion=true"),
+            "actor.megatron.gradient_accumulation_fusion: true is not supported with LoRA",
+        ),
         # target modules
-        (("actor.target_modules=[linear_fc1]",), "actor.target_modules: 'linear_fc1' is a Megatron module name, but actor.backend fsdp2 wraps HF modules; use gate_proj, up_proj instead"),
-        ((*MEGATRON, "actor.target_modules=[o_proj]"), "actor.target_modules: 'o_proj' is not a Megatron linear layer for actor.backend megatron; use 'linear_proj'"),
-        ((*MEGATRON, "actor.target_modules=[linear_qvk]"), "actor.target_modules: 'linear_qvk' is not a Megatron linear layer for actor.backend megatron; did you mean 'linear_qkv'? allowed: linear_qkv, linear_proj, linear_fc1, linear_fc2 or all-linear"),
-        (("actor.target_modules=[all-linear,q_proj]",), "actor.target_modules: ['all-linear', 'q_proj'] mixes 'all-linear' with explicit names"),
+        (
+            ("actor.target_modules=[linear_fc1]",),
+            "actor.target_modules: 'linear_fc1' is a Megatron module name, but actor.backend fsdp2 wraps HF modules; use gate_proj, up_proj instead",
+        ),
+        (
+            (*MEGATRON, "actor.target_modules=[o_proj]"),
+            "actor.target_modules: 'o_proj' is not a Megatron linear layer for actor.backend megatron; use 'linear_proj'",
+        ),
+        (
+            (*MEGATRON, "actor.target_modules=[linear_qvk]"),
+            "actor.target_modules: 'linear_qvk' is not a Megatron linear layer for actor.backend megatron; did you mean 'linear_qkv'? allowed: linear_qkv, linear_proj, linear_fc1, linear_fc2 or all-linear",
+        ),
+        (
+            ("actor.target_modules=[all-linear,q_proj]",),
+            "actor.target_modules: ['all-linear', 'q_proj'] mixes 'all-linear' with explicit names",
+        ),
         (("actor.target_modules=['']",), "actor.target_modules: '' is empty"),
         # staleness and batch sizes
         (("rollout.max_head_offpolicyness=-1",), "rollout.max_head_offpolicyness: -1 must be >= 0"),
-        (("rollout.max_head_offpolicyness=-1", "rollout.lora_keep_versions=0"), "rollout.lora_keep_versions: 0 must be >= 1"),
-        (("rollout.lora_keep_versions=2",), "rollout.lora_keep_versions: 2 is below max_head_offpolicyness + 1 = 3; every admissible version must stay loaded"),
+        (
+            ("rollout.max_head_offpolicyness=-1", "rollout.lora_keep_versions=0"),
+            "rollout.lora_keep_versions: 0 must be >= 1",
+        ),
+        (
+            ("rollout.lora_keep_versions=2",),
+            "rollout.lora_keep_versions: 2 is below max_head_offpolicyness + 1 = 3; every admissible version must stay loaded",
+        ),
         (("rollout.consumer_batch_size=0",), "rollout.consumer_batch_size: 0 must be >= 1"),
         (("rollout.max_concurrent_rollouts=0",), "rollout.max_concurrent_rollouts: 0 must be >= 1"),
         (("gconfig.n_samples=0",), "gconfig.n_samples: 0 must be >= 1"),
-        (("gconfig.n_samples=1",), "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage zero"),
+        (
+            ("gconfig.n_samples=1",),
+            "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage zero",
+        ),
         # vLLM slots
         ((*VLLM, "vllm.enable_lora=false"), "vllm.enable_lora: false"),
-        ((*VLLM, "vllm.max_lora_rank=24"), "vllm.max_lora_rank: 24 is not a rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512); use 32"),
+        (
+            (*VLLM, "vllm.max_lora_rank=24"),
+            "vllm.max_lora_rank: 24 is not a rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512); use 32",
+        ),
         ((*VLLM, "actor.lora_rank=32"), "vllm.max_lora_rank: 16 is below actor.lora_rank 32"),
         ((*VLLM, "vllm.max_loras=2"), "vllm.max_loras: 2 is below rollout.lora_keep_versions 3"),
-        ((*VLLM, "vllm.max_cpu_loras=3", "vllm.max_loras=3"), "vllm.max_cpu_loras: 3 is below lora_keep_versions + 1 = 4"),
+        (
+            (*VLLM, "vllm.max_cpu_loras=3", "vllm.max_loras=3"),
+            "vllm.max_cpu_loras: 3 is below lora_keep_versions + 1 = 4",
+        ),
         ((*VLLM, "vllm.max_cpu_loras=5"), "vllm.max_cpu_loras: 5 is below vllm.max_loras 8"),
         ((*VLLM, "vllm.lora_modules=[nopath]"), "vllm.lora_modules: 'nopath' is not name=path"),
         # SGLang slots
         ((*SGLANG, "sglang.enable_lora=false"), "sglang.enable_lora: false"),
         ((*SGLANG, "sglang.max_lora_rank=4"), "sglang.max_lora_rank: 4 is below actor.lora_rank 8"),
-        ((*SGLANG, "sglang.max_loaded_loras=3", "sglang.max_loras_per_batch=3"), "sglang.max_loaded_loras: 3 is below lora_keep_versions + 1 = 4"),
-        ((*SGLANG, "sglang.max_loras_per_batch=2"), "sglang.max_loras_per_batch: 2 is below rollout.lora_keep_versions 3"),
+        (
+            (*SGLANG, "sglang.max_loaded_loras=3", "sglang.max_loras_per_batch=3"),
+            "sglang.max_loaded_loras: 3 is below lora_keep_versions + 1 = 4",
+        ),
+        (
+            (*SGLANG, "sglang.max_loras_per_batch=2"),
+            "sglang.max_loras_per_batch: 2 is below rollout.lora_keep_versions 3",
+        ),
         ((*SGLANG, "sglang.max_loaded_loras=6"), "sglang.max_loaded_loras: 6 is below sglang.max_loras_per_batch 8"),
-        ((*SGLANG, "actor.target_modules=[q_proj,v_proj]", "sglang.lora_target_modules=[q_proj]"), "sglang.lora_target_modules: ['q_proj'] lacks ['v_proj']"),
+        (
+            (*SGLANG, "actor.target_modules=[q_proj,v_proj]", "sglang.lora_target_modules=[q_proj]"),
+            "sglang.lora_target_modules: ['q_proj'] lacks ['v_proj']",
+        ),
         ((*SGLANG, "sglang.lora_paths=[=x]"), "sglang.lora_paths: '=x' is not name=path"),
         # run, store, data
         (("total_train_steps=0",), "total_train_steps: 0 must be >= 1"),

@@ -136,12 +136,16 @@ def test_missing_answer_field_points_at_answer_field(tmp_path):
 @pytest.mark.parametrize(
     "lines, needle",
     [
-        (['{"prompt": "1+1=", "answer": "2"', ], r":1: not valid JSON"),
+        (
+            [
+                '{"prompt": "1+1=", "answer": "2"',
+            ],
+            r":1: not valid JSON",
+        ),
         (['["1+1=", "2"]'], r":1: each line must be a JSON object"),
         (['{"prompt": ["x"], "answer": "2"}'], r":1: field 'prompt' must be a string or number"),
         (
-            ['{"prompt_id": "x", "prompt": "a", "answer": "1"}',
-             '{"prompt_id": "x", "prompt": "b", "answer": "2"}'],
+            ['{"prompt_id": "x", "prompt": "a", "answer": "1"}', '{"prompt_id": "x", "prompt": "b", "answer": "2"}'],
             r":2: prompt_id 'x' repeats line 1",
         ),
         (["", "  "], r"holds no prompts"),

@@ -49,9 +49,7 @@ def assert_same(got, want):
     for group_a, group_b in zip(got, want, strict=True):
         for a, b in zip(group_a, group_b, strict=True):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(
-                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
-            )
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 REQS = [
@@ -152,6 +150,8 @@ async def test_bad_requests_and_versions_are_refused(parts):
     with pytest.raises(KeyError, match="version 5 is not loaded"):
         await engine.generate(REQS, 5)
     with pytest.raises(ValueError, match="rank"):
-        await engine.load_version(1, adapters[1][1], LoraSpec(rank=8, alpha=8.0, target_modules=TARGETS, base_model="tiny"))
+        await engine.load_version(
+            1, adapters[1][1], LoraSpec(rank=8, alpha=8.0, target_modules=TARGETS, base_model="tiny")
+        )
     with pytest.raises(ValueError, match="top_p"):
         GenRequest(prompt_token_ids=[1], top_p=0.0)

@@ -52,9 +52,20 @@ def test_sglang_without_urls_is_refused_with_what_to_do():
 
 def test_launcher_exits_2_before_starting_anything_for_sglang(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
-         f"run_dir={tmp_path}/run", "rollout.engine=sglang", "sglang.max_lora_rank=8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "services.local.launcher",
+            "--config",
+            "examples/tiny.yaml",
+            f"run_dir={tmp_path}/run",
+            "rollout.engine=sglang",
+            "sglang.max_lora_rank=8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2, out
     assert "cannot start SGLang servers here" in out.stderr

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from services.rollout.lora_slots import LoraSlots, SlotLinear
+from services.rollout.versions import NoFreeSlot
 from tests.fixtures.tiny import merged_reference as tiny_merged
 from tests.fixtures.tiny import random_lora, tiny_qwen2
-from services.rollout.versions import NoFreeSlot
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK, SCALE = 4, 2.0

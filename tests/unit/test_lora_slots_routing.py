@@ -31,8 +31,10 @@ def merged(base, adapter: dict[str, torch.Tensor]):
 
 
 def rows_of(prompts, new_tokens=9, stop=()):
-    return [Row(prompt=p, max_new_tokens=new_tokens + i % 3, temperature=1.0, seed=7 * i, stop_ids=stop)
-            for i, p in enumerate(prompts)]
+    return [
+        Row(prompt=p, max_new_tokens=new_tokens + i % 3, temperature=1.0, seed=7 * i, stop_ids=stop)
+        for i, p in enumerate(prompts)
+    ]
 
 
 PROMPTS = [[5, 6, 7], [9] * 6, [1, 2], [40, 41, 42, 43, 44], [3]]  # left padding of 0..5

@@ -20,16 +20,15 @@ def test_all_equal_rewards_give_zero_advantage():
 
 
 def test_reward_shaping_and_no_std():
-    (adv,) = group_advantages(
-        [torch.tensor([1.0, 3.0])], adv_norm_std=False, reward_scaling=2.0, reward_bias=1.0
-    )
+    (adv,) = group_advantages([torch.tensor([1.0, 3.0])], adv_norm_std=False, reward_scaling=2.0, reward_bias=1.0)
     # shaped: (1+1)*2 = 4, (3+1)*2 = 8; centred: -2, +2
     assert adv.tolist() == pytest.approx([-2.0, 2.0])
 
 
 def test_batch_level_normalisation_spans_groups():
     advs = group_advantages(
-        [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])], group_adv_norm=False,
+        [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])],
+        group_adv_norm=False,
         adv_norm_std=False,
     )
     # within-group normalisation would give all zeros; batch-level keeps the difference
@@ -79,8 +78,9 @@ def test_clipping_engages_and_stops_gradient():
 def test_clip_higher_widens_the_upper_bound():
     prox = torch.zeros(1, 1)
     logp = torch.tensor([[0.25]])  # ratio 1.284
-    loss, stats = decoupled_ppo_loss(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1),
-                                     eps_clip=0.2, eps_clip_higher=0.28)
+    loss, stats = decoupled_ppo_loss(
+        logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_higher=0.28
+    )
     assert loss.item() == pytest.approx(-1.28)
     assert stats.clipped == 1
 
@@ -101,8 +101,7 @@ def test_stale_tokens_above_cap_are_masked():
     adv = torch.ones(1, 3)
     w = torch.full((1, 3), 1 / 3)
     staleness = torch.tensor([[0.0, 1.0, 3.0]])
-    loss, stats = decoupled_ppo_loss(logp, prox, behave, adv, w, imp_weight_cap=5.0,
-                                     staleness=staleness)
+    loss, stats = decoupled_ppo_loss(logp, prox, behave, adv, w, imp_weight_cap=5.0, staleness=staleness)
     assert loss.item() == pytest.approx(-(1 + math.e) / 3)
     loss.backward()
     assert logp.grad[0, 2] == 0
@@ -116,8 +115,9 @@ def test_stale_tokens_above_cap_are_masked():
 def test_clamp_mode_caps_instead_of_masking():
     logp = torch.zeros(1, 1)
     behave = torch.tensor([[-2.0]])
-    loss, stats = decoupled_ppo_loss(logp, logp, behave, torch.ones(1, 1), torch.ones(1, 1),
-                                     imp_weight_cap=5.0, imp_weight_mode="clamp")
+    loss, stats = decoupled_ppo_loss(
+        logp, logp, behave, torch.ones(1, 1), torch.ones(1, 1), imp_weight_cap=5.0, imp_weight_mode="clamp"
+    )
     assert loss.item() == pytest.approx(-5.0)
     assert stats.masked == 0
 
@@ -125,15 +125,17 @@ def test_clamp_mode_caps_instead_of_masking():
 def test_non_decoupled_uses_behaviour_as_ratio_base():
     logp = torch.zeros(1, 1)
     behave = torch.tensor([[-0.1]])  # ratio e^0.1 against behave; prox ignored
-    loss, _ = decoupled_ppo_loss(logp, torch.full((1, 1), 9.0), behave, torch.ones(1, 1),
-                                 torch.ones(1, 1), use_decoupled_loss=False)
+    loss, _ = decoupled_ppo_loss(
+        logp, torch.full((1, 1), 9.0), behave, torch.ones(1, 1), torch.ones(1, 1), use_decoupled_loss=False
+    )
     assert loss.item() == pytest.approx(-math.exp(0.1))
 
 
 def test_padding_never_contributes():
     logp = torch.tensor([[0.0, 50.0]], requires_grad=True)
-    loss, stats = decoupled_ppo_loss(logp, torch.zeros(1, 2), torch.tensor([[0.0, -80.0]]),
-                                     torch.ones(1, 2), torch.tensor([[1.0, 0.0]]))
+    loss, stats = decoupled_ppo_loss(
+        logp, torch.zeros(1, 2), torch.tensor([[0.0, -80.0]]), torch.ones(1, 2), torch.tensor([[1.0, 0.0]])
+    )
     assert loss.item() == pytest.approx(-1.0)
     loss.backward()
     assert logp.grad[0, 1] == 0
@@ -151,5 +153,6 @@ def test_stats_add_up_across_micro_batches():
 
 def test_bad_mode_is_rejected_with_field_name():
     with pytest.raises(ValueError, match="behav_imp_weight_mode"):
-        decoupled_ppo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1),
-                           torch.ones(1), imp_weight_mode="cap")
+        decoupled_ppo_loss(
+            torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.ones(1), imp_weight_mode="cap"
+        )

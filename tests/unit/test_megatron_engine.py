@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import megatron_lora_step as bench  # its --cpu-check is a test below
 from proto.messages import Completion, Trajectory
 from services.common import adapter_io, lora_targets
 from services.common.config_schema import ActorConfig, PPOConfig
@@ -33,13 +34,10 @@ from services.trainer.engines.megatron.state import (
     tp_split,
 )
 from services.trainer.engines.megatron.step import train_step
-
-from benchmarks import megatron_lora_step as bench  # its --cpu-check is a test below
 from tests.fixtures.megatron_ref import attach_lora
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
-SHAPE = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2,
-                   head_dim=16, ffn_hidden=48)
+SHAPE = ModelShape(num_layers=2, hidden=64, num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden=48)
 R = 4
 
 
@@ -47,9 +45,12 @@ def fake_adapter(shape: ModelShape = SHAPE, rank: int = R, seed: int = 0) -> dic
     g = torch.Generator().manual_seed(seed)
     hd, h = shape.head_dim, shape.hidden
     qkv = (shape.q_per_group + 2) * shape.num_query_groups * hd
-    dims = {"self_attention.linear_qkv": (h, qkv),
-            "self_attention.linear_proj": (shape.num_attention_heads * hd, h),
-            "mlp.linear_fc1": (h, 2 * shape.ffn_hidden), "mlp.linear_fc2": (shape.ffn_hidden, h)}
+    dims = {
+        "self_attention.linear_qkv": (h, qkv),
+        "self_attention.linear_proj": (shape.num_attention_heads * hd, h),
+        "mlp.linear_fc1": (h, 2 * shape.ffn_hidden),
+        "mlp.linear_fc2": (shape.ffn_hidden, h),
+    }
     out = {}
     for L in range(shape.num_layers):
         for module, (i, o) in dims.items():
@@ -82,11 +83,14 @@ def test_engine_imports_with_megatron():
 # --- names -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("given,expected", [
-    ([], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
-    (["all-linear"], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
-    (["linear_qkv", "linear_fc2"], ["linear_qkv", "linear_fc2"]),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ([], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+        (["all-linear"], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+        (["linear_qkv", "linear_fc2"], ["linear_qkv", "linear_fc2"]),
+    ],
+)
 def test_megatron_targets(given, expected):
     assert megatron_targets(ActorConfig(backend="megatron", target_modules=given)) == expected
     # the backend field does not matter: the engine always asks for Megatron names
@@ -101,8 +105,10 @@ def test_megatron_targets_rejects_hf_names():
 def test_adapter_named_parameters():
     frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
     a = nn.Parameter(torch.zeros(R, 8))
-    named = [("module.decoder.layers.0.mlp.linear_fc1.to_wrap.weight", frozen),
-             ("module.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight", a)]
+    named = [
+        ("module.decoder.layers.0.mlp.linear_fc1.to_wrap.weight", frozen),
+        ("module.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight", a),
+    ]
     assert adapter_named_parameters(named) == [("decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight", a)]
     trainable_base = [("decoder.layers.0.mlp.linear_fc1.to_wrap.weight", nn.Parameter(torch.zeros(2)))]
     with pytest.raises(AdapterStateError, match="must be frozen"):
@@ -163,7 +169,7 @@ def test_to_hf_hand_off_is_fp32_peft_and_serializes():
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert torch.equal(hf[adapter_io.peft_key(f"model.layers.0.self_attn.{proj}", "A")], a)
     b = state["decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"].float()
-    assert torch.equal(hf[adapter_io.peft_key("model.layers.0.mlp.up_proj", "B")], b[SHAPE.ffn_hidden:])
+    assert torch.equal(hf[adapter_io.peft_key("model.layers.0.mlp.up_proj", "B")], b[SHAPE.ffn_hidden :])
     assert adapter_io.from_bytes(adapter_io.to_bytes(hf)).keys() == hf.keys()
 
 
@@ -275,13 +281,27 @@ def _groups(vocab=32):
 
     def completion(reward):
         n = int(torch.randint(3, 7, (1,), generator=g))
-        return Completion(token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(),
-                          logprobs=[-3.4] * n, versions=[1] * n, reward=reward)
+        return Completion(
+            token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(),
+            logprobs=[-3.4] * n,
+            versions=[1] * n,
+            reward=reward,
+        )
 
-    return [Trajectory(run="r", trajectory_id=f"t{i}", grant_id="g", replica="x", prompt_id="p",
-                       prompt_token_ids=[1, 2, 3], completions=[completion(1.0), completion(0.0),
-                                                                completion(1.0), completion(0.0)],
-                       started_at=0.0, finished_at=1.0) for i in range(2)]
+    return [
+        Trajectory(
+            run="r",
+            trajectory_id=f"t{i}",
+            grant_id="g",
+            replica="x",
+            prompt_id="p",
+            prompt_token_ids=[1, 2, 3],
+            completions=[completion(1.0), completion(0.0), completion(1.0), completion(0.0)],
+            started_at=0.0,
+            finished_at=1.0,
+        )
+        for i in range(2)
+    ]
 
 
 def test_train_step_takes_a_real_gradient_step_on_adapter_only():
@@ -340,8 +360,14 @@ class FakeAutoBridge:
     def __init__(self) -> None:
         from transformers import Qwen2Config
 
-        config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2)
+        config = Qwen2Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
         self.hf_pretrained = type("HF", (), {"config": config})()
 
     @classmethod
@@ -353,13 +379,26 @@ class FakeAutoBridge:
 
 
 def _fake_megatron_modules() -> dict[str, types.ModuleType]:
-    one_rank = {"get_tensor_model_parallel_group": None, "get_tensor_model_parallel_world_size": 1,
-                "get_data_parallel_group": None, "get_data_parallel_rank": 0,
-                "get_data_parallel_world_size": 1, "get_model_parallel_group": None}
+    one_rank = {
+        "get_tensor_model_parallel_group": None,
+        "get_tensor_model_parallel_world_size": 1,
+        "get_data_parallel_group": None,
+        "get_data_parallel_rank": 0,
+        "get_data_parallel_world_size": 1,
+        "get_model_parallel_group": None,
+    }
     parallel_state = types.SimpleNamespace(**{k: (lambda v=v: v) for k, v in one_rank.items()})
     tensor_parallel = types.SimpleNamespace(vocab_parallel_cross_entropy=None)
-    mods = {name: types.ModuleType(name) for name in (
-        "megatron", "megatron.core", "megatron.bridge", "megatron.bridge.peft", "megatron.bridge.peft.lora")}
+    mods = {
+        name: types.ModuleType(name)
+        for name in (
+            "megatron",
+            "megatron.core",
+            "megatron.bridge",
+            "megatron.bridge.peft",
+            "megatron.bridge.peft.lora",
+        )
+    }
     mods["megatron.core"].parallel_state = parallel_state
     mods["megatron.core"].tensor_parallel = tensor_parallel
     mods["megatron.bridge"].AutoBridge = FakeAutoBridge
@@ -406,17 +445,34 @@ def test_megatron_trainer_main_gets_past_its_first_log_line(fake_megatron, tmp_p
     monkeypatch.setattr("services.common.metrics.start_metrics_server", lambda cfg: 9999)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     config = tmp_path / "trainer.yaml"
-    config.write_text(yaml.safe_dump({
-        "experiment_name": "m", "trial_name": "t", "run": "m", "run_dir": str(tmp_path / "run"),
-        "actor": {"backend": "megatron", "path": "fake/qwen2", "device": "cpu", "dtype": "float32",
-                  "lora_rank": R, "lora_alpha": 8, "target_modules": ["linear_fc1", "linear_fc2"],
-                  "megatron": {"bridge_type": "megatron-bridge"}},
-        "train_dataset": {"path": "builtin:arith", "reward_fn": "services.common.rewards:arith_reward"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "experiment_name": "m",
+                "trial_name": "t",
+                "run": "m",
+                "run_dir": str(tmp_path / "run"),
+                "actor": {
+                    "backend": "megatron",
+                    "path": "fake/qwen2",
+                    "device": "cpu",
+                    "dtype": "float32",
+                    "lora_rank": R,
+                    "lora_alpha": 8,
+                    "target_modules": ["linear_fc1", "linear_fc2"],
+                    "megatron": {"bridge_type": "megatron-bridge"},
+                },
+                "train_dataset": {"path": "builtin:arith", "reward_fn": "services.common.rewards:arith_reward"},
+            }
+        )
+    )
     with caplog.at_level("INFO"):
         assert trainer_main.main(["--config", str(config)]) == 0
     [(engine, ckpt, initial)] = served
     assert isinstance(engine, fake_megatron.MegatronEngine) and ckpt is None
     assert sorted({adapter_io.parse_peft_key(k)[0].rsplit(".", 1)[-1] for k in initial}) == [
-        "down_proj", "gate_proj", "up_proj"]
+        "down_proj",
+        "gate_proj",
+        "up_proj",
+    ]
     assert f"LoRA r={R} on down_proj,gate_proj,up_proj; cpu, world size 1" in caplog.text

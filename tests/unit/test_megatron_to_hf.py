@@ -24,12 +24,22 @@ from services.common.megatron_to_hf import (
 )
 
 QWEN3_0_6B = ModelShape(
-    num_layers=2, hidden=1024, num_attention_heads=16, num_query_groups=8, head_dim=128,
+    num_layers=2,
+    hidden=1024,
+    num_attention_heads=16,
+    num_query_groups=8,
+    head_dim=128,
     ffn_hidden=3072,
 )
 QWEN3_30B_A3B = ModelShape(
-    num_layers=1, hidden=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
-    ffn_hidden=6144, num_experts=128, moe_ffn_hidden=768,
+    num_layers=1,
+    hidden=2048,
+    num_attention_heads=32,
+    num_query_groups=4,
+    head_dim=128,
+    ffn_hidden=6144,
+    num_experts=128,
+    moe_ffn_hidden=768,
 )
 RANK = 8
 SCALE = 2.0  # alpha / r
@@ -44,7 +54,7 @@ def fuse_qkv(q, k, v, shape: ModelShape):
     hd, qpg = shape.head_dim, shape.q_per_group
     rows = []
     for g in range(shape.num_query_groups):
-        rows += [q[g * qpg * hd:(g + 1) * qpg * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]]
+        rows += [q[g * qpg * hd : (g + 1) * qpg * hd], k[g * hd : (g + 1) * hd], v[g * hd : (g + 1) * hd]]
     return torch.cat(rows, dim=0)
 
 
@@ -80,20 +90,26 @@ def test_dense_qwen3_0_6b_outputs_match():
         for module, w in fused.items():
             state[f"{p}.{module}.adapter.linear_in.weight"] = rand(RANK, w.shape[1])
             state[f"{p}.{module}.adapter.linear_out.weight"] = rand(w.shape[0], RANK)
-        checks.append((layer, fused, dict(q_proj=wq, k_proj=wk, v_proj=wv, o_proj=wo,
-                                          gate_proj=wg, up_proj=wu, down_proj=wd)))
+        checks.append(
+            (layer, fused, dict(q_proj=wq, k_proj=wk, v_proj=wv, o_proj=wo, gate_proj=wg, up_proj=wu, down_proj=wd))
+        )
 
     out = convert(state, s)
     assert len(out) == s.num_layers * 7 * 2
     assert target_modules_of(out) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
     for layer, fused, hf in checks:
         p = f"decoder.layers.{layer}"
 
         def megatron(module, inp):
-            return lora_apply(inp, fused[module], state[f"{p}.{module}.adapter.linear_in.weight"],
-                              state[f"{p}.{module}.adapter.linear_out.weight"])
+            return lora_apply(
+                inp,
+                fused[module],
+                state[f"{p}.{module}.adapter.linear_in.weight"],
+                state[f"{p}.{module}.adapter.linear_out.weight"],
+            )
 
         def peft(module_path, inp):
             name = module_path.rsplit(".", 1)[1]
@@ -107,19 +123,24 @@ def test_dense_qwen3_0_6b_outputs_match():
         assert not torch.allclose(yq, expected[:, : yq.shape[1]], atol=1e-3)
 
         h = rand(5, q_out)
-        torch.testing.assert_close(peft(f"{m}.self_attn.o_proj", h),
-                                   megatron("self_attention.linear_proj", h), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            peft(f"{m}.self_attn.o_proj", h), megatron("self_attention.linear_proj", h), rtol=1e-4, atol=1e-4
+        )
         yg, yu = peft(f"{m}.mlp.gate_proj", x), peft(f"{m}.mlp.up_proj", x)
-        torch.testing.assert_close(torch.cat([yg, yu], dim=1), megatron("mlp.linear_fc1", x),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat([yg, yu], dim=1), megatron("mlp.linear_fc1", x), rtol=1e-4, atol=1e-4)
         f = rand(5, s.ffn_hidden)
-        torch.testing.assert_close(peft(f"{m}.mlp.down_proj", f), megatron("mlp.linear_fc2", f),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(peft(f"{m}.mlp.down_proj", f), megatron("mlp.linear_fc2", f), rtol=1e-4, atol=1e-4)
 
 
 def moe_expert_weights(shape, experts):
-    return {e: (rand(shape.moe_ffn_hidden, shape.hidden), rand(shape.moe_ffn_hidden, shape.hidden),
-                rand(shape.hidden, shape.moe_ffn_hidden)) for e in experts}
+    return {
+        e: (
+            rand(shape.moe_ffn_hidden, shape.hidden),
+            rand(shape.moe_ffn_hidden, shape.hidden),
+            rand(shape.hidden, shape.moe_ffn_hidden),
+        )
+        for e in experts
+    }
 
 
 def check_expert(out, e, weights, a1, b1, a2, b2, shape):
@@ -130,8 +151,7 @@ def check_expert(out, e, weights, a1, b1, a2, b2, shape):
     yg = lora_apply(x, wg, out[hf_key(f"{m}.gate_proj", "A")], out[hf_key(f"{m}.gate_proj", "B")])
     yu = lora_apply(x, wu, out[hf_key(f"{m}.up_proj", "A")], out[hf_key(f"{m}.up_proj", "B")])
     yd = lora_apply(f, wd, out[hf_key(f"{m}.down_proj", "A")], out[hf_key(f"{m}.down_proj", "B")])
-    torch.testing.assert_close(torch.cat([yg, yu], 1), lora_apply(x, torch.cat([wg, wu]), a1, b1),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([yg, yu], 1), lora_apply(x, torch.cat([wg, wu]), a1, b1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(yd, lora_apply(f, wd, a2, b2), rtol=1e-4, atol=1e-4)
 
 
@@ -143,8 +163,12 @@ def test_moe_grouped_adapter_is_replicated_to_every_expert():
     p = "decoder.layers.0.mlp.experts"
     a1, b1 = rand(RANK, s.hidden), rand(2 * s.moe_ffn_hidden, RANK)
     a2, b2 = rand(RANK, s.moe_ffn_hidden), rand(s.hidden, RANK)
-    state = {f"{p}.linear_fc1.adapter.linear_in.weight": a1, f"{p}.linear_fc1.adapter.linear_out.weight": b1,
-             f"{p}.linear_fc2.adapter.linear_in.weight": a2, f"{p}.linear_fc2.adapter.linear_out.weight": b2}
+    state = {
+        f"{p}.linear_fc1.adapter.linear_in.weight": a1,
+        f"{p}.linear_fc1.adapter.linear_out.weight": b1,
+        f"{p}.linear_fc2.adapter.linear_in.weight": a2,
+        f"{p}.linear_fc2.adapter.linear_out.weight": b2,
+    }
     out = convert(state, s)
     assert len(out) == s.num_experts * 3 * 2
     assert target_modules_of(out) == ["down_proj", "gate_proj", "up_proj"]
@@ -180,11 +204,12 @@ def test_moe_per_expert_single_rank():
 
 
 def test_moe_per_expert_two_ep_ranks_merged():
-    s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__},
-                      "ep_size": 2})
+    s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__}, "ep_size": 2})
     half = s.num_experts // 2
-    dense = {"decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight": rand(RANK, 4096),
-             "decoder.layers.0.self_attention.linear_proj.adapter.linear_out.weight": rand(2048, RANK)}
+    dense = {
+        "decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight": rand(RANK, 4096),
+        "decoder.layers.0.self_attention.linear_proj.adapter.linear_out.weight": rand(2048, RANK),
+    }
     shard0, loras0 = per_expert_shard(s)
     shard1, loras1 = per_expert_shard(s)
     out = merge_ep_shards([{**shard0, **dense}, {**shard1, **dense}], s)
@@ -194,12 +219,13 @@ def test_moe_per_expert_two_ep_ranks_merged():
         loras = loras0[e] if e < half else loras1[e - half]  # global = idx + rank * E / ep
         check_expert(out, e, weights[e], *loras, s)
     # rank 1's local expert 0 is global expert 64, not 0
-    assert not torch.equal(out[hf_key("model.layers.0.mlp.experts.0.down_proj", "B")],
-                           out[hf_key("model.layers.0.mlp.experts.64.down_proj", "B")])
+    assert not torch.equal(
+        out[hf_key("model.layers.0.mlp.experts.0.down_proj", "B")],
+        out[hf_key("model.layers.0.mlp.experts.64.down_proj", "B")],
+    )
 
     # a replicated (non-expert) tensor that differs between ranks is a broken gather
-    bad = {**shard1, **dense,
-           "decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight": rand(RANK, 4096)}
+    bad = {**shard1, **dense, "decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight": rand(RANK, 4096)}
     with pytest.raises(ConversionError, match="linear_proj|o_proj"):
         merge_ep_shards([{**shard0, **dense}, bad], s)
     with pytest.raises(ConversionError, match="ep_size is 2"):
@@ -207,8 +233,9 @@ def test_moe_per_expert_two_ep_ranks_merged():
 
 
 def test_grouped_with_ep_covers_only_the_ranks_experts():
-    s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__},
-                      "ep_size": 2, "ep_rank": 1})
+    s = ModelShape(
+        **{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__}, "ep_size": 2, "ep_rank": 1}
+    )
     p = "decoder.layers.0.mlp.experts.linear_fc2.adapter"
     out = convert({f"{p}.linear_in.weight": rand(RANK, 768), f"{p}.linear_out.weight": rand(2048, RANK)}, s)
     experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in out})
@@ -219,28 +246,45 @@ def test_module_wrapper_prefix_is_accepted():
     s = QWEN3_0_6B
     p = "module.module.decoder.layers.1.self_attention.linear_proj.adapter"
     out = convert({f"{p}.linear_in.weight": rand(RANK, 2048), f"{p}.linear_out.weight": rand(1024, RANK)}, s)
-    assert sorted(out) == [hf_key("model.layers.1.self_attn.o_proj", "A"),
-                           hf_key("model.layers.1.self_attn.o_proj", "B")]
+    assert sorted(out) == [
+        hf_key("model.layers.1.self_attn.o_proj", "A"),
+        hf_key("model.layers.1.self_attn.o_proj", "B"),
+    ]
 
 
 @pytest.mark.parametrize(
     ("state", "match"),
     [
         ({"decoder.layers.0.mlp.router.weight": torch.zeros(4, 4)}, "mlp.router.weight: not a megatron"),
-        ({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072)},
-         "partner is missing"),
-        ({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3000),
-          "decoder.layers.0.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK)},
-         r"linear_fc2.adapter.linear_in.weight: shape \[8, 3000\] does not match \[r, 3072\]"),
-        ({"decoder.layers.5.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072),
-          "decoder.layers.5.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK)},
-         "layer 5 is beyond"),
-        ({"decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072),
-          "decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK)},
-         "num_experts 0"),
-        ({"decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight": torch.zeros(RANK, 1024),
-          "decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight": torch.zeros(3072, RANK)},
-         r"linear_out.weight: shape \[3072, 8\] does not match \[4096, r\]"),
+        ({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072)}, "partner is missing"),
+        (
+            {
+                "decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3000),
+                "decoder.layers.0.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK),
+            },
+            r"linear_fc2.adapter.linear_in.weight: shape \[8, 3000\] does not match \[r, 3072\]",
+        ),
+        (
+            {
+                "decoder.layers.5.mlp.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072),
+                "decoder.layers.5.mlp.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK),
+            },
+            "layer 5 is beyond",
+        ),
+        (
+            {
+                "decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_in.weight": torch.zeros(RANK, 3072),
+                "decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_out.weight": torch.zeros(1024, RANK),
+            },
+            "num_experts 0",
+        ),
+        (
+            {
+                "decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight": torch.zeros(RANK, 1024),
+                "decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight": torch.zeros(3072, RANK),
+            },
+            r"linear_out.weight: shape \[3072, 8\] does not match \[4096, r\]",
+        ),
     ],
 )
 def test_bad_inputs_name_the_tensor(state, match):
@@ -249,8 +293,7 @@ def test_bad_inputs_name_the_tensor(state, match):
 
 
 def test_expert_index_beyond_the_rank_is_an_error():
-    s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__},
-                      "ep_size": 2})
+    s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__}, "ep_size": 2})
     p = "decoder.layers.0.mlp.experts.linear_fc2.adapter"
     with pytest.raises(ConversionError, match="local expert 64 is beyond"):
         convert({f"{p}.linear_in.weight64": rand(RANK, 768), f"{p}.linear_out.weight64": rand(2048, RANK)}, s)
@@ -259,14 +302,27 @@ def test_expert_index_beyond_the_rank_is_an_error():
 def test_from_hf_config():
     from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    dense = Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                        num_key_value_heads=8, head_dim=128, intermediate_size=3072)
+    dense = Qwen3Config(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+    )
     assert ModelShape.from_hf_config(dense) == ModelShape(
-        num_layers=28, hidden=1024, num_attention_heads=16, num_query_groups=8, head_dim=128,
-        ffn_hidden=3072)
-    moe = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                         num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                         num_experts=128, moe_intermediate_size=768)
+        num_layers=28, hidden=1024, num_attention_heads=16, num_query_groups=8, head_dim=128, ffn_hidden=3072
+    )
+    moe = Qwen3MoeConfig(
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        num_experts=128,
+        moe_intermediate_size=768,
+    )
     shape = ModelShape.from_hf_config(moe.to_dict(), ep_size=4, ep_rank=3)
     assert (shape.num_experts, shape.moe_ffn_hidden, shape.experts_per_rank, shape.ep_rank) == (128, 768, 32, 3)
     qwen2 = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)
@@ -283,9 +339,19 @@ def test_from_hf_config():
 def tiny_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     return cfg, Qwen3MoeForCausalLM(cfg).eval()
 
 
@@ -308,7 +374,7 @@ def merged_reference(base, tensors, scale):
                 else:
                     rows = delta.shape[0]
                     offset = 0 if name == "gate_proj" else rows
-                    params[f"{experts}.gate_up_proj"][e, offset:offset + rows] += delta
+                    params[f"{experts}.gate_up_proj"][e, offset : offset + rows] += delta
             else:
                 params[f"{module}.weight"] += delta
     return model

@@ -74,8 +74,13 @@ def test_model_matches_tokenizer_and_generates(model, tok):
     assert model.config.vocab_size == len(tok)
     assert next(model.parameters()).dtype == torch.float32
     ids = torch.tensor([encode_prompt(tok, "12+7=")])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                         do_sample=False, pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     assert out.shape[1] > ids.shape[1]
     assert out[0, : ids.shape[1]].tolist() == ids[0].tolist()
 
@@ -103,10 +108,15 @@ def test_shipped_model_is_partly_competent_on_held_out_prompts(model, tok):
     with torch.no_grad():
         for group in by_len.values():
             ids = torch.tensor([encode_prompt(tok, p.text) for p in group])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
-                                 do_sample=False, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id)
-            for p, row in zip(group, out[:, ids.shape[1]:].tolist()):
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            for p, row in zip(group, out[:, ids.shape[1] :].tolist()):
                 text = decode_completion(tok, row)
                 formatted += tok.eos_token_id in row and text.isdigit()
                 correct += arith_reward(p.text, text, p.answer)
@@ -123,14 +133,16 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(model, tok
     ids = torch.full((len(texts), width), pad_token_id(tok))
     mask = torch.zeros_like(ids)
     for i, e in enumerate(encoded):
-        ids[i, width - len(e):] = torch.tensor(e)
-        mask[i, width - len(e):] = 1
+        ids[i, width - len(e) :] = torch.tensor(e)
+        mask[i, width - len(e) :] = 1
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     with torch.no_grad():
         batched = model.generate(input_ids=ids, attention_mask=mask, **kw)[:, width:].tolist()
         for e, row in zip(encoded, batched):
-            alone = model.generate(input_ids=torch.tensor([e]), attention_mask=torch.ones(1, len(e), dtype=torch.long), **kw)
-            assert decode_completion(tok, alone[0, len(e):].tolist()) == decode_completion(tok, row)
+            alone = model.generate(
+                input_ids=torch.tensor([e]), attention_mask=torch.ones(1, len(e), dtype=torch.long), **kw
+            )
+            assert decode_completion(tok, alone[0, len(e) :].tolist()) == decode_completion(tok, row)
 
 
 VLLM_PYTHON = MODEL_DIR.parents[2] / ".cache" / "vllm-venv" / "bin" / "python"
@@ -166,7 +178,10 @@ def test_real_vllm_serves_the_tiny_model_like_transformers(model, tok, tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(script), str(MODEL_DIR), json.dumps([p.text for p in prompts])],
-        capture_output=True, text=True, timeout=400, env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
     )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
@@ -175,7 +190,13 @@ def test_real_vllm_serves_the_tiny_model_like_transformers(model, tok, tmp_path)
         for p, (prompt_ids, text, finish) in zip(prompts, results):
             ids = encode_prompt(tok, p.text)
             assert prompt_ids == ids
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=tok.eos_token_id)
-            assert text == decode_completion(tok, out[0, len(ids):].tolist())
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=tok.eos_token_id,
+            )
+            assert text == decode_completion(tok, out[0, len(ids) :].tolist())
             assert finish == "stop"

@@ -26,8 +26,15 @@ from services.exporter.peft_dir import (
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 4, 8.0
-SMALL = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=80,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def no_shape() -> ModelShape:
@@ -35,9 +42,12 @@ def no_shape() -> ModelShape:
 
 
 def lora_model(base):
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, bias="none",
-        task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+        ),
+    )
     return model.eval()
 
 
@@ -51,8 +61,7 @@ def randomize_lora(model, seed: int) -> None:
 
 
 def lora_tensors(model, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    return {adapter_io.standardize_key(n): p.detach().to(dtype)
-            for n, p in model.named_parameters() if "lora_" in n}
+    return {adapter_io.standardize_key(n): p.detach().to(dtype) for n, p in model.named_parameters() if "lora_" in n}
 
 
 def logits(model, ids):
@@ -72,8 +81,9 @@ def test_hf_peft_versions_round_trip(tmp_path, qwen2, dtype):
     source = lora_model(base)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(5))
     export_uri = f"file://{tmp_path}/export"
-    spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS,
-                    dtype=adapter_io.dtype_name(dtype), base_model="tiny-qwen2")
+    spec = LoraSpec(
+        rank=RANK, alpha=ALPHA, target_modules=TARGETS, dtype=adapter_io.dtype_name(dtype), base_model="tiny-qwen2"
+    )
     previous = None
     for version in range(3):
         randomize_lora(source, seed=version)
@@ -112,8 +122,11 @@ def test_standard_bytes_pass_through_and_default_keys_are_standardised(qwen2):
     ("data", "layout", "match"),
     [
         (b"not safetensors", "hf-peft", "payload: not a safetensors file"),
-        (adapter_io.to_bytes({"model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2)}),
-         "hf-peft", "is not a PEFT LoRA key"),
+        (
+            adapter_io.to_bytes({"model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2)}),
+            "hf-peft",
+            "is not a PEFT LoRA key",
+        ),
         (adapter_io.to_bytes({"x.lora_A.weight": torch.zeros(2, 2)}), "onnx", "layout: 'onnx'"),
     ],
 )
@@ -136,8 +149,11 @@ def test_load_model_shape_names_the_field(tmp_path):
 def fuse_qkv_rows(q, k, v, groups: int, q_per_group: int, head_dim: int):
     rows = []
     for g in range(groups):
-        rows += [q[g * q_per_group * head_dim:(g + 1) * q_per_group * head_dim],
-                 k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]]
+        rows += [
+            q[g * q_per_group * head_dim : (g + 1) * q_per_group * head_dim],
+            k[g * head_dim : (g + 1) * head_dim],
+            v[g * head_dim : (g + 1) * head_dim],
+        ]
     return torch.cat(rows)
 
 
@@ -153,8 +169,10 @@ def test_megatron_payload_exports_to_an_equivalent_peft_dir(tmp_path):
     key = "base_model.model.model.layers.{}.{}.lora_{}.default.weight"
     with torch.no_grad():
         for layer in range(2):
-            for first, others in (("self_attn.q_proj", ("self_attn.k_proj", "self_attn.v_proj")),
-                                  ("mlp.gate_proj", ("mlp.up_proj",))):
+            for first, others in (
+                ("self_attn.q_proj", ("self_attn.k_proj", "self_attn.v_proj")),
+                ("mlp.gate_proj", ("mlp.up_proj",)),
+            ):
                 for other in others:
                     params[key.format(layer, other, "A")].copy_(params[key.format(layer, first, "A")])
 
@@ -166,20 +184,31 @@ def test_megatron_payload_exports_to_an_equivalent_peft_dir(tmp_path):
         d = f"decoder.layers.{layer}"
         state[f"{d}.self_attention.linear_qkv.adapter.linear_in.weight"] = p(layer, "self_attn.q_proj", "A")
         state[f"{d}.self_attention.linear_qkv.adapter.linear_out.weight"] = fuse_qkv_rows(
-            p(layer, "self_attn.q_proj", "B"), p(layer, "self_attn.k_proj", "B"),
-            p(layer, "self_attn.v_proj", "B"), groups=2, q_per_group=2, head_dim=8)
+            p(layer, "self_attn.q_proj", "B"),
+            p(layer, "self_attn.k_proj", "B"),
+            p(layer, "self_attn.v_proj", "B"),
+            groups=2,
+            q_per_group=2,
+            head_dim=8,
+        )
         state[f"{d}.self_attention.linear_proj.adapter.linear_in.weight"] = p(layer, "self_attn.o_proj", "A")
         state[f"{d}.self_attention.linear_proj.adapter.linear_out.weight"] = p(layer, "self_attn.o_proj", "B")
         state[f"{d}.mlp.linear_fc1.adapter.linear_in.weight"] = p(layer, "mlp.gate_proj", "A")
         state[f"{d}.mlp.linear_fc1.adapter.linear_out.weight"] = torch.cat(
-            [p(layer, "mlp.gate_proj", "B"), p(layer, "mlp.up_proj", "B")])
+            [p(layer, "mlp.gate_proj", "B"), p(layer, "mlp.up_proj", "B")]
+        )
         state[f"{d}.mlp.linear_fc2.adapter.linear_in.weight"] = p(layer, "mlp.down_proj", "A")
         state[f"{d}.mlp.linear_fc2.adapter.linear_out.weight"] = p(layer, "mlp.down_proj", "B")
 
-    spec = LoraSpec(rank=RANK, alpha=ALPHA, base_model="tiny-qwen3",
-                    target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    files = peft_files(adapter_io.to_bytes(state), "megatron-bridge", spec,
-                       lambda: load_model_shape(str(tmp_path / "base")))
+    spec = LoraSpec(
+        rank=RANK,
+        alpha=ALPHA,
+        base_model="tiny-qwen3",
+        target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    )
+    files = peft_files(
+        adapter_io.to_bytes(state), "megatron-bridge", spec, lambda: load_model_shape(str(tmp_path / "base"))
+    )
     assert sorted(files.lora.target_modules) == sorted(TARGETS)
     uri = f"file://{tmp_path}/export"
     write_export(uri, 7, files, StoreConfig())

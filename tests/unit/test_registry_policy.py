@@ -133,9 +133,7 @@ def test_reports_track_who_has_what_loaded():
     p.on_report(ledger, early)
     p.on_adapter_ready(ledger, ready(1), c)
     assert ledger.versions[1].loaded_by == {"r2"}
-    p.on_report(
-        ledger, AdapterUnloaded(run=RUN, replica="r1", version=0, reason="keep", unloaded_at=7.0)
-    )
+    p.on_report(ledger, AdapterUnloaded(run=RUN, replica="r1", version=0, reason="keep", unloaded_at=7.0))
     assert ledger.versions[0].loaded_by == set()
     p.on_report(
         ledger,
@@ -145,7 +143,9 @@ def test_reports_track_who_has_what_loaded():
     beat = ReplicaHeartbeat(run=RUN, replica="r1", engine="embedded", loaded_versions=[0, 1], in_flight=0, sent_at=9.0)
     p.on_report(ledger, beat)
     assert ledger.replicas["r1"].loaded == {0, 1} and ledger.versions[1].loaded_by == {"r1", "r2"}
-    stale_beat = ReplicaHeartbeat(run=RUN, replica="r1", engine="embedded", loaded_versions=[], in_flight=0, sent_at=1.0)
+    stale_beat = ReplicaHeartbeat(
+        run=RUN, replica="r1", engine="embedded", loaded_versions=[], in_flight=0, sent_at=1.0
+    )
     assert p.on_report(ledger, stale_beat) == p.Applied(False)
     assert ledger.replicas["r1"].loaded == {0, 1}
     other = ReplicaHeartbeat(run="x", replica="r1", engine="embedded", loaded_versions=[], in_flight=0, sent_at=10.0)
@@ -154,10 +154,14 @@ def test_reports_track_who_has_what_loaded():
 
 def test_export_marks_version():
     ledger = published(0)
-    done = ExportDone(run=RUN, lora_name="lora", version=0, uri="file:///e/v0", files=[], bytes=1, sha256="0" * 64, exported_at=1.0)
+    done = ExportDone(
+        run=RUN, lora_name="lora", version=0, uri="file:///e/v0", files=[], bytes=1, sha256="0" * 64, exported_at=1.0
+    )
     assert p.on_export_done(ledger, done).changed and ledger.versions[0].exported
     assert p.on_export_done(ledger, done) == p.Applied(False)
-    unknown = ExportDone(run=RUN, lora_name="lora", version=7, uri="file:///e/v7", files=[], bytes=1, sha256="0" * 64, exported_at=1.0)
+    unknown = ExportDone(
+        run=RUN, lora_name="lora", version=7, uri="file:///e/v7", files=[], bytes=1, sha256="0" * 64, exported_at=1.0
+    )
     assert "never published" in p.on_export_done(ledger, unknown).error
 
 
@@ -391,8 +395,13 @@ class RegistryMachine(RuleBasedStateMachine):
         grant = self.outstanding.pop(gid)
         version = min(grant.version + newer, self.ledger.head)
         self.n += 1
-        t = traj(gid, [grant.version, version], tid=f"t{self.n}", replica=self.grant_replica[gid],
-                 logprob=0.1 if bad else -0.1)
+        t = traj(
+            gid,
+            [grant.version, version],
+            tid=f"t{self.n}",
+            replica=self.grant_replica[gid],
+            logprob=0.1 if bad else -0.1,
+        )
         self._send(t)
 
     @precondition(lambda self: self.ledger is not None)
@@ -448,6 +457,8 @@ class RegistryMachine(RuleBasedStateMachine):
 
 TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

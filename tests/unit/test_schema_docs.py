@@ -32,9 +32,7 @@ def encoded(msg) -> dict:
 
 def test_generated_files_are_current():
     assert generate.stale_files() == [], "run `python -m proto.generate` and commit the result"
-    result = subprocess.run(
-        [sys.executable, "-m", "proto.generate", "--check"], cwd=PROTO.parent, capture_output=True
-    )
+    result = subprocess.run([sys.executable, "-m", "proto.generate", "--check"], cwd=PROTO.parent, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
 
 
@@ -47,7 +45,9 @@ def test_check_names_stale_missing_and_orphaned_files(tmp_path):
     (root / "schema" / "Removed.json").write_text("{}\n")
     result = subprocess.run(
         [sys.executable, "-m", "proto.generate", "--check", "--root", str(root)],
-        cwd=PROTO.parent, capture_output=True, text=True,
+        cwd=PROTO.parent,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     assert "Trajectory.json: stale" in result.stderr
@@ -129,8 +129,13 @@ def test_adapter_ready_schema_enforces_patterns():
 # --- AsyncAPI -------------------------------------------------------------------------------
 
 DOC = yaml.safe_load((PROTO / "asyncapi.yaml").read_text())
-EXAMPLE_ARGS = {"run": "demo-trial0", "version": 7, "replica": "rollout-1", "evaluator": "heldout",
-                "service": "registry"}
+EXAMPLE_ARGS = {
+    "run": "demo-trial0",
+    "version": 7,
+    "replica": "rollout-1",
+    "evaluator": "heldout",
+    "service": "registry",
+}
 
 
 def resolve(ref: str):

@@ -49,8 +49,15 @@ def test_vllm_v0_path_is_the_servers_view():
 
 
 def test_sglang_slot_flags():
-    c = cfg("sglang", sglang={"max_loaded_loras": 5, "max_loras_per_batch": 3, "lora_backend": "triton",
-                              "lora_target_modules": ["q_proj", "v_proj"]})
+    c = cfg(
+        "sglang",
+        sglang={
+            "max_loaded_loras": 5,
+            "max_loras_per_batch": 3,
+            "lora_backend": "triton",
+            "lora_target_modules": ["q_proj", "v_proj"],
+        },
+    )
     argv = sglang_command(c, port=30001)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert flag(argv, "--model-path") == ["/models/tiny"]

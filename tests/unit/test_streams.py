@@ -94,8 +94,15 @@ def test_subjects_overlap(a, b, expected):
 
 def test_every_consumer_reads_a_stream_of_the_run():
     names = {c.name for c in streams.stream_configs(RUN)}
-    for durable in ("trainer", "exporter", "registry-adapters", "registry-reports",
-                    "registry-exports", "registry-trajectories", "rollout-r0"):
+    for durable in (
+        "trainer",
+        "exporter",
+        "registry-adapters",
+        "registry-reports",
+        "registry-exports",
+        "registry-trajectories",
+        "rollout-r0",
+    ):
         consumer = streams.consumer(RUN, durable)
         assert consumer.durable == durable and consumer.stream in names
         if consumer.filter_subject is not None:

@@ -12,9 +12,15 @@ HF_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                      max_position_embeddings=128)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -80,12 +86,17 @@ def test_unmatched_target_modules_name_the_field():
 
 # --- pure trainer logic next to LoRA: batching plan, checkpoint files, resume decisions ----
 
+
 def _sample(n_prompt: int, n_completion: int, adv: float = 1.0):
     from services.trainer.batching import Sample
 
-    return Sample(input_ids=list(range(1, n_prompt + n_completion + 1)), prompt_len=n_prompt,
-                  behave_logprobs=[-1.0] * n_completion, versions=[0] * n_completion,
-                  advantage=adv)
+    return Sample(
+        input_ids=list(range(1, n_prompt + n_completion + 1)),
+        prompt_len=n_prompt,
+        behave_logprobs=[-1.0] * n_completion,
+        versions=[0] * n_completion,
+        advantage=adv,
+    )
 
 
 def test_micro_batch_plan_is_equal_length_on_every_rank():
@@ -107,9 +118,17 @@ def test_checkpoint_round_trip_and_prune(tmp_path):
 
     weights = adapter_io.to_bytes({"base_model.model.x.lora_A.weight": torch.ones(2, 2)})
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, checkpoint.Checkpoint(
-            step=step, version=step, adapter_bytes=weights, optimizer={"state": {}, "k": step},
-            rng=checkpoint.rng_state(), trained_ids=[f"t{step}"]))
+        checkpoint.save(
+            tmp_path,
+            checkpoint.Checkpoint(
+                step=step,
+                version=step,
+                adapter_bytes=weights,
+                optimizer={"state": {}, "k": step},
+                rng=checkpoint.rng_state(),
+                trained_ids=[f"t{step}"],
+            ),
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
     (tmp_path / ".tmp-step-00000004-1").mkdir()  # a crash mid-save leaves no usable state
     latest = checkpoint.load_latest(tmp_path)

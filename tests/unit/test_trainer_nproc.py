@@ -35,9 +35,18 @@ def test_several_ranks_run_under_torchrun(tmp_path: Path):
     cfg = config_from_dict(BASE, overrides)
     children = child_commands(cfg, "cfg.yaml", overrides, tmp_path, evaluate=False)
     trainer = next(c for c in children if c.name == "trainer")
-    assert trainer.argv == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node=2", "-m", "services.trainer", "--config",
-                            "cfg.yaml", *overrides]
+    assert trainer.argv == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "services.trainer",
+        "--config",
+        "cfg.yaml",
+        *overrides,
+    ]
     # only the trainer is multi-process
     others = [c for c in children if c is not trainer]
     assert all("torch.distributed.run" not in c.argv for c in others)

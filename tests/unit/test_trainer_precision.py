@@ -24,22 +24,42 @@ def batch(step: int, vocab: int = 97) -> list[Trajectory]:
     groups = []
     for i in range(2):
         completions = [
-            Completion(token_ids=torch.randint(1, vocab, (6,), generator=g).tolist(),
-                       logprobs=[-4.6] * 6, versions=[step] * 6, reward=float(j % 2))
+            Completion(
+                token_ids=torch.randint(1, vocab, (6,), generator=g).tolist(),
+                logprobs=[-4.6] * 6,
+                versions=[step] * 6,
+                reward=float(j % 2),
+            )
             for j in range(4)
         ]
-        groups.append(Trajectory(run="t", trajectory_id=f"s{step}g{i}", grant_id="x", replica="r",
-                                 prompt_id=str(i),
-                                 prompt_token_ids=torch.randint(1, vocab, (5,), generator=g).tolist(),
-                                 completions=completions, started_at=0.0, finished_at=1.0))
+        groups.append(
+            Trajectory(
+                run="t",
+                trajectory_id=f"s{step}g{i}",
+                grant_id="x",
+                replica="r",
+                prompt_id=str(i),
+                prompt_token_ids=torch.randint(1, vocab, (5,), generator=g).tolist(),
+                completions=completions,
+                started_at=0.0,
+                finished_at=1.0,
+            )
+        )
     return groups
 
 
 def engine(dtype: str, base) -> FSDP2Engine:
-    cfg = LorabusConfig(actor=ActorConfig(
-        path="tiny", dtype=dtype, device="cpu", lora_rank=4, lora_alpha=8.0, seed=3,
-        optimizer=OptimizerConfig(type="adam", lr=LR, gradient_clipping=1e9),
-    ))
+    cfg = LorabusConfig(
+        actor=ActorConfig(
+            path="tiny",
+            dtype=dtype,
+            device="cpu",
+            lora_rank=4,
+            lora_alpha=8.0,
+            seed=3,
+            optimizer=OptimizerConfig(type="adam", lr=LR, gradient_clipping=1e9),
+        )
+    )
     return FSDP2Engine(cfg, base)
 
 

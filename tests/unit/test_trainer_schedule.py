@@ -52,15 +52,21 @@ def test_warmup_proportion_and_precedence():
     assert lrs(8, warmup_steps_proportion=0.25)[:3] == [0.0, 0.5, 1.0]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor.optimizer.lr_scheduler_type=cosin", "did you mean 'cosine'"),
-    ("actor.optimizer.warmup_steps=-1", "actor.optimizer.warmup_steps: -1 must be >= 0"),
-    ("actor.optimizer.warmup_steps=10", "actor.optimizer.warmup_steps: 10 is not below total_train_steps 10"),
-    ("actor.optimizer.warmup_steps_proportion=1.5", "actor.optimizer.warmup_steps_proportion: 1.5 must be in [0, 1)"),
-    ("actor.optimizer.min_lr_ratio=2", "actor.optimizer.min_lr_ratio: 2.0 must be in [0, 1]"),
-    ("actor.optimizer.min_lr_ratio=0.1", "only cosine uses it"),
-    ("actor.gradient_checkpointing=maybe", "actor.gradient_checkpointing"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.optimizer.lr_scheduler_type=cosin", "did you mean 'cosine'"),
+        ("actor.optimizer.warmup_steps=-1", "actor.optimizer.warmup_steps: -1 must be >= 0"),
+        ("actor.optimizer.warmup_steps=10", "actor.optimizer.warmup_steps: 10 is not below total_train_steps 10"),
+        (
+            "actor.optimizer.warmup_steps_proportion=1.5",
+            "actor.optimizer.warmup_steps_proportion: 1.5 must be in [0, 1)",
+        ),
+        ("actor.optimizer.min_lr_ratio=2", "actor.optimizer.min_lr_ratio: 2.0 must be in [0, 1]"),
+        ("actor.optimizer.min_lr_ratio=0.1", "only cosine uses it"),
+        ("actor.gradient_checkpointing=maybe", "actor.gradient_checkpointing"),
+    ],
+)
 def test_new_fields_are_validated_by_name(override, message):
     tree = {"actor": {"path": "tiny"}, "train_dataset": {"path": "builtin:arith"}}
     with pytest.raises(ConfigError) as err:
@@ -70,8 +76,10 @@ def test_new_fields_are_validated_by_name(override, message):
 
 def cfg(**actor) -> LorabusConfig:
     opt = actor.pop("optimizer", OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9))
-    return LorabusConfig(total_train_steps=4, actor=ActorConfig(
-        path="tiny", device="cpu", lora_rank=4, lora_alpha=8.0, seed=5, optimizer=opt, **actor))
+    return LorabusConfig(
+        total_train_steps=4,
+        actor=ActorConfig(path="tiny", device="cpu", lora_rank=4, lora_alpha=8.0, seed=5, optimizer=opt, **actor),
+    )
 
 
 def test_engine_reports_the_lr_each_step_ran_with_and_resumes_it():

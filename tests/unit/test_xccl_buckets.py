@@ -14,9 +14,7 @@ DT = list(xccl.DTYPES)
 
 
 def specs_strategy():
-    one = st.tuples(
-        st.lists(st.integers(0, 40), min_size=1, max_size=3), st.sampled_from(DT)
-    )
+    one = st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=3), st.sampled_from(DT))
     return st.lists(one, min_size=1, max_size=12).map(
         lambda xs: [TensorSpec(name=f"t{i:02d}", shape=s, dtype=d) for i, (s, d) in enumerate(xs)]
     )
@@ -42,9 +40,7 @@ def test_plan_places_every_tensor_once_aligned_and_without_overlap(manifest, buc
 @given(manifest=specs_strategy(), bucket_bytes=st.integers(16, 2048))
 def test_pack_then_unpack_is_bit_exact(manifest, bucket_bytes):
     g = torch.Generator().manual_seed(0)
-    tensors = {
-        s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest
-    }
+    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
     plan = xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
     bufs = xccl.alloc_buckets(plan)
     xccl.pack(plan, tensors, bufs)
@@ -57,9 +53,15 @@ def test_pack_then_unpack_is_bit_exact(manifest, bucket_bytes):
 
 def qwen15b_r16_manifest(dtype="bfloat16"):
     """Qwen2.5-1.5B all-linear r=16: 28 layers, hidden 1536, kv 256, mlp 8960."""
-    shapes = {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256),
-              "o_proj": (1536, 1536), "gate_proj": (1536, 8960), "up_proj": (1536, 8960),
-              "down_proj": (8960, 1536)}
+    shapes = {
+        "q_proj": (1536, 1536),
+        "k_proj": (1536, 256),
+        "v_proj": (1536, 256),
+        "o_proj": (1536, 1536),
+        "gate_proj": (1536, 8960),
+        "up_proj": (1536, 8960),
+        "down_proj": (8960, 1536),
+    }
     out = []
     for layer in range(28):
         for mod, (i, o) in shapes.items():
@@ -88,10 +90,13 @@ def test_digest_names_the_layout():
     assert d != xccl.manifest_digest(m2, 1 << 20)
 
 
-@pytest.mark.parametrize("manifest, match", [
-    ([], "empty"),
-    ([TensorSpec(name="a", shape=[2], dtype="float32")] * 2, "appears twice"),
-])
+@pytest.mark.parametrize(
+    "manifest, match",
+    [
+        ([], "empty"),
+        ([TensorSpec(name="a", shape=[2], dtype="float32")] * 2, "appears twice"),
+    ],
+)
 def test_bad_manifests_are_named(manifest, match):
     with pytest.raises(xccl.ManifestError, match=match):
         xccl.plan_buckets(manifest, 64)

@@ -53,9 +53,7 @@ class GenResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Engine(Protocol):
-    async def load_version(
-        self, version: int, weights: bytes | dict[str, Tensor], lora: LoraSpec
-    ) -> None: ...
+    async def load_version(self, version: int, weights: bytes | dict[str, Tensor], lora: LoraSpec) -> None: ...
 
     async def unload_version(self, version: int) -> None: ...
 

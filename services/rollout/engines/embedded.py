@@ -37,7 +37,12 @@ class EmbeddedEngine:
     name = "embedded"
 
     def __init__(
-        self, model: torch.nn.Module, *, eos_ids: Sequence[int], pad_id: int, slots: int,
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        slots: int,
         cuda_graphs: bool = True,
     ):
         if slots < 2:
@@ -65,15 +70,15 @@ class EmbeddedEngine:
         tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
         model = models.load_base_model(cfg.actor.path, cfg.rollout.dtype, cfg.rollout.device)
         return cls(
-            model, eos_ids=models.eos_token_ids(tok), pad_id=models.pad_token_id(tok),
+            model,
+            eos_ids=models.eos_token_ids(tok),
+            pad_id=models.pad_token_id(tok),
             slots=cfg.rollout.keep_versions + 1,
             cuda_graphs=cfg.rollout.cuda_graphs,
         )
 
     # --- versions ---
-    async def load_version(
-        self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec
-    ) -> None:
+    async def load_version(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> None:
         tensors = adapter_io.from_bytes(weights) if isinstance(weights, (bytes, bytearray)) else weights
         await asyncio.to_thread(self._load, version, tensors, lora)
 
@@ -119,9 +124,7 @@ class EmbeddedEngine:
     async def generate(self, requests: list[GenRequest], version: int) -> list[list[GenResult]]:
         return await self.generate_mixed(requests, [version] * len(requests))
 
-    async def generate_mixed(
-        self, requests: Sequence[GenRequest], versions: Sequence[int]
-    ) -> list[list[GenResult]]:
+    async def generate_mixed(self, requests: Sequence[GenRequest], versions: Sequence[int]) -> list[list[GenResult]]:
         """Like `generate`, with each request on its own version, all in one batch."""
         if len(requests) != len(versions):
             raise ValueError(f"versions: {len(versions)} given for {len(requests)} requests")
@@ -136,9 +139,13 @@ class EmbeddedEngine:
             stop = self.eos_ids + tuple(req.stop_token_ids)
             for j in range(req.n):
                 row = Row(
-                    prompt=req.prompt_token_ids, max_new_tokens=req.max_new_tokens,
-                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stop_ids=stop, seed=mix32(seed + mix32(j + 1)),
+                    prompt=req.prompt_token_ids,
+                    max_new_tokens=req.max_new_tokens,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=req.top_k,
+                    stop_ids=stop,
+                    seed=mix32(seed + mix32(j + 1)),
                 )
                 rows.append((v, i, j, row))
         rows.sort(key=lambda r: r[0])
@@ -146,16 +153,18 @@ class EmbeddedEngine:
         self._active.update(versions)
         try:
             outputs = await asyncio.to_thread(
-                decode, self.model, [r[3] for r in rows], pad_id=self.pad_id,
-                step_context=lambda: self._step(row_versions), graphs=self.graphs,
+                decode,
+                self.model,
+                [r[3] for r in rows],
+                pad_id=self.pad_id,
+                step_context=lambda: self._step(row_versions),
+                graphs=self.graphs,
             )
         finally:
             self._active.subtract(versions)
         results: list[list[GenResult | None]] = [[None] * req.n for req in requests]
         for (_, i, j, _), out in zip(rows, outputs):
-            results[i][j] = GenResult(
-                token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason
-            )
+            results[i][j] = GenResult(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason)
         return results  # type: ignore[return-value]
 
     @contextlib.contextmanager

@@ -139,9 +139,7 @@ class Http:
 
         if not retry:
             return await once()
-        return await with_retries(
-            once, attempts=self.attempts, backoff_s=self.backoff_s, retry_if=is_transient
-        )
+        return await with_retries(once, attempts=self.attempts, backoff_s=self.backoff_s, retry_if=is_transient)
 
     async def post(self, url: str, body: Any, *, retry: bool = True) -> httpx.Response:
         return await self.request("POST", url, body, retry=retry)

@@ -70,8 +70,11 @@ class SglangEngine(ServerEngine):
         missing: dict[int, list[str]] = {}
         for url in self.urls:
             for version in list(self._on[url]):
-                body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                        "lora_path": self.dirs.name(version)}
+                body = {
+                    "input_ids": [0],
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                    "lora_path": self.dirs.name(version),
+                }
                 try:
                     await self.http.post(f"{url}/generate", body)
                 except ServerError as e:
@@ -138,7 +141,7 @@ def parse_generate(answer, n: int, url: str) -> list[GenResult]:
         if lps is None:
             raise ServerError(url, 200, f"completion {i} has no meta_info.output_token_logprobs")
         ids = [int(t[1]) for t in lps]
-        if out.get("output_ids") is not None and list(out["output_ids"][-len(ids):] if ids else []) != ids:
+        if out.get("output_ids") is not None and list(out["output_ids"][-len(ids) :] if ids else []) != ids:
             raise ServerError(url, 200, f"completion {i}: output_ids and output_token_logprobs disagree")
         finish = meta.get("finish_reason") or {}
         kind = finish.get("type") if isinstance(finish, dict) else finish

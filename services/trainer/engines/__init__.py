@@ -20,6 +20,4 @@ def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: in
         from services.trainer.engines.megatron import MegatronEngine
 
         return MegatronEngine(cfg, base, pad_id=pad_id)
-    raise ValueError(
-        f"actor.backend: {cfg.actor.backend!r} has no engine in this build; use 'fsdp2' or 'megatron'"
-    )
+    raise ValueError(f"actor.backend: {cfg.actor.backend!r} has no engine in this build; use 'fsdp2' or 'megatron'")

@@ -105,8 +105,9 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=collective_timeout_s()))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=collective_timeout_s())
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size()
@@ -117,11 +118,13 @@ def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.opti
     if opt.lr <= 0:
         raise ValueError(f"actor.optimizer.lr: {opt.lr} must be > 0")
     if opt.type == "adamw":
-        return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                 weight_decay=opt.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
+        )
     if opt.type == "adam":
-        return torch.optim.Adam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                weight_decay=opt.weight_decay)
+        return torch.optim.Adam(
+            params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
+        )
     if opt.type == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
     raise ValueError(f"actor.optimizer.type: {opt.type!r} must be adamw, adam or sgd")

@@ -21,8 +21,8 @@ from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
 from services.trainer import batching, precision, startup
 from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, resolve_device
-from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
+from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.schedule import make_scheduler
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ class FSDP2Engine:
         self.temperature = 1.0 if cfg.gconfig.greedy else cfg.gconfig.temperature
         if self.temperature <= 0:
             raise ValueError(
-                f"gconfig.temperature: {self.temperature} must be > 0 (use gconfig.greedy for "
-                "greedy decoding)"
+                f"gconfig.temperature: {self.temperature} must be > 0 (use gconfig.greedy for greedy decoding)"
             )
         # Every rank must build the identical base and LoRA init; the seed makes it so (a
         # base read by rank 0 alone reaches the others with its LoRA init, see startup.py).
@@ -124,12 +123,14 @@ class FSDP2Engine:
         samples = batching.to_samples(groups, ppo)
         if not samples:
             raise ValueError("train_step: every completion in the batch is empty")
-        minibatches = batching.split_minibatches(
-            samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss
-        )
+        minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss)
         plans = [
-            [batching.collate(mb, self.pad_id) for mb in batching.plan_micro_batches(
-                minibatch, self.rank, self.world_size, self.actor.mb_spec_max_tokens)]
+            [
+                batching.collate(mb, self.pad_id)
+                for mb in batching.plan_micro_batches(
+                    minibatch, self.rank, self.world_size, self.actor.mb_spec_max_tokens
+                )
+            ]
             for minibatch in minibatches
         ]
         with torch.no_grad():
@@ -162,9 +163,7 @@ class FSDP2Engine:
                 (loss * scale).backward()
                 loss_total += loss.item()
                 stats = stats + mb_stats
-            grad_norm = _scalar(
-                torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping)
-            )
+            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping))
             self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]  # the LR this step ran with
         self.scheduler.step()
@@ -206,7 +205,8 @@ class FSDP2Engine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         state = get_optimizer_state_dict(
-            self.model, self.optimizer,
+            self.model,
+            self.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
         if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
@@ -223,6 +223,7 @@ class FSDP2Engine:
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+
         from services.common.adapter_io import standardize_key
 
         optimizer = dict(optimizer or {})
@@ -239,13 +240,13 @@ class FSDP2Engine:
         options = StateDictOptions(full_state_dict=True, strict=False)
         # one scatter per tensor under FSDP2: every rank must go in the same (the model's)
         # order, and a dict read from safetensors is not ordered the same in every process
-        set_model_state_dict(self.model, {name: adapter[key] for key, name in names.items()},
-                             options=options)
+        set_model_state_dict(self.model, {name: adapter[key] for key, name in names.items()}, options=options)
         # plain SGD keeps no per-parameter state, and torch cannot distribute an empty one
         # (its param_groups' lr comes back through the scheduler below)
         if optimizer and optimizer.get("state"):
-            set_optimizer_state_dict(self.model, self.optimizer, optimizer,
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, optimizer, options=StateDictOptions(full_state_dict=True)
+            )
         self.step = step
         for _ in range(step):  # the LR schedule is a pure function of the step
             self.scheduler.step()

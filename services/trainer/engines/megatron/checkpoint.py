@@ -59,8 +59,7 @@ def load_shard(root: str | os.PathLike, step: int, layout: dict) -> dict:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # torch raises several types for a truncated file
-        raise RuntimeError(f"{path}: cannot be read ({exc}); delete that step to resume "
-                           "from the previous one") from exc
+        raise RuntimeError(f"{path}: cannot be read ({exc}); delete that step to resume from the previous one") from exc
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise RuntimeError(f"{path}: not a {FORMAT} file")
     if saved["step"] != step:

@@ -22,6 +22,5 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise MegatronNotInstalled(
-            f"actor.backend: 'megatron' needs {module!r}, which cannot be imported ({exc}); "
-            f"{EXTRA_HINT}"
+            f"actor.backend: 'megatron' needs {module!r}, which cannot be imported ({exc}); {EXTRA_HINT}"
         ) from exc

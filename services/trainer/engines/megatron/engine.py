@@ -80,8 +80,9 @@ def init_megatron(cfg: LorabusConfig) -> torch.device:
             "torch.cuda.current_device()); use actor.backend: fsdp2 on CPU"
         )
     if "RANK" not in os.environ:  # a plain `python -m services.trainer`: one rank
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -113,8 +114,10 @@ class MegatronEngine:
 
     def __init__(self, cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
         if base is not None:
-            raise ValueError("base: the Megatron engine builds its model from actor.path with "
-                             "megatron-bridge; an in-memory HF model cannot be passed")
+            raise ValueError(
+                "base: the Megatron engine builds its model from actor.path with "
+                "megatron-bridge; an in-memory HF model cannot be passed"
+            )
         problems = check_megatron(cfg)
         if problems:
             raise ValueError("; ".join(problems))
@@ -133,8 +136,7 @@ class MegatronEngine:
         dtype = DTYPES[self.actor.dtype]
 
         torch.manual_seed(self.actor.seed)  # identical LoRA A init on every DP replica
-        bridge = AutoBridge.from_hf_pretrained(self.actor.path, trust_remote_code=True,
-                                               dtype=dtype)
+        bridge = AutoBridge.from_hf_pretrained(self.actor.path, trust_remote_code=True, dtype=dtype)
         hf_config = bridge.hf_pretrained.config
         self.shape = ModelShape.from_hf_config(hf_config)
         self.vocab_size = int(hf_config.vocab_size)
@@ -149,8 +151,9 @@ class MegatronEngine:
         provider.fp16 = dtype == torch.float16
         provider.finalize()
         chunks = provider.provide_distributed_model(wrap_with_ddp=False)
-        self.lora = LoRA(target_modules=self.targets, dim=self.actor.lora_rank,
-                         alpha=self.actor.lora_alpha, dropout=0.0)
+        self.lora = LoRA(
+            target_modules=self.targets, dim=self.actor.lora_rank, alpha=self.actor.lora_alpha, dropout=0.0
+        )
         chunks = self.lora(chunks, training=True)
         if hasattr(self.lora, "set_params_to_save"):
             self.lora.set_params_to_save(chunks)
@@ -160,29 +163,46 @@ class MegatronEngine:
         self.model.train()
         named = adapter_named_parameters(self.model.named_parameters())
         self.optimizer = MasterAdapterOptimizer(
-            named, lambda params: make_optimizer(params, cfg),
-            dp_group=self.dp_group, mp_group=parallel_state.get_model_parallel_group(),
+            named,
+            lambda params: make_optimizer(params, cfg),
+            dp_group=self.dp_group,
+            mp_group=parallel_state.get_model_parallel_group(),
         )
-        self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer,
-                                        cfg.total_train_steps)
+        self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer, cfg.total_train_steps)
         self.step = 0
         self._lora = LoraSpec(
-            rank=self.actor.lora_rank, alpha=float(self.actor.lora_alpha),
-            target_modules=lora_targets.to_hf(self.targets), dtype="float32",
+            rank=self.actor.lora_rank,
+            alpha=float(self.actor.lora_alpha),
+            target_modules=lora_targets.to_hf(self.targets),
+            dtype="float32",
             base_model=self.actor.path,
         )
-        log.info("megatron engine: tp %d dp %d, %d adapter tensors on %s", self.tp_size,
-                 self.dp_size, len(named), ", ".join(self.targets))
+        log.info(
+            "megatron engine: tp %d dp %d, %d adapter tensors on %s",
+            self.tp_size,
+            self.dp_size,
+            len(named),
+            ", ".join(self.targets),
+        )
 
     # --- the step ------------------------------------------------------------------------
 
     def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
         stats = mstep.train_step(
-            self.model, self.optimizer, groups, head_version,
-            ppo=self.actor.ppo, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            dp_group=self.dp_group, max_tokens=self.actor.mb_spec_max_tokens,
-            pad_id=self.pad_id, device=self.device, temperature=self.temperature,
-            grad_clip=self.actor.optimizer.gradient_clipping, step_index=self.step,
+            self.model,
+            self.optimizer,
+            groups,
+            head_version,
+            ppo=self.actor.ppo,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            dp_group=self.dp_group,
+            max_tokens=self.actor.mb_spec_max_tokens,
+            pad_id=self.pad_id,
+            device=self.device,
+            temperature=self.temperature,
+            grad_clip=self.actor.optimizer.gradient_clipping,
+            step_index=self.step,
             lr=self.scheduler.get_last_lr()[0],
             cross_entropy=tensor_parallel.vocab_parallel_cross_entropy,
         )
@@ -209,8 +229,7 @@ class MegatronEngine:
         return self._lora
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "rank": self.rank, "tp": self.tp_size,
-                "pp": 1, "dp": self.dp_size}
+        return {"world_size": self.world_size, "rank": self.rank, "tp": self.tp_size, "pp": 1, "dp": self.dp_size}
 
     def optimizer_state(self) -> dict[str, Any]:
         """Writes this rank's shard and returns the reference the service checkpoint stores."""
@@ -229,12 +248,9 @@ class MegatronEngine:
                 "Megatron run resumes only from its own checkpoints: start a fresh "
                 "actor.checkpoint_dir"
             )
-        self.optimizer.load_state_dict(shards.load_shard(self.actor.checkpoint_dir, ref["step"],
-                                                         self._layout()))
+        self.optimizer.load_state_dict(shards.load_shard(self.actor.checkpoint_dir, ref["step"], self._layout()))
         restored = self.adapter_state()
-        if set(restored) != set(adapter) or any(
-            not torch.equal(restored[k], adapter[k].float()) for k in adapter
-        ):
+        if set(restored) != set(adapter) or any(not torch.equal(restored[k], adapter[k].float()) for k in adapter):
             raise RuntimeError(
                 f"the adapter shards of step {ref['step']} do not reproduce the checkpoint's "
                 "published adapter; the checkpoint directory mixes runs: start a fresh one"

@@ -42,8 +42,7 @@ class MasterAdapterOptimizer:
                 raise ValueError(f"{n}: adapter parameter does not require grad")
         # fp32 params are their own masters (no copy, no extra memory)
         self.masters = [
-            p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
-            for p in self.params
+            p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
         self.optimizer = make_optimizer(self.masters)
         self.dp_group, self.mp_group = dp_group, mp_group
@@ -93,8 +92,7 @@ class MasterAdapterOptimizer:
         return {n: m.detach().cpu().clone() for n, m in zip(self.names, self.masters)}
 
     def state_dict(self) -> dict:
-        return {"names": list(self.names), "masters": self.master_state(),
-                "optimizer": self.optimizer.state_dict()}
+        return {"names": list(self.names), "masters": self.master_state(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if list(state["names"]) != self.names:

@@ -54,7 +54,7 @@ def megatron_targets(actor: ActorConfig) -> list[str]:
 def strip_wrappers(name: str) -> str:
     """DDP / Float16Module add `module.` prefixes; they carry no meaning in the adapter name."""
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
@@ -81,8 +81,7 @@ def adapter_named_parameters(
             )
     if not out:
         raise AdapterStateError(
-            "the model has no `.adapter.linear_in/out.weight` tensors; apply megatron-bridge's "
-            "LoRA to it first"
+            "the model has no `.adapter.linear_in/out.weight` tensors; apply megatron-bridge's LoRA to it first"
         )
     return out
 

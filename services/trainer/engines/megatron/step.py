@@ -43,7 +43,10 @@ def causal_mask(length: int, device: torch.device | str) -> Tensor:
 
 
 def target_logprobs(
-    model: nn.Module, mb: batching.MicroBatch, device: torch.device | str, temperature: float,
+    model: nn.Module,
+    mb: batching.MicroBatch,
+    device: torch.device | str,
+    temperature: float,
     cross_entropy: CrossEntropy = local_cross_entropy,
 ) -> Tensor:
     """log pi(target) on the micro-batch's target columns, sampling temperature applied."""
@@ -81,16 +84,13 @@ def train_step(
     samples = batching.to_samples(groups, ppo)
     if not samples:
         raise ValueError("train_step: every completion in the batch is empty")
-    minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches,
-                                             token_level=ppo.token_level_loss)
+    minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss)
     plans = [
-        [batching.collate(mb, pad_id) for mb in
-         batching.plan_micro_batches(minibatch, dp_rank, dp_size, max_tokens)]
+        [batching.collate(mb, pad_id) for mb in batching.plan_micro_batches(minibatch, dp_rank, dp_size, max_tokens)]
         for minibatch in minibatches
     ]
     with torch.no_grad():
-        prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan]
-                for plan in plans]
+        prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan] for plan in plans]
 
     stats, loss_total, grad_norm = LossStats(), 0.0, 0.0
     for plan, plan_prox in zip(plans, prox):
@@ -98,10 +98,15 @@ def train_step(
         for mb, mb_prox in zip(plan, plan_prox):
             lp = target_logprobs(model, mb, device, temperature, cross_entropy)
             loss, mb_stats = decoupled_ppo_loss(
-                lp, mb_prox, mb.behave_logprobs.to(device), mb.advantages.to(device),
+                lp,
+                mb_prox,
+                mb.behave_logprobs.to(device),
+                mb.advantages.to(device),
                 mb.loss_weights.to(device),
-                eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                imp_weight_cap=ppo.behav_imp_weight_cap, imp_weight_mode=ppo.behav_imp_weight_mode,
+                eps_clip=ppo.eps_clip,
+                eps_clip_higher=ppo.eps_clip_higher,
+                imp_weight_cap=ppo.behav_imp_weight_cap,
+                imp_weight_mode=ppo.behav_imp_weight_mode,
                 use_decoupled_loss=ppo.use_decoupled_loss,
                 staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
             )
@@ -121,7 +126,13 @@ def train_step(
         loss_total = float(packed[-1])
     rewards = [c.reward for g in groups for c in g.completions]
     return StepStats(
-        step=step_index, loss=loss_total / len(plans), reward_mean=sum(rewards) / len(rewards),
-        groups=len(groups), tokens=int(stats.tokens), grad_norm=grad_norm, lr=lr,
-        step_seconds=time.perf_counter() - t0, loss_stats=stats.summary(),
+        step=step_index,
+        loss=loss_total / len(plans),
+        reward_mean=sum(rewards) / len(rewards),
+        groups=len(groups),
+        tokens=int(stats.tokens),
+        grad_norm=grad_norm,
+        lr=lr,
+        step_seconds=time.perf_counter() - t0,
+        loss_stats=stats.summary(),
     )
