@@ -264,13 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         load_s = []
         for i in range(1, peft_loads + 1):
             name = f"x{i}"
-            load_s.append(timed(lambda: pm.load_adapter(str(dirs[i]), adapter_name=name, is_trainable=False), device))
+            load_s.append(
+                timed(
+                    lambda m=pm, d=dirs[i], n=name: m.load_adapter(str(d), adapter_name=n, is_trainable=False), device
+                )
+            )
             pm.delete_adapter(name)
         pm.set_adapter("default")
         hot_s = [
             timed(
-                lambda: hotswap_adapter(
-                    pm, str(dirs[1 + i % peft_loads]), adapter_name="default", torch_device=str(device)
+                lambda m=pm, d=dirs[1 + i % peft_loads]: hotswap_adapter(
+                    m, str(d), adapter_name="default", torch_device=str(device)
                 ),
                 device,
             )

@@ -213,7 +213,8 @@ def table(result: dict) -> str:
         f"Trainer step on {result['device']} (torch {result['torch']}): one GRPO step, "
         f"{result['batch']}, gradient checkpointing on, bf16 compute, fp32 adapter masters.",
         "",
-        "| model | mode | trainable params | step (s) | tokens/s | peak GPU mem (GiB) | full FT + Adam, 16 B/param (GiB) |",
+        "| model | mode | trainable params | step (s) | tokens/s | peak GPU mem (GiB) | full FT + Adam, 16 B/param "
+        "(GiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:

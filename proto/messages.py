@@ -7,7 +7,7 @@ Field names are part of the contract: renaming one is a major schema change.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
@@ -73,7 +73,7 @@ class XcclPayload(Struct, tag="xccl", tag_field="kind", kw_only=True):
     """replica id -> rank in the group; a replica not listed falls back to the object copy"""
 
 
-Payload = Union[ObjectPayload, XcclPayload]
+Payload = ObjectPayload | XcclPayload
 
 
 class AdapterReady(Message, kw_only=True):
@@ -154,7 +154,7 @@ class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True)
     sent_at: UnixTime
 
 
-RolloutReport = Union[AdapterLoaded, AdapterUnloaded, AdapterFailed, ReplicaHeartbeat]
+RolloutReport = AdapterLoaded | AdapterUnloaded | AdapterFailed | ReplicaHeartbeat
 
 
 # --- admission (request/reply) ---------------------------------------------------------------
@@ -183,7 +183,7 @@ class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
     retry_after_s: Annotated[float, Meta(ge=0)]
 
 
-AdmissionReply = Union[AdmissionGrant, AdmissionDeny]
+AdmissionReply = AdmissionGrant | AdmissionDeny
 
 
 # --- trajectories ----------------------------------------------------------------------------

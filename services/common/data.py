@@ -103,7 +103,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, object]]:
             try:
                 records.append((where, json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     return records
 
 

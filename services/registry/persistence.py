@@ -30,7 +30,6 @@ import asyncio
 import logging
 import os
 import time
-from typing import Union
 
 import msgspec
 from msgspec import Struct
@@ -90,7 +89,7 @@ class ExportOp(Struct, tag="export", array_like=True):
     event: ExportDone
 
 
-Op = Union[AdmitOp, DecideOp, ExpireOp, AdapterOp, ReportOp, ExportOp]
+Op = AdmitOp | DecideOp | ExpireOp | AdapterOp | ReportOp | ExportOp
 
 
 class Entry(Struct):

@@ -24,7 +24,7 @@ def build_engine(name: str, cfg):
     try:
         module = __import__(f"services.rollout.engines.{name}", fromlist=["from_config"])
     except ModuleNotFoundError as exc:
-        raise SystemExit(f"--engine {name}: services/rollout/engines/{name}.py is not available ({exc})")
+        raise SystemExit(f"--engine {name}: services/rollout/engines/{name}.py is not available ({exc})") from None
     return module.from_config(cfg)
 
 

@@ -28,7 +28,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
@@ -198,7 +198,7 @@ def decode(
     rows: Sequence[Row],
     *,
     pad_id: int = 0,
-    step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     check_every: int = 8,
     forward_kwargs: dict[str, Any] | None = None,
     graphs: DecodeGraphs | None = None,

@@ -176,7 +176,7 @@ def test_start_up_order(project):
             assert deps.get("registry", {}).get("condition") == "service_healthy", name
         if name != "watch":
             assert deps.get("minio-init", {}).get("condition") == "service_completed_successfully", name
-    for name, svc in services.items():
+    for svc in services.values():
         for dep, cond in (svc.get("depends_on") or {}).items():
             if cond["condition"] == "service_healthy":
                 assert services[dep].get("healthcheck", {}).get("test"), f"{dep} has no healthcheck"
@@ -208,9 +208,10 @@ def test_inference_servers_preload_v0_under_the_configured_name(project):
     assert '--lora-paths "${LORABUS_LORA_NAME}-v0=/adapters/${LORABUS_LORA_NAME}-v0"' in sglang
     # sidecar and server see the adapters volume at the same path
     for sidecar, server in (("rollout-vllm-0", "vllm-0"), ("rollout-sglang-0", "sglang-0")):
-        mounts = lambda s: {
-            (v["source"], v["target"]) for v in project["services"][s]["volumes"] if v["type"] == "volume"
-        }
+
+        def mounts(s: str) -> set[tuple[str, str]]:
+            return {(v["source"], v["target"]) for v in project["services"][s]["volumes"] if v["type"] == "volume"}
+
         assert ("adapters", "/adapters") in mounts(sidecar) & mounts(server)
 
 

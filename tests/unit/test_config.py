@@ -325,15 +325,18 @@ SGLANG = ("rollout.engine=sglang",)
         # target modules
         (
             ("actor.target_modules=[linear_fc1]",),
-            "actor.target_modules: 'linear_fc1' is a Megatron module name, but actor.backend fsdp2 wraps HF modules; use gate_proj, up_proj instead",
+            "actor.target_modules: 'linear_fc1' is a Megatron module name, but actor.backend fsdp2 wraps HF "
+            "modules; use gate_proj, up_proj instead",
         ),
         (
             (*MEGATRON, "actor.target_modules=[o_proj]"),
-            "actor.target_modules: 'o_proj' is not a Megatron linear layer for actor.backend megatron; use 'linear_proj'",
+            "actor.target_modules: 'o_proj' is not a Megatron linear layer for actor.backend megatron; use "
+            "'linear_proj'",
         ),
         (
             (*MEGATRON, "actor.target_modules=[linear_qvk]"),
-            "actor.target_modules: 'linear_qvk' is not a Megatron linear layer for actor.backend megatron; did you mean 'linear_qkv'? allowed: linear_qkv, linear_proj, linear_fc1, linear_fc2 or all-linear",
+            "actor.target_modules: 'linear_qvk' is not a Megatron linear layer for actor.backend megatron; did you "
+            "mean 'linear_qkv'? allowed: linear_qkv, linear_proj, linear_fc1, linear_fc2 or all-linear",
         ),
         (
             ("actor.target_modules=[all-linear,q_proj]",),
@@ -348,7 +351,8 @@ SGLANG = ("rollout.engine=sglang",)
         ),
         (
             ("rollout.lora_keep_versions=2",),
-            "rollout.lora_keep_versions: 2 is below max_head_offpolicyness + 1 = 3; every admissible version must stay loaded",
+            "rollout.lora_keep_versions: 2 is below max_head_offpolicyness + 1 = 3; every admissible version must "
+            "stay loaded",
         ),
         (("rollout.consumer_batch_size=0",), "rollout.consumer_batch_size: 0 must be >= 1"),
         (("rollout.max_concurrent_rollouts=0",), "rollout.max_concurrent_rollouts: 0 must be >= 1"),

@@ -209,7 +209,10 @@ class AdapterDirs:
         only without server_adapter_dir, i.e. one filesystem) resolve against our cwd."""
         if a is None:
             return False
-        norm = lambda p: str(Path(p).resolve()) if not PurePosixPath(p).is_absolute() else str(PurePosixPath(p))
+
+        def norm(p: str) -> str:
+            return str(PurePosixPath(p)) if PurePosixPath(p).is_absolute() else str(Path(p).resolve())
+
         return norm(a.rstrip("/")) == norm(b.rstrip("/"))
 
     def exists(self, version: int) -> bool:
