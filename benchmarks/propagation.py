@@ -393,7 +393,7 @@ async def run_bench(args) -> dict:
                                 store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
                             )
                             ev = AdapterReady(
-                                run="bench",
+                                run="bench", trainer_epoch="e0",
                                 lora_name="bench",
                                 version=version,
                                 trainer_step=version,
@@ -413,7 +413,7 @@ async def run_bench(args) -> dict:
                                 ref = await asyncio.to_thread(durable)
                                 h = sender.handle(xccl.manifest_of(tensors), {})
                                 ev = AdapterReady(
-                                    run="bench",
+                                    run="bench", trainer_epoch="e0",
                                     lora_name="bench",
                                     version=version,
                                     trainer_step=version,
@@ -433,7 +433,7 @@ async def run_bench(args) -> dict:
 
                                 async def publish(payloads, v=version):
                                     ev = AdapterReady(
-                                        run="bench",
+                                        run="bench", trainer_epoch="e0",
                                         lora_name="bench",
                                         version=v,
                                         trainer_step=v,
@@ -456,7 +456,7 @@ async def run_bench(args) -> dict:
                             else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
                                 ev = AdapterReady(
-                                    run="bench",
+                                    run="bench", trainer_epoch="e0",
                                     lora_name="bench",
                                     version=version,
                                     trainer_step=version,

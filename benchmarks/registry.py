@@ -236,7 +236,7 @@ async def bench(args) -> dict:
                 await asyncio.sleep(0.1)
         lora = LoraSpec(rank=8, alpha=16, target_modules=["q_proj"], base_model="b")
         await bus.publish(subjects.adapter_ready(RUN, 0), AdapterReady(
-            run=RUN, lora_name="l", version=0, trainer_step=0, created_at=time.time(), lora=lora,
+            run=RUN, trainer_epoch="e0", lora_name="l", version=0, trainer_step=0, created_at=time.time(), lora=lora,
             payloads=[ObjectPayload(uri="file:///x", bytes=1, sha256="0" * 64)]), msg_id="v0")  # fmt: skip
         while (
             await bus.request(subjects.registry_status(RUN), StatusRequest(run=RUN), RegistryStatus)

@@ -6,7 +6,7 @@ can route any bad message to its dead-letter subject without inspecting the exce
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import msgspec
 
@@ -62,8 +62,17 @@ def check_schema_version(version: str) -> None:
         )
 
 
-def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Decode `data` as `type_` (a Struct or a tagged Union of Structs)."""
+def max_bytes_of(type_: Any) -> int:
+    """The size cap of a message type (`Message.max_bytes`; a union's largest member's)."""
+    members = get_args(type_) or (type_,)
+    caps = [getattr(t, "max_bytes", MAX_MESSAGE_BYTES) for t in members]
+    return min(max(caps), MAX_MESSAGE_BYTES)
+
+
+def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int | None = None) -> T:
+    """Decode `data` as `type_` (a Struct or a tagged Union of Structs), refusing anything
+    larger than the type's cap before parsing it."""
+    max_bytes = max_bytes_of(type_) if max_bytes is None else max_bytes
     if len(data) > max_bytes:
         raise DecodeError("too-large", f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
@@ -72,6 +81,8 @@ def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BY
         raise DecodeError("validation", str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise DecodeError("decode", f"not valid JSON: {exc}") from exc
+    except RecursionError:  # nesting deeper than the decoder's stack: not a message
+        raise DecodeError("decode", "nested too deeply to decode") from None
     if not envelope.schema_version:
         raise DecodeError(
             "schema-version",
@@ -89,3 +100,5 @@ def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BY
         raise DecodeError("validation", str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise DecodeError("decode", str(exc)) from exc
+    except RecursionError:
+        raise DecodeError("decode", "nested too deeply to decode") from None

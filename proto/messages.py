@@ -7,26 +7,46 @@ Field names are part of the contract: renaming one is a major schema change.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta, Struct, field
 
 SCHEMA_VERSION = "1.0"
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
-Version = Annotated[int, Meta(ge=0, description="adapter version N of `{lora_name}-v{N}`")]
+# Every field is bounded (values, string lengths, list lengths) so that no message can grow the
+# state of a receiver beyond what its sender is allowed to send; the codec caps whole messages.
+MAX_INT = 2**53
+"""the largest integer every JSON reader represents exactly (and far inside int64)"""
+MAX_VERSION = 2**31 - 1
+MAX_VERSION_STEP = 16
+"""the largest step from one published version to the next a receiver accepts: the trainer
+steps by one, and a trainer restarted inside an XCCL upload window skips a few at most"""
+MAX_LOADED = 256
+"""versions one replica may report as loaded (far above any keep window)"""
+MAX_ITEMS = 1 << 20
+"""list length bound for tokens, logprobs and tensors (the 1 MiB message cap binds first)"""
+
+NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
+PosInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
+Version = Annotated[int, Meta(ge=0, le=MAX_VERSION, description="adapter version N of `{lora_name}-v{N}`")]
+Short = Annotated[str, Meta(max_length=256)]
+Text = Annotated[str, Meta(max_length=2000)]
+Uri = Annotated[str, Meta(max_length=2048)]
 # `(?!\n)`: Python's `$` (msgspec) also matches before a final newline, ECMA's (JSON Schema
 # readers) does not; with it both accept exactly the same strings
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$(?!\n)")]
-UnixTime = Annotated[float, Meta(ge=0, description="seconds since the epoch")]
+GrantId = Annotated[str, Meta(max_length=128, description="opaque, unguessable admission grant")]
+UnixTime = Annotated[float, Meta(ge=0, le=1e11, description="seconds since the epoch")]
 
 
 class Message(Struct, forbid_unknown_fields=False, omit_defaults=False, kw_only=True):
     """Base of every top-level message: carries the schema version."""
 
-    schema_version: str = SCHEMA_VERSION
+    max_bytes: ClassVar[int] = 4096
+    """the largest encoded size a receiver decodes (`proto.codec.decode` refuses more)"""
+
+    schema_version: Annotated[str, Meta(max_length=16)] = SCHEMA_VERSION
 
 
 # --- adapter versions ------------------------------------------------------------------------
@@ -38,21 +58,21 @@ class LoraSpec(Struct, kw_only=True):
     peft_type: Literal["lora"] = "lora"
     rank: PosInt
     alpha: float
-    target_modules: list[str]
+    target_modules: Annotated[list[Short], Meta(max_length=1024)]
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    base_model: str
+    base_model: Annotated[str, Meta(max_length=512)]
 
 
 class TensorSpec(Struct, array_like=False):
-    name: str
-    shape: list[NonNegInt]
+    name: Short
+    shape: Annotated[list[NonNegInt], Meta(max_length=8)]
     dtype: Literal["float32", "bfloat16", "float16"]
 
 
 class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
     """The durable copy: a safetensors file (plus adapter_config.json) under `uri`."""
 
-    uri: Annotated[str, Meta(pattern=r"^(s3|file)://.+")]
+    uri: Annotated[str, Meta(pattern=r"^(s3|file)://.+", max_length=2048)]
     bytes: NonNegInt
     sha256: Sha256
     layout: Literal["hf-peft", "megatron-bridge"] = "hf-peft"
@@ -63,13 +83,13 @@ class XcclPayload(Struct, tag="xccl", tag_field="kind", kw_only=True):
     the tensors by broadcast, in manifest order, packed into flat buckets."""
 
     backend: Literal["nccl", "gloo"]
-    master_address: str
+    master_address: Short
     master_port: Annotated[int, Meta(ge=1, le=65535)]
-    world_size: PosInt
-    group_name: str
-    tensors: list[TensorSpec]
+    world_size: Annotated[int, Meta(ge=1, le=65536)]
+    group_name: Short
+    tensors: Annotated[list[TensorSpec], Meta(max_length=MAX_ITEMS)]
     bucket_bytes: PosInt
-    ranks: dict[str, PosInt] = field(default_factory=dict)
+    ranks: Annotated[dict[Name, PosInt], Meta(max_length=4096)] = field(default_factory=dict)
     """replica id -> rank in the group; a replica not listed falls back to the object copy"""
 
 
@@ -79,14 +99,19 @@ Payload = ObjectPayload | XcclPayload
 class AdapterReady(Message, kw_only=True):
     """`lorabus.<run>.adapter.v<N>.ready`: trainer -> everyone."""
 
+    max_bytes: ClassVar[int] = 1024 * 1024
+
     run: Name
+    trainer_epoch: Name
+    """the trainer lineage that made this version: drawn once per run by the trainer, kept
+    across its restarts; a receiver follows one epoch and refuses events of any other"""
     lora_name: Name
     version: Version
     parent_version: Version | None = None
     trainer_step: NonNegInt
     created_at: UnixTime
     lora: LoraSpec
-    payloads: list[Payload]
+    payloads: Annotated[list[Payload], Meta(max_length=2)]
 
     def __post_init__(self) -> None:
         kinds = [type(p).__name__ for p in self.payloads]
@@ -126,18 +151,22 @@ class AdapterLoaded(Message, tag="loaded", tag_field="kind", kw_only=True):
 
 
 class AdapterUnloaded(Message, tag="unloaded", tag_field="kind", kw_only=True):
+
+    max_bytes: ClassVar[int] = 8 * 1024
     run: Name
     replica: Name
     version: Version
-    reason: str
+    reason: Text
     unloaded_at: UnixTime
 
 
 class AdapterFailed(Message, tag="failed", tag_field="kind", kw_only=True):
+
+    max_bytes: ClassVar[int] = 8 * 1024
     run: Name
     replica: Name
     version: Version
-    reason: str
+    reason: Text
     attempt: PosInt
     will_retry: bool
     failed_at: UnixTime
@@ -146,10 +175,12 @@ class AdapterFailed(Message, tag="failed", tag_field="kind", kw_only=True):
 class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True):
     """Sent periodically; the registry marks a replica gone when heartbeats stop."""
 
+    max_bytes: ClassVar[int] = 16 * 1024
+
     run: Name
     replica: Name
     engine: Literal["embedded", "vllm", "sglang"]
-    loaded_versions: list[Version]
+    loaded_versions: Annotated[list[Version], Meta(max_length=MAX_LOADED)]
     in_flight: NonNegInt
     sent_at: UnixTime
 
@@ -163,23 +194,25 @@ RolloutReport = AdapterLoaded | AdapterUnloaded | AdapterFailed | ReplicaHeartbe
 class AdmissionRequest(Message, kw_only=True):
     """A rollout asks to generate one group (one prompt, `group_size` completions)."""
 
+    max_bytes: ClassVar[int] = 8 * 1024
+
     run: Name
     replica: Name
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
-    loaded_versions: list[Version] = field(default_factory=list)
+    loaded_versions: Annotated[list[Version], Meta(max_length=MAX_LOADED)] = field(default_factory=list)
 
 
 class AdmissionGrant(Message, tag="grant", tag_field="kind", kw_only=True):
-    request_id: str
-    grant_id: str
+    request_id: Annotated[str, Meta(max_length=128)]
+    grant_id: GrantId
     version: Version
     """the version the rollout must generate with"""
     lease_expires_at: UnixTime
 
 
 class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
-    request_id: str
-    reason: str
+    request_id: Annotated[str, Meta(max_length=128)]
+    reason: Text
     retry_after_s: Annotated[float, Meta(ge=0)]
 
 
@@ -193,9 +226,9 @@ class Completion(Struct, kw_only=True):
     """One sampled completion. `logprobs` and `versions` are per completion token: the
     behaviour log-probability and the adapter version that produced that token."""
 
-    token_ids: list[NonNegInt]
-    logprobs: list[float]
-    versions: list[Version]
+    token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_ITEMS)]
+    logprobs: Annotated[list[float], Meta(max_length=MAX_ITEMS)]
+    versions: Annotated[list[Version], Meta(max_length=MAX_ITEMS)]
     reward: float
     finish_reason: Literal["stop", "length", "abort"] = "stop"
 
@@ -212,13 +245,15 @@ class Trajectory(Message, kw_only=True):
     """`lorabus.<run>.trajectory.<replica>`: one prompt and its group of completions (the unit
     GRPO normalises advantages over, and the unit of admission)."""
 
+    max_bytes: ClassVar[int] = 1024 * 1024
+
     run: Name
     trajectory_id: Annotated[str, Meta(min_length=1, max_length=128)]
-    grant_id: str
+    grant_id: GrantId
     replica: Name
-    prompt_id: str
-    prompt_token_ids: list[NonNegInt]
-    completions: list[Completion]
+    prompt_id: Short
+    prompt_token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_ITEMS)]
+    completions: Annotated[list[Completion], Meta(max_length=4096)]
     started_at: UnixTime
     finished_at: UnixTime
 
@@ -236,12 +271,14 @@ class Trajectory(Message, kw_only=True):
 class TrajectoryDecision(Message, kw_only=True):
     """`lorabus.<run>.decision.<replica>`: the registry's verdict on one trajectory."""
 
+    max_bytes: ClassVar[int] = 8 * 1024
+
     run: Name
-    trajectory_id: str
-    grant_id: str
+    trajectory_id: Annotated[str, Meta(max_length=128)]
+    grant_id: GrantId
     replica: Name
     verdict: Literal["accepted", "rejected-stale", "rejected-invalid"]
-    reason: str = ""
+    reason: Text = ""
     head_version: Version
     oldest_version: Version | None = None
     decided_at: UnixTime
@@ -253,11 +290,13 @@ class TrajectoryDecision(Message, kw_only=True):
 class ExportDone(Message, kw_only=True):
     """`lorabus.<run>.export.v<N>.done`: a PEFT directory for version N exists at `uri`."""
 
+    max_bytes: ClassVar[int] = 8 * 1024
+
     run: Name
     lora_name: Name
     version: Version
-    uri: str
-    files: list[str]
+    uri: Uri
+    files: Annotated[list[Short], Meta(max_length=16)]
     bytes: NonNegInt
     sha256: Sha256
     """of adapter_model.safetensors"""
@@ -270,7 +309,7 @@ class EvalResult(Message, kw_only=True):
     run: Name
     evaluator: Name
     version: Version
-    metric: str
+    metric: Short
     score: float
     n: NonNegInt
     evaluated_at: UnixTime
@@ -295,12 +334,14 @@ class TrainerStep(Message, kw_only=True):
 class DeadLetter(Message, kw_only=True):
     """`lorabus.<run>.deadletter.<service>`: a message a service could not use, and why."""
 
+    max_bytes: ClassVar[int] = 1024 * 1024
+
     run: Name
     service: Name
-    subject: str
+    subject: Short
     reason: Literal["decode", "schema-version", "validation", "too-large", "handler"]
-    error: str
-    raw: bytes
+    error: Annotated[str, Meta(max_length=4000)]
+    raw: Annotated[bytes, Meta(max_length=64 * 1024)]
     """the original bytes (base64 in JSON), truncated to 64 KiB"""
     received_at: UnixTime
 

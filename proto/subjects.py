@@ -16,6 +16,7 @@ _VER = r"(0|[1-9][0-9]*)"
 _ADAPTER_READY = re.compile(rf"^{PREFIX}\.{_TOK}\.adapter\.v{_VER}\.ready$")
 _EXPORT_DONE = re.compile(rf"^{PREFIX}\.{_TOK}\.export\.v{_VER}\.done$")
 _ROLLOUT = re.compile(rf"^{PREFIX}\.{_TOK}\.rollout\.{_TOK}\.([a-z]+)$")
+_TRAJECTORY = re.compile(rf"^{PREFIX}\.{_TOK}\.trajectory\.{_TOK}$")
 
 
 class SubjectError(ValueError):
@@ -90,6 +91,15 @@ def registry_status(run: str) -> str:
 # trajectories: rollouts publish here, the registry decides, accepted ones go to `accepted`
 def trajectory(run: str, replica: str) -> str:
     return f"{run_prefix(run)}.trajectory.{token(replica, 'replica')}"
+
+
+def parse_trajectory(subject: str) -> tuple[str, str]:
+    """`lorabus.<run>.trajectory.<replica>` -> (run, replica): who sent a trajectory (with NATS
+    auth, only that replica's user may publish there)."""
+    m = _TRAJECTORY.fullmatch(subject)
+    if not m:
+        raise SubjectError(f"{subject!r} is not a trajectory subject")
+    return m.group(1), m.group(2)
 
 
 def trajectory_all(run: str) -> str:

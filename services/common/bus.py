@@ -55,6 +55,8 @@ DEAD_LETTER_ERROR_CHARS = 2000
 RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
+CONSUMER_PAUSE_S = 0.5
+"""pause of a consumer whose pull failed with an unexpected error, before it pulls again"""
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
@@ -96,6 +98,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 
 class BusError(RuntimeError):
     pass
+
+
+class Refused(ValueError):
+    """Raised by a handler: the message is wrong for good (a forged or out-of-order event), so
+    it is dead-lettered at once as "validation" with this message, not retried."""
 
 
 class SequenceMismatch(BusError):
@@ -293,6 +300,11 @@ class Bus:
         acks them with the original sequence); without it a retry may store a second copy.
         """
         return await self._publish_raw(subject, codec.encode(msg), msg_id=msg_id, timeout=timeout)
+
+    async def publish_raw(self, subject: str, data: bytes, *, msg_id: str | None = None,
+                          timeout: float = PUBLISH_TIMEOUT_S) -> int:  # fmt: skip
+        """`publish` of bytes already encoded (a stored piece that is not a message)."""
+        return await self._publish_raw(subject, data, msg_id=msg_id, timeout=timeout)
 
     async def _publish_raw(self, subject: str, data: bytes, *, msg_id: str | None, timeout: float) -> int:
         headers = {MSG_ID_HEADER: msg_id} if msg_id else None
@@ -493,23 +505,39 @@ class Bus:
         """Run `handler(msg, meta)` on every delivery of `reader` in a background task; returns
         the task (cancel it to stop; the durable keeps its position on the server).
 
-        Deliveries are handled one at a time in stream order. Returning acks; raising naks
-        with a delay of `retry_delay_s * 2**(n-1)` (n = deliveries so far) and, on the
-        `max_deliver`-th failure, dead-letters and terminates the message.
+        Deliveries are handled one at a time in stream order. Returning acks; raising `Refused`
+        dead-letters and terminates at once; raising anything else naks with a delay of
+        `retry_delay_s * 2**(n-1)` (n = deliveries so far) and, on the `max_deliver`-th
+        failure, dead-letters and terminates the message. Nothing but cancelling ends the task.
         """
 
         async def run() -> None:
             try:
                 while True:
-                    for delivery in await reader.burst():
-                        try:
-                            await handler(delivery.msg, delivery.meta)
-                        except Exception as exc:
-                            await delivery.retry(repr(exc))
-                            continue
-                        await delivery.ack()
+                    try:
+                        deliveries = await reader.burst()
+                    except Exception:  # a consumer never dies while its service lives
+                        log.exception("bus: pull on %s/%s failed; pulling again", reader.stream, reader.durable)
+                        await asyncio.sleep(CONSUMER_PAUSE_S)
+                        continue
+                    for delivery in deliveries:
+                        await _handle(delivery)
             finally:
                 await reader.stop()
+
+        async def _handle(delivery: Any) -> None:
+            try:
+                try:
+                    await handler(delivery.msg, delivery.meta)
+                except Refused as exc:
+                    await delivery.reject("validation", str(exc))
+                    return
+                except Exception as exc:
+                    await delivery.retry(repr(exc))
+                    return
+                await delivery.ack()
+            except Exception:  # settling failed: the server redelivers after ack_wait
+                log.exception("bus: settling a delivery on %s failed", delivery.meta.subject)
 
         task = asyncio.create_task(run(), name=f"consume:{reader.stream}/{reader.durable}")
         self._consumers.add(task)
@@ -607,10 +635,5 @@ class Bus:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
 
 
-def decode(data: bytes, msg_type: type[T] | Any) -> T:
-    """`codec.decode`; a payload nested deeper than the decoder's stack is undecodable too
-    (`DecodeError` "decode"), not a `RecursionError` escaping the consumer."""
-    try:
-        return codec.decode(data, msg_type)
-    except RecursionError as exc:
-        raise codec.DecodeError("decode", f"nested too deeply to decode ({exc})") from None
+decode = codec.decode
+"""`codec.decode` (which also turns nesting too deep for the decoder into a "decode" error)."""

@@ -6,14 +6,19 @@ replaying them through the same policy functions rebuilds the same ledger. A jou
 one batch of such inputs (an admission request, a trajectory's `DecisionInput`, an adapter
 event, a report, an expiry tick), a few hundred bytes where a full snapshot is tens of KB.
 
-Everything lives in the run's KV bucket stream (`KV_<bucket>`), so the registry needs no rights
-beyond the `$KV.*.>` it already has:
+Everything lives in two KV buckets of the run (`KV_<bucket>` and `KV_<bucket>_parts`), so the
+registry needs no rights beyond the `$KV.*.>` it already has. No stored message can outgrow
+a NATS message, however large the ledger: every piece is at most PIECE_BYTES.
 
-- `$KV.<bucket>.journal.<seq>`: one entry per group commit (a distinct key each, so the
-  bucket's history=1 keeps them all);
-- `$KV.<bucket>.ledger`: a `Snapshot` (ledger + the `PolicyConfig` its entries were decided
-  under), published with `Nats-Rollup: all`, which makes the server drop every older message
-  of the stream: each snapshot compacts the journal in the same write that replaces it.
+- `$KV.<bucket>.journal.<seq>`: the ops of a group commit, split into entries of at most
+  PIECE_BYTES (a distinct key each, so the bucket's history=1 keeps them all);
+- `$KV.<bucket>_parts.<slot>.<i>`: a `Snapshot` (ledger + the `PolicyConfig` its entries were
+  decided under) cut into pieces, in slot `a` or `b`, the one the current snapshot does not use
+  (history=1 replaces a key's old piece);
+- `$KV.<bucket>.ledger`: a `SnapshotRef` (slot, pieces, sha256) published after its pieces with
+  `Nats-Rollup: all`, which makes the server drop every older message of the journal stream:
+  each snapshot compacts the journal in the same write that switches to it. A crash while the
+  pieces are written leaves the previous snapshot (other slot) and its journal intact.
 
 One writer, one write in flight, every write with `Nats-Expected-Last-Sequence`: the stream is
 a strict sequence [snapshot][entry]...[entry][snapshot][entry]..., a second registry for the
@@ -27,27 +32,31 @@ snapshot were always decided under that snapshot's config.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from msgspec import Struct
 
 from proto.messages import (
-    AdapterReady,
     AdmissionRequest,
     ExportDone,
     RolloutReport,
 )
 from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
 from services.registry import metrics, policy
-from services.registry.policy import DecisionInput, Ledger, PolicyConfig
+from services.registry.policy import AdapterFacts, DecisionInput, Ledger, PolicyConfig
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_KEY = "ledger"
 JOURNAL_PREFIX = "journal"
+PIECE_BYTES = 256 * 1024
+"""the largest stored message (a journal entry or a snapshot piece): far under NATS' 1 MiB
+max_payload, and every op is far smaller (its inputs are bounded by `proto.messages`)"""
 SNAPSHOT_EVERY = 512
 """journal entries between snapshots: bounds the replay after a restart to a few thousand ops
 while keeping the snapshot's cost (encode the whole ledger) off almost every commit"""
@@ -66,6 +75,8 @@ class LedgerConflict(RuntimeError):
 class AdmitOp(Struct, tag="admit", array_like=True):
     request: AdmissionRequest
     now: float
+    grant_id: str = ""
+    """the random id a new grant gets (drawn by the service, journaled for the replay)"""
 
 
 class DecideOp(Struct, tag="decide", array_like=True):
@@ -78,7 +89,7 @@ class ExpireOp(Struct, tag="expire", array_like=True):
 
 
 class AdapterOp(Struct, tag="adapter", array_like=True):
-    event: AdapterReady
+    event: AdapterFacts
 
 
 class ReportOp(Struct, tag="report", array_like=True):
@@ -104,10 +115,18 @@ class Snapshot(Struct, kw_only=True):
     """journal entries ever committed for this run (the operator-visible ledger revision)"""
 
 
+class SnapshotRef(Struct, kw_only=True):
+    """The `ledger` key: where the current snapshot's pieces are."""
+
+    slot: str
+    pieces: int
+    sha256: str
+
+
 def apply(ledger: Ledger, op: Op, cfg: PolicyConfig):
     """Feed one input to the policy; the live path and the replay both go through here."""
     if type(op) is AdmitOp:
-        return policy.admit(ledger, op.request, op.now, cfg)
+        return policy.admit(ledger, op.request, op.now, cfg, op.grant_id)
     if type(op) is DecideOp:
         return policy.decide_input(ledger, op.input, op.now, cfg)
     if type(op) is ExpireOp:
@@ -124,10 +143,34 @@ def apply(ledger: Ledger, op: Op, cfg: PolicyConfig):
 _entry_encoder = msgspec.json.Encoder()
 _entry_decoder = msgspec.json.Decoder(Entry)
 _snapshot_decoder = msgspec.json.Decoder(Snapshot)
+_ref_decoder = msgspec.json.Decoder(SnapshotRef)
 
 
 def encode_entry(ops: list[Op]) -> bytes:
     return _entry_encoder.encode(Entry(ops))
+
+
+def encode_entries(ops: list[Op], limit: int = PIECE_BYTES) -> list[bytes]:
+    """`ops` as journal entries of at most `limit` bytes each, in order."""
+    entries: list[bytes] = []
+    chunk: list[bytes] = []
+    size = 0
+    for op in ops:
+        data = _entry_encoder.encode(op)
+        if len(data) + 16 > limit:
+            raise ValueError(f"journal: one {type(op).__name__} encodes to {len(data)} bytes, over {limit}")
+        if chunk and size + len(data) + 16 > limit:
+            entries.append(b'{"ops":[' + b",".join(chunk) + b"]}")
+            chunk, size = [], 0
+        chunk.append(data)
+        size += len(data) + 1
+    if chunk:
+        entries.append(b'{"ops":[' + b",".join(chunk) + b"]}")
+    return entries
+
+
+def pieces(data: bytes, limit: int = PIECE_BYTES) -> list[bytes]:
+    return [data[i : i + limit] for i in range(0, len(data), limit)] or [b""]
 
 
 def decode_entry(data: bytes) -> Entry:
@@ -138,10 +181,39 @@ def encode_snapshot(snapshot: Snapshot) -> bytes:
     return _entry_encoder.encode(snapshot)
 
 
+def parts_bucket(bucket: str) -> str:
+    """The bucket holding the snapshot pieces of ledger bucket `bucket`."""
+    return f"{bucket}_parts"
+
+
+def decode_ref(data: bytes) -> SnapshotRef:
+    try:
+        return _ref_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(
+            f"ledger: the stored snapshot reference is not in this registry's format ({exc}); it "
+            "was written by an older registry: delete the run's ledger buckets to start afresh"
+        ) from exc
+
+
+async def _read_pieces(bus: Bus, bucket: str, ref: SnapshotRef) -> bytes:
+    stream, prefix = f"KV_{parts_bucket(bucket)}", f"$KV.{parts_bucket(bucket)}."
+    chunks = []
+    for i in range(ref.pieces):
+        raw = await bus.last_raw(stream, f"{prefix}{ref.slot}.{i}")
+        if raw is None:
+            raise ValueError(f"ledger: snapshot piece {ref.slot}.{i} of {ref.pieces} is missing from {stream}")
+        chunks.append(raw.data)
+    data = b"".join(chunks)
+    if hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise ValueError(f"ledger: the snapshot pieces in slot {ref.slot} do not match their sha256 {ref.sha256}")
+    return data
+
+
 def decode_snapshot(data: bytes) -> Snapshot:
     try:
         return _snapshot_decoder.decode(data)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(
             f"ledger: the stored snapshot is not in this registry's format ({exc}); it was "
             "written by an older registry: delete the run's ledger bucket to start afresh"
@@ -172,10 +244,16 @@ class Journal:
     """
 
     def __init__(self, bus: Bus, bucket: str, ledger: Ledger, cfg: PolicyConfig, *, seq: int,
-                 revision: int, snapshot_every: int = SNAPSHOT_EVERY):  # fmt: skip
+                 revision: int, snapshot_every: int = SNAPSHOT_EVERY, slot: str = "b",
+                 on_fatal: Callable[[BaseException], None] | None = None):  # fmt: skip
         self.bus = bus
         self.stream = f"KV_{bucket}"
         self.prefix = f"$KV.{bucket}."
+        self.parts_prefix = f"$KV.{parts_bucket(bucket)}."
+        self.slot = slot
+        """the slot of the current snapshot's pieces (the next snapshot uses the other)"""
+        self.on_fatal = on_fatal
+        """called once when a write fails for good: the service must stop (loudly)"""
         self.ledger = ledger
         self.cfg = cfg
         self.seq = seq
@@ -196,12 +274,15 @@ class Journal:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, run: str, cfg: PolicyConfig, **kw) -> Journal:
         await bus.key_value(bucket)  # creates the bucket (and its stream) if missing
+        await bus.key_value(parts_bucket(bucket))
         stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
         last = await bus.last_seq(stream)
         raw = await bus.last_raw(stream, prefix + SNAPSHOT_KEY)
+        slot = "b"
         if raw is not None:
-            snap = decode_snapshot(raw.data)
-            start = raw.seq + 1
+            ref = decode_ref(raw.data)
+            snap = decode_snapshot(await _read_pieces(bus, bucket, ref))
+            start, slot = raw.seq + 1, ref.slot
         else:
             snap = Snapshot(ledger=policy.new_ledger(run), cfg=cfg, revision=0)
             start = 1
@@ -221,10 +302,10 @@ class Journal:
             revision += 1
             replayed += 1
             seq = raw.seq + 1
-        journal = cls(bus, bucket, ledger, cfg, seq=last, revision=revision, **kw)
+        journal = cls(bus, bucket, ledger, cfg, seq=last, revision=revision, slot=slot, **kw)
         journal.replayed = replayed
         # From here on, entries are decided under `cfg`: record that before writing any.
-        await journal._write(journal._snapshot_bytes(), SNAPSHOT_KEY, rollup=True)
+        await journal._snapshot()
         return journal
 
     # --- the live path ----------------------------------------------------------------------
@@ -270,6 +351,8 @@ class Journal:
                     if batch.done is not None and not batch.done.done():
                         batch.done.set_exception(self.fatal)
                     self._fail_pending()
+                    if self.on_fatal is not None:
+                        self.on_fatal(self.fatal)
                     if not isinstance(exc, Exception):
                         raise
                     return
@@ -286,31 +369,44 @@ class Journal:
             batch.done.set_exception(self.fatal)
 
     async def _store(self, ops: list[Op]) -> None:
-        self.revision += 1
-        if self.entries_since_snapshot + 1 >= self.snapshot_every:
-            # ledger == stored state + `ops` right now (one write in flight, and it is done)
-            await self._write(self._snapshot_bytes(), SNAPSHOT_KEY, rollup=True)
-        else:
-            await self._write(encode_entry(ops), f"{JOURNAL_PREFIX}.{self.seq + 1}")
-            self.entries_since_snapshot += 1
+        entries = encode_entries(ops)
+        for i, entry in enumerate(entries):
+            self.revision += 1
+            if i == len(entries) - 1 and self.entries_since_snapshot + 1 >= self.snapshot_every:
+                # ledger == stored state + the rest of `ops` right now (one write in flight)
+                await self._snapshot()
+            else:
+                await self._write(entry, f"{JOURNAL_PREFIX}.{self.seq + 1}")
+                self.entries_since_snapshot += 1
 
-    def _snapshot_bytes(self) -> bytes:
-        return encode_snapshot(Snapshot(ledger=self.ledger, cfg=self.cfg, revision=self.revision))
+    async def _snapshot(self) -> None:
+        """The ledger's pieces into the free slot, then the reference to them (rollup)."""
+        data = encode_snapshot(Snapshot(ledger=self.ledger, cfg=self.cfg, revision=self.revision))
+        slot = "a" if self.slot == "b" else "b"
+        chunks = pieces(data)
+        for i, chunk in enumerate(chunks):
+            await self._retrying(lambda i=i, chunk=chunk: self.bus.publish_raw(
+                f"{self.parts_prefix}{slot}.{i}", chunk, msg_id=f"{self._token}:{self.seq}:{slot}.{i}"))  # fmt: skip
+        ref = SnapshotRef(slot=slot, pieces=len(chunks), sha256=hashlib.sha256(data).hexdigest())
+        await self._write(msgspec.json.encode(ref), SNAPSHOT_KEY, rollup=True)
+        self.slot = slot
 
-    async def _write(self, data: bytes, key: str, *, rollup: bool = False) -> None:
-        msg_id = f"{self._token}:{self.seq + 1}"
+    async def _retrying(self, write: Callable[[], Awaitable[int]]) -> int:
         deadline = time.monotonic() + RETRY_FOR_S
         delay = 0.05
         while True:
             try:
-                self.seq = await self._publish_once(self.prefix + key, data, msg_id, rollup)
-                break
+                return await write()
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
                     raise
                 log.warning("registry: ledger write failed (%r); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 1.0)
+
+    async def _write(self, data: bytes, key: str, *, rollup: bool = False) -> None:
+        msg_id = f"{self._token}:{self.seq + 1}"
+        self.seq = await self._retrying(lambda: self._publish_once(self.prefix + key, data, msg_id, rollup))
         if rollup:
             self.entries_since_snapshot = 0
             self.snapshots += 1

@@ -19,10 +19,20 @@ while the trainer publishes several versions, so a sample admitted at `H - v = k
 decision check bounds what the trainer actually receives, which is the guarantee the loss's
 importance-weight cap is tuned for (`H - v <= k` for every accepted sample, always).
 
-Duplicates (same trajectory_id) get the first decision back and never count twice. The memory
-of seen ids is bounded (`seen_limit`), which is safe: an accepted trajectory consumes its grant,
-so a duplicate arriving after its id was forgotten finds no grant and is rejected-invalid —
-it can be answered differently, but never accepted twice.
+Duplicates (same trajectory_id) of a decision that used a grant get the first decision back
+and never count twice. The memory of seen ids is bounded (`seen_limit`), which is safe: an
+accepted trajectory consumes its grant, so a duplicate arriving after its id was forgotten finds
+no grant and is rejected-invalid — it can be answered differently, but never accepted twice. A
+rejection that touched no grant (another run, another sender, an unknown grant) is not
+remembered, so a forged copy sent first cannot become the answer for the real trajectory.
+
+Nothing forged gets in (docs/security.md): a version must carry the run's trainer epoch and
+step at most MAX_VERSION_STEP past the head; grant ids are random tokens drawn by the service
+(never listed by `registry status`) and bound to the replica that asked; a trajectory counts
+only from the replica whose subject it arrived on. Every collection in the ledger is bounded
+(versions: the window plus VERSION_HISTORY; replicas: MAX_REPLICAS; grants: max concurrent;
+seen ids: seen_limit), and every input is bounded by `proto.messages`, so the stored ledger
+is bounded too.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import msgspec
 from msgspec import Struct, field
 
 from proto.messages import (
+    MAX_VERSION_STEP,
     AdapterFailed,
     AdapterLoaded,
     AdapterReady,
@@ -69,6 +80,14 @@ REJECT_OLDER_THAN_GRANT = "older-than-grant"
 REJECT_NEWER_THAN_HEAD = "newer-than-head"
 REJECT_BAD_VALUES = "bad-values"
 REJECT_WRONG_RUN = "wrong-run"
+REJECT_SENDER = "sender"
+
+MAX_REPLICAS = 1024
+"""replicas the ledger tracks; a report naming one more is refused (with NATS auth a replica
+is a user, so this is far above any fleet; without it, it bounds what a stranger can add)"""
+VERSION_HISTORY = 64
+"""retired versions kept in the ledger below the admissible window (status, late exports);
+older records are dropped so the ledger stays bounded however long the run"""
 
 
 class PolicyConfig(Struct, frozen=True, kw_only=True):
@@ -158,6 +177,8 @@ class SeenDecision(Struct, array_like=True):
 
 class Ledger(Struct, kw_only=True):
     run: str
+    epoch: str | None = None
+    """the trainer epoch of the first version recorded: events of any other are refused"""
     head: int | None = None
     versions: dict[int, VersionRecord] = field(default_factory=dict)
     grants: dict[str, Grant] = field(default_factory=dict)
@@ -212,38 +233,98 @@ def event_digest(event: AdapterReady) -> str:
     return hashlib.sha256(msgspec.json.encode(event)).hexdigest()
 
 
-def on_adapter_ready(ledger: Ledger, event: AdapterReady, cfg: PolicyConfig) -> Applied:
-    """A new head. Versions must increase; replaying an identical event is a no-op, anything
-    else at or below the head is refused (a regression would re-open the staleness window)."""
-    if event.run != ledger.run:
-        return Applied(False, f"run: event is for run {event.run!r}, this ledger is {ledger.run!r}")
-    digest = event_digest(event)
-    known = ledger.versions.get(event.version)
+class AdapterFacts(Struct, array_like=True, frozen=True):
+    """What the ledger keeps of an AdapterReady (the journal stores this, not the event,
+    whose XCCL manifest may be most of a message)."""
+
+    run: str
+    epoch: str
+    version: int
+    trainer_step: int
+    created_at: float
+    digest: str
+
+
+def adapter_facts(event: AdapterReady) -> AdapterFacts:
+    return AdapterFacts(event.run, event.trainer_epoch, event.version, event.trainer_step, event.created_at,
+                        event_digest(event))  # fmt: skip
+
+
+def lineage_problem(epoch: str | None, newest: int | None, event_epoch: str, version: int) -> str | None:
+    """Why an adapter event cannot be the next version of the lineage `epoch` whose newest
+    version is `newest`, or None. Shared by every receiver of adapter events: a version comes
+    only from the run's trainer (its epoch) and moves forward by at most MAX_VERSION_STEP."""
+    if epoch is not None and event_epoch != epoch:
+        return (
+            f"trainer_epoch: {event_epoch!r} is not the run's trainer epoch {epoch!r}; another "
+            "trainer (or a forger) announced it: only the run's trainer may publish versions"
+        )
+    if newest is not None and version > newest + MAX_VERSION_STEP:
+        return (
+            f"version: v{version} jumps more than {MAX_VERSION_STEP} versions past v{newest}; "
+            "the trainer steps by one, so this event is not the trainer's"
+        )
+    return None
+
+
+def on_adapter_ready(ledger: Ledger, event: AdapterReady | AdapterFacts, cfg: PolicyConfig) -> Applied:
+    """A new head. Versions must increase by bounded steps and come from the run's trainer
+    epoch; replaying an identical event is a no-op, anything else at or below the head is
+    refused (a regression would re-open the staleness window)."""
+    facts = adapter_facts(event) if isinstance(event, AdapterReady) else event
+    if facts.run != ledger.run:
+        return Applied(False, f"run: event is for run {facts.run!r}, this ledger is {ledger.run!r}")
+    problem = lineage_problem(ledger.epoch, ledger.head, facts.epoch, facts.version)
+    if problem is not None:
+        return Applied(False, problem)
+    known = ledger.versions.get(facts.version)
     if known is not None:
-        if known.digest == digest:
+        if known.digest == facts.digest:
             return _UNCHANGED
         return Applied(
             False,
-            f"version: v{event.version} was already published with different content; "
+            f"version: v{facts.version} was already published with different content; "
             "a trainer must publish each version once (restart from its checkpoint at v"
             f"{ledger.head} + 1)",
         )
-    if ledger.head is not None and event.version <= ledger.head:
+    if ledger.head is not None and facts.version <= ledger.head:
         return Applied(
             False,
-            f"version: v{event.version} is not above the head v{ledger.head}; versions only increase",
+            f"version: v{facts.version} is not above the head v{ledger.head}; versions only increase",
         )
-    ledger.head = event.version
-    ledger.versions[event.version] = VersionRecord(
-        published_at=event.created_at,
-        trainer_step=event.trainer_step,
-        digest=digest,
-        loaded_by={r for r, s in ledger.replicas.items() if event.version in s.loaded},
+    ledger.epoch = facts.epoch
+    ledger.head = facts.version
+    ledger.versions[facts.version] = VersionRecord(
+        published_at=facts.created_at,
+        trainer_step=facts.trainer_step,
+        digest=facts.digest,
+        loaded_by={r for r, s in ledger.replicas.items() if facts.version in s.loaded},
     )
     k = cfg.max_head_offpolicyness
     for v, record in ledger.versions.items():
         record.retired = ledger.head - v > k
+    _prune_versions(ledger, k)
     return _CHANGED
+
+
+def _prune_versions(ledger: Ledger, k: int) -> None:
+    """Drop version records more than VERSION_HISTORY below the admissible window, and the
+    replicas' memory of them."""
+    assert ledger.head is not None
+    floor = ledger.head - k - VERSION_HISTORY
+    for v in [v for v in ledger.versions if v < floor]:
+        del ledger.versions[v]
+    for state in ledger.replicas.values():
+        state.loaded = {v for v in state.loaded if v >= floor}
+
+
+def _plausible(ledger: Ledger, versions: set[int]) -> set[int]:
+    """The reported versions a replica may hold: not below the kept history, not beyond the
+    next steps of the head (a report may precede the event it loaded)."""
+    if ledger.head is None:
+        return {v for v in versions if v <= MAX_VERSION_STEP}
+    low, high = ledger.head - VERSION_HISTORY, ledger.head + MAX_VERSION_STEP
+    return {v for v in versions if low <= v <= high}
 
 
 def on_export_done(ledger: Ledger, event: ExportDone) -> Applied:
@@ -273,9 +354,15 @@ def on_report(ledger: Ledger, report: RolloutReport) -> Applied:
     """A rollout's loaded/unloaded/failed/heartbeat report: who holds which version."""
     if report.run != ledger.run:
         return Applied(False, f"run: report is for run {report.run!r}, this ledger is {ledger.run!r}")
+    if report.replica not in ledger.replicas and len(ledger.replicas) >= MAX_REPLICAS:
+        return Applied(
+            False,
+            f"replica: {report.replica!r} would be replica number {MAX_REPLICAS + 1}; the ledger "
+            f"tracks at most {MAX_REPLICAS} (MAX_REPLICAS)",
+        )
     state = ledger.replicas.setdefault(report.replica, ReplicaState())
     if isinstance(report, AdapterLoaded):
-        _set_loaded(ledger, report.replica, state.loaded | {report.version})
+        _set_loaded(ledger, report.replica, state.loaded | _plausible(ledger, {report.version}))
         state.last_seen = max(state.last_seen, report.loaded_at)
     elif isinstance(report, AdapterUnloaded):
         _set_loaded(ledger, report.replica, state.loaded - {report.version})
@@ -288,7 +375,7 @@ def on_report(ledger: Ledger, report: RolloutReport) -> Applied:
         # newer loaded/unloaded report.
         if report.sent_at < state.last_seen:
             return _UNCHANGED
-        _set_loaded(ledger, report.replica, set(report.loaded_versions))
+        _set_loaded(ledger, report.replica, _plausible(ledger, set(report.loaded_versions)))
         state.engine = report.engine
         state.last_seen = report.sent_at
     else:  # pragma: no cover - RolloutReport is a closed union
@@ -340,9 +427,15 @@ def _deny(ledger: Ledger, request: AdmissionRequest, reason: str, retry: float) 
     return AdmissionDeny(request_id=request.request_id, reason=reason, retry_after_s=retry)
 
 
-def admit(ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig) -> AdmissionGrant | AdmissionDeny:
+def admit(
+    ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig, grant_id: str = ""
+) -> AdmissionGrant | AdmissionDeny:
     """Grant one group of work, or say why not and when to ask again. A retried request
-    (same replica and request_id, grant still live) gets the same grant back."""
+    (same replica and request_id, grant still live) gets the same grant back.
+
+    `grant_id` is the new grant's id: the service draws it at random (the policy has no
+    randomness of its own, so that a replay reproduces it) and journals it. Without one (a
+    journal written before grant tokens) the old sequential id is rebuilt."""
     if request.run != ledger.run:
         return _deny(
             ledger,
@@ -395,7 +488,7 @@ def admit(ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConf
             f"v{max(0, h - k)}..v{h} loaded; load v{h} and list it in loaded_versions",
             cfg.retry_after_s,
         )
-    grant_id = f"{request.replica}-{ledger.next_grant}"
+    grant_id = grant_id or f"{request.replica}-{ledger.next_grant}"
     ledger.next_grant += 1
     expires_at = now + cfg.lease_seconds
     ledger.grants[grant_id] = Grant(
@@ -436,10 +529,12 @@ def expire(ledger: Ledger, now: float) -> list[str]:
 def seen_decision(ledger: Ledger, trajectory_id: str) -> TrajectoryDecision | None:
     """The first decision about `trajectory_id`, if it is still remembered."""
     s = ledger.seen.get(trajectory_id)
-    if s is None:
-        return None
+    return None if s is None else _decision(ledger.run, trajectory_id, s)
+
+
+def _decision(run: str, trajectory_id: str, s: SeenDecision) -> TrajectoryDecision:
     return TrajectoryDecision(
-        run=ledger.run,
+        run=run,
         trajectory_id=trajectory_id,
         grant_id=s.grant_id,
         replica=s.replica,
@@ -475,9 +570,12 @@ class DecisionInput(Struct, array_like=True, frozen=True):
     oldest: int
     newest: int
     bad_values: str | None = None
+    sender: str | None = None
+    """the replica whose subject the trajectory arrived on (who sent it); None in entries
+    journaled before the check"""
 
 
-def decision_input(trajectory: Trajectory) -> DecisionInput:
+def decision_input(trajectory: Trajectory, sender: str | None = None) -> DecisionInput:
     return DecisionInput(
         trajectory.run,
         trajectory.trajectory_id,
@@ -486,20 +584,23 @@ def decision_input(trajectory: Trajectory) -> DecisionInput:
         trajectory.oldest_version(),
         max(max(c.versions) for c in trajectory.completions if c.versions),
         _bad_values(trajectory),
+        sender,
     )
 
 
-def decide(ledger: Ledger, trajectory: Trajectory, now: float, cfg: PolicyConfig) -> TrajectoryDecision:
+def decide(
+    ledger: Ledger, trajectory: Trajectory, now: float, cfg: PolicyConfig, sender: str | None = None
+) -> TrajectoryDecision:
     """Accept or reject one finished trajectory, consuming its grant.
 
-    Invalid: another run, unknown or expired grant, a replica using another's grant, tokens
+    Invalid: another run, sent from another replica's subject, unknown or expired grant, a replica using another's grant, tokens
     older than the granted version or newer than the head, values no sampler produces.
     Stale: `H - oldest_version > k`. A duplicate trajectory_id gets its first decision.
     """
     first = seen_decision(ledger, trajectory.trajectory_id)
     if first is not None:
         return first
-    return decide_input(ledger, decision_input(trajectory), now, cfg)
+    return decide_input(ledger, decision_input(trajectory, sender), now, cfg)
 
 
 def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig) -> TrajectoryDecision:
@@ -514,6 +615,9 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
     consume = True
     if t.run != ledger.run:
         reason = f"{REJECT_WRONG_RUN}: trajectory is for run {t.run!r}"
+        consume = False
+    elif t.sender is not None and t.sender != t.replica:
+        reason = f"{REJECT_SENDER}: trajectory names replica {t.replica!r} but was sent by {t.sender!r}"
         consume = False
     elif grant is None:
         reason = (
@@ -546,10 +650,15 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
         code = code_of(reason)
         verdict = "rejected-stale" if code == REJECT_STALE else "rejected-invalid"
         ledger.rejected[code] = ledger.rejected.get(code, 0) + 1
-    ledger.seen[t.trajectory_id] = SeenDecision(verdict, reason, t.grant_id, t.replica, head, oldest, now)
+    first = SeenDecision(verdict, reason, t.grant_id, t.replica, head, oldest, now)
+    if not consume:
+        # Not remembered: it touched no grant, so deciding a copy again gives the same answer,
+        # and a forged copy sent first must not become the answer for the real trajectory.
+        return _decision(ledger.run, t.trajectory_id, first)
+    ledger.seen[t.trajectory_id] = first
     while len(ledger.seen) > cfg.seen_limit:
         del ledger.seen[next(iter(ledger.seen))]
-    return seen_decision(ledger, t.trajectory_id)
+    return _decision(ledger.run, t.trajectory_id, first)
 
 
 def new_ledger(run: str) -> Ledger:

@@ -38,7 +38,9 @@ shard of runs (the ledger is per run, so shards share nothing).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -81,6 +83,36 @@ PULL_BATCH = 256
 PUBLISH_TIMEOUT_S = 10.0
 
 
+GRANT_TOKEN_BYTES = 18
+"""random bytes in a grant id (144 bits: unguessable; url-safe base64, 24 characters)"""
+
+
+def new_grant_id() -> str:
+    return secrets.token_urlsafe(GRANT_TOKEN_BYTES)
+
+
+def hidden_grants(ledger: Ledger) -> dict[str, policy.Grant]:
+    """The grants as `registry status` shows them: keyed by a digest, never by the id that
+    would let its reader send trajectories under them."""
+    return {f"#{hashlib.sha256(gid.encode()).hexdigest()[:12]}": g for gid, g in ledger.grants.items()}
+
+
+def sender_problem(report: RolloutReport, subject: str) -> str | None:
+    """A report counts only on its own replica's subject and kind: with NATS auth only that
+    replica may publish there, which the payload cannot prove."""
+    try:
+        _, replica, kind = subjects.parse_rollout_report(subject)
+    except subjects.SubjectError as exc:
+        return f"subject: {exc}"
+    tag = type(report).__struct_config__.tag
+    if replica != report.replica or kind != tag:
+        return (
+            f"sender: a {tag} report of replica {report.replica!r} arrived on {subject!r}; a replica "
+            "reports only on lorabus.<run>.rollout.<its id>.<kind>"
+        )
+    return None
+
+
 class RegistryService:
     def __init__(self, bus: Bus, cfg: PolicyConfig, *, clock: Callable[[], float] = time.time,
                  snapshot_every: int | None = None):  # fmt: skip
@@ -103,7 +135,8 @@ class RegistryService:
 
     async def start(self) -> None:
         kw = {} if self.snapshot_every is None else {"snapshot_every": self.snapshot_every}
-        self.journal = await Journal.open(self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw)
+        self.journal = await Journal.open(self.bus, streams.ledger_bucket(self.run), self.run, self.cfg,
+                                          on_fatal=self._fail, **kw)  # fmt: skip
         led = self.ledger
         log.info(
             "registry: ledger loaded (revision %d, %d journal entries replayed): head %s, "
@@ -162,7 +195,7 @@ class RegistryService:
         )  # fmt: skip
 
     async def _on_adapter(self, event: AdapterReady, meta: MsgMeta) -> None:
-        applied = self.journal.apply(AdapterOp(event))
+        applied = self.journal.apply(AdapterOp(policy.adapter_facts(event)))
         if applied.changed:
             await self._commit()
             metrics.observe_ledger(self.ledger)
@@ -171,6 +204,9 @@ class RegistryService:
             await self._refuse(meta, applied.error, event)
 
     async def _on_report(self, report: RolloutReport, meta: MsgMeta) -> None:
+        if (problem := sender_problem(report, meta.subject)) is not None:
+            await self._refuse(meta, problem, report)
+            return
         applied = self.journal.apply(ReportOp(report))
         if applied.changed:
             await self._commit()
@@ -193,8 +229,10 @@ class RegistryService:
         except codec.DecodeError as exc:
             await self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
             return
+        if self.journal.fatal is not None:
+            return  # stopping: the service's `failed` says why
         try:
-            reply = self.journal.apply(AdmitOp(request, self.clock()))
+            reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_id()))
         except Exception as exc:
             log.exception("registry: admission failed")
             await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
@@ -232,7 +270,8 @@ class RegistryService:
             try:
                 first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
                 if first is None:
-                    decision = self.journal.apply(DecideOp(policy.decision_input(trajectory), now))
+                    sender = subjects.parse_trajectory(d.meta.subject)[1]
+                    decision = self.journal.apply(DecideOp(policy.decision_input(trajectory, sender), now))
                     metrics.TRAJECTORIES.labels(decision.verdict).inc()
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
@@ -278,7 +317,7 @@ class RegistryService:
         led = self.ledger
         return RegistryStatus(
             run=self.run,
-            ledger=msgspec.structs.replace(led, seen={}),
+            ledger=msgspec.structs.replace(led, seen={}, grants=hidden_grants(led), grant_by_request={}),
             seen_count=len(led.seen),
             capacity=max(0, policy.capacity(led, self.cfg)),
             max_head_offpolicyness=self.cfg.max_head_offpolicyness,

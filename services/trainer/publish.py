@@ -1,8 +1,11 @@
 """Announcing an adapter version: the durable safetensors copy plus `AdapterReady`.
 
-The event's msg_id is `adapter-v<N>`, and before publishing the trainer asks the ADAPTERS
-stream whether `adapter.v<N>.ready` is already there: a retry or a restarted trainer can
-therefore never announce one version twice, even after JetStream's dedup window.
+Every event carries the run's trainer epoch (`trainer_epoch`: drawn at the run's first start,
+kept in the store beside the adapters). The event's msg_id is `adapter-<epoch>-v<N>`, and
+before publishing the trainer asks the ADAPTERS stream whether its own `adapter.v<N>.ready`
+(of its epoch) is already there: a retry or a restarted trainer can therefore never announce
+one version twice, even after JetStream's dedup window, and an event of another epoch on that
+subject (someone announcing the trainer's next number first) does not stop it.
 
 Order (`deliver`):
 - object path: upload, then the event (it never names an object that is not stored).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -31,7 +35,7 @@ from typing import TYPE_CHECKING
 from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, streams
-from services.common.store import ObjectRef, ObjectStore
+from services.common.store import ObjectNotFound, ObjectRef, ObjectStore
 
 if TYPE_CHECKING:
     import torch
@@ -41,14 +45,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ANNOUNCED_NAME = "announced.sha256"
+EPOCH_NAME = "trainer.epoch"
 
 
 def adapter_key(run: str, version: int) -> str:
     return f"{run}/adapters/v{version}/{adapter_io.WEIGHTS_NAME}"
 
 
-def adapter_msg_id(version: int) -> str:
-    return f"adapter-v{version}"
+def adapter_msg_id(epoch: str, version: int) -> str:
+    # the epoch in it: an event someone else published first with `adapter-v<N>` must not
+    # make the server drop the trainer's own as a duplicate
+    return f"adapter-{epoch}-v{version}"
+
+
+def epoch_key(run: str) -> str:
+    return f"{run}/adapters/{EPOCH_NAME}"
+
+
+def trainer_epoch(store: ObjectStore, run: str) -> str:
+    """The run's trainer epoch: drawn at the run's first start, read back at every restart
+    (the store is the trainer's own record of the run, as it is of taken version numbers)."""
+    key = epoch_key(run)
+    try:
+        return store.get_bytes(store.uri_for(key), size=None).decode()
+    except ObjectNotFound:
+        epoch = secrets.token_hex(8)
+        store.put_bytes(key, epoch.encode())
+        log.info("trainer epoch of run %s: %s (new)", run, epoch)
+        return epoch
 
 
 def announced_key(run: str, version: int) -> str:
@@ -80,6 +104,7 @@ def build_payloads(ref: ObjectRef, xccl: XcclPayload | None = None) -> list[Payl
 def adapter_event(
     *,
     run: str,
+    epoch: str,
     lora_name: str,
     version: int,
     payloads: list[Payload],
@@ -88,6 +113,7 @@ def adapter_event(
 ) -> AdapterReady:
     return AdapterReady(
         run=run,
+        trainer_epoch=epoch,
         lora_name=lora_name,
         version=version,
         parent_version=version - 1 if version > 0 else None,
@@ -98,17 +124,19 @@ def adapter_event(
     )
 
 
-async def published_event(bus, run: str, version: int) -> tuple[bool, AdapterReady | None]:
-    """(whether `adapter.v<N>.ready` is in the stream, the event if it decodes)."""
+async def published_event(bus, run: str, version: int, epoch: str) -> AdapterReady | None:
+    """This trainer epoch's `adapter.v<N>.ready`, if the stream holds it. Anything else on that
+    subject (undecodable, or another epoch's: a forger announcing the trainer's next number) is
+    not the trainer's and does not stop it announcing its own; receivers refuse it."""
     try:
         event = await bus.last(streams.ADAPTERS(run), AdapterReady, subjects.adapter_ready(run, version))
     except codec.DecodeError:
-        return True, None
-    return event is not None, event
-
-
-async def already_published(bus: Bus, run: str, version: int) -> bool:
-    return (await published_event(bus, run, version))[0]
+        event = None
+    if event is not None and event.trainer_epoch != epoch:
+        log.warning("v%d: the stream holds an event of trainer epoch %r, not ours (%r); announcing ours",
+                    version, event.trainer_epoch, epoch)  # fmt: skip
+        return None
+    return event
 
 
 def _checked_put(store: ObjectStore, key: str, weights: bytes, sha256: str) -> ObjectRef:
@@ -206,6 +234,7 @@ async def publish_adapter(
     store: ObjectStore,
     *,
     run: str,
+    epoch: str,
     lora_name: str,
     version: int,
     weights: bytes,
@@ -217,17 +246,16 @@ async def publish_adapter(
     """Store `weights` as version `version` and announce it (see `deliver` for the order);
     returns the event, or None when this version had been announced already (then only a
     missing object copy of the same bytes is stored)."""
-    found, previous = await published_event(bus, run, version)
-    if found:
+    previous = await published_event(bus, run, version, epoch)
+    if previous is not None:
         await _repair(store, previous, run, version, weights)
         return None
     sent: list[AdapterReady] = []
 
     async def publish(payloads: list[Payload]) -> None:
-        event = adapter_event(
-            run=run, lora_name=lora_name, version=version, payloads=payloads, lora=lora, trainer_step=trainer_step
-        )
-        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
+        event = adapter_event(run=run, epoch=epoch, lora_name=lora_name, version=version, payloads=payloads,
+                              lora=lora, trainer_step=trainer_step)  # fmt: skip
+        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(epoch, version))
         sent.append(event)
 
     await deliver(store, run=run, version=version, weights=weights, publish=publish, sender=sender, tensors=tensors)

@@ -34,7 +34,7 @@ from services.common.pull import Delivery, Puller
 from services.trainer import checkpoint, metrics
 from services.trainer.batching import to_samples
 from services.trainer.engines.base import StepStats, TrainEngine
-from services.trainer.publish import parse_adapter_version, publish_adapter
+from services.trainer.publish import parse_adapter_version, publish_adapter, trainer_epoch
 from services.trainer.ranks import Followers, Work, run_step
 
 if TYPE_CHECKING:
@@ -184,6 +184,8 @@ class Rank0:
     followers: Followers
     sender: XcclSender | None
     """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
+    epoch: str
+    """the run's trainer epoch, carried by every adapter event (`publish.trainer_epoch`)"""
 
     async def announce(self, version: int, weights: bytes, tensors: dict[str, torch.Tensor]) -> AdapterReady | None:
         """Store (or broadcast) and announce `version`; None when it was announced already."""
@@ -191,6 +193,7 @@ class Rank0:
             self.bus,
             self.store,
             run=self.cfg.run,
+            epoch=self.epoch,
             lora_name=self.cfg.gconfig.lora_name,
             version=version,
             weights=weights,
@@ -351,11 +354,12 @@ async def run_rank0(
         store = open_store(cfg.store)
         try:
             highest = await asyncio.to_thread(_highest_stored_version, store, cfg.run)
+            epoch = await asyncio.to_thread(trainer_epoch, store, cfg.run)
             start = Resume.plan(ckpt, initial, highest)
             if ckpt is not None:
                 log.info("resuming from %s step %d (v%d)", cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
             async with sender_for(cfg, engine) as sender:
-                return await serve(Rank0(cfg, engine, bus, store, stop, followers, sender), start)
+                return await serve(Rank0(cfg, engine, bus, store, stop, followers, sender, epoch), start)
         finally:  # before the bus drains: the followers need not wait for it
             await asyncio.to_thread(followers.stop)
     finally:

@@ -29,7 +29,7 @@ async def bus(nats_url):
 
 def ready(run: str, version: int) -> AdapterReady:
     return AdapterReady(
-        run=run, lora_name="lora", version=version, trainer_step=version, created_at=1.0,
+        run=run, trainer_epoch="e0", lora_name="lora", version=version, trainer_step=version, created_at=1.0,
         lora=LORA, payloads=[ObjectPayload(uri="file:///x", bytes=1, sha256="0" * 64)],
     )  # fmt: skip
 

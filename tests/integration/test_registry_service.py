@@ -110,7 +110,7 @@ async def wait_status(bus, registry, predicate, timeout: float = 10.0) -> Regist
 
 def ready(run: str, version: int, step: int | None = None) -> AdapterReady:
     return AdapterReady(
-        run=run, lora_name="lora", version=version,
+        run=run, trainer_epoch="e0", lora_name="lora", version=version,
         trainer_step=version if step is None else step, created_at=1000.0 + version, lora=LORA,
         payloads=[ObjectPayload(uri=f"file:///store/v{version}", bytes=1, sha256="0" * 64)],
     )  # fmt: skip

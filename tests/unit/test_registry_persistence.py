@@ -33,7 +33,7 @@ CFG = p.PolicyConfig(
 
 def ready(version: int) -> AdapterReady:
     return AdapterReady(
-        run=RUN, lora_name="lora", version=version, trainer_step=version,
+        run=RUN, trainer_epoch="e0", lora_name="lora", version=version, trainer_step=version,
         created_at=1000.0 + version, lora=LORA,
         payloads=[ObjectPayload(uri=f"file:///s/v{version}", bytes=1, sha256="0" * 64)],
     )  # fmt: skip
@@ -94,7 +94,7 @@ def test_snapshot_plus_replayed_entries_rebuild_the_live_ledger(script, cut, ent
     for kind, *args in script:
         if kind == "publish":
             head += 1
-            op = j.AdapterOp(ready(head))
+            op = j.AdapterOp(p.adapter_facts(ready(head)))
         elif kind == "load":
             op = j.ReportOp(AdapterLoaded(run=RUN, replica=args[0], version=args[1], via="object",
                                           load_seconds=0.1, loaded_at=now))  # fmt: skip
@@ -105,7 +105,7 @@ def test_snapshot_plus_replayed_entries_rebuild_the_live_ledger(script, cut, ent
             replica, rid, lags = args  # loaded versions as lags behind the head
             loaded = [head - lag for lag in lags if head - lag >= 0]
             op = j.AdmitOp(AdmissionRequest(run=RUN, replica=replica, request_id=f"q{rid}",
-                                            loaded_versions=loaded), now)  # fmt: skip
+                                            loaded_versions=loaded), now, f"token-{len(ops)}")  # fmt: skip
         elif kind == "finish":
             which, lag, bad, replica = args
             if not grants:
@@ -115,7 +115,7 @@ def test_snapshot_plus_replayed_entries_rebuild_the_live_ledger(script, cut, ent
             tid = f"t{len(tids)}"
             tids.append(tid)
             t = trajectory(tid, g.grant_id, replica, [v, g.version], -1.0 if not bad else 0.5)
-            op = j.DecideOp(p.decision_input(t), now)
+            op = j.DecideOp(p.decision_input(t, sender=replica), now)
         elif kind == "duplicate":
             if not tids:
                 continue
@@ -142,6 +142,16 @@ def test_snapshot_plus_replayed_entries_rebuild_the_live_ledger(script, cut, ent
     stored = j.encode_snapshot(j.Snapshot(ledger=rebuilt, cfg=CFG, revision=n_before))
     snap = j.decode_snapshot(stored)
     for entry in entries[n_before:]:
-        for op in j.decode_entry(j.encode_entry(entry)).ops:
-            j.apply(snap.ledger, op, snap.cfg)
+        for piece in j.encode_entries(entry, limit=400):  # small pieces: entries split too
+            for op in j.decode_entry(piece).ops:
+                j.apply(snap.ledger, op, snap.cfg)
     assert snap.ledger == live
+
+
+def test_entries_are_cut_into_pieces_under_the_limit_in_order():
+    ops = [j.ExpireOp(float(i)) for i in range(1000)]
+    pieces = j.encode_entries(ops, limit=300)
+    assert len(pieces) > 1 and all(len(piece) <= 300 for piece in pieces)
+    assert [op for piece in pieces for op in j.decode_entry(piece).ops] == ops
+    with pytest.raises(ValueError, match="over 100"):
+        j.encode_entries([j.AdmitOp(AdmissionRequest(run=RUN, replica="r", request_id="x" * 120), 1.0)], limit=100)
