@@ -393,7 +393,8 @@ async def run_bench(args) -> dict:
                                 store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
                             )
                             ev = AdapterReady(
-                                run="bench", trainer_epoch="e0",
+                                run="bench",
+                                trainer_epoch="e0",
                                 lora_name="bench",
                                 version=version,
                                 trainer_step=version,
@@ -413,7 +414,8 @@ async def run_bench(args) -> dict:
                                 ref = await asyncio.to_thread(durable)
                                 h = sender.handle(xccl.manifest_of(tensors), {})
                                 ev = AdapterReady(
-                                    run="bench", trainer_epoch="e0",
+                                    run="bench",
+                                    trainer_epoch="e0",
                                     lora_name="bench",
                                     version=version,
                                     trainer_step=version,
@@ -433,7 +435,8 @@ async def run_bench(args) -> dict:
 
                                 async def publish(payloads, v=version):
                                     ev = AdapterReady(
-                                        run="bench", trainer_epoch="e0",
+                                        run="bench",
+                                        trainer_epoch="e0",
                                         lora_name="bench",
                                         version=v,
                                         trainer_step=v,
@@ -456,7 +459,8 @@ async def run_bench(args) -> dict:
                             else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
                                 ev = AdapterReady(
-                                    run="bench", trainer_epoch="e0",
+                                    run="bench",
+                                    trainer_epoch="e0",
                                     lora_name="bench",
                                     version=version,
                                     trainer_step=version,

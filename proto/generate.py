@@ -62,7 +62,8 @@ def example_messages() -> dict[str, msgspec.Struct]:
     completion = m.Completion(token_ids=[5, 9, 2], logprobs=[-0.5, -1.25, -0.125], versions=[3, 3, 4], reward=1.0)
     examples: list[msgspec.Struct] = [
         m.AdapterReady(
-            run="demo-trial0", trainer_epoch="e0",
+            run="demo-trial0",
+            trainer_epoch="e0",
             lora_name="default_lora",
             version=4,
             parent_version=3,

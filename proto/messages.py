@@ -151,7 +151,6 @@ class AdapterLoaded(Message, tag="loaded", tag_field="kind", kw_only=True):
 
 
 class AdapterUnloaded(Message, tag="unloaded", tag_field="kind", kw_only=True):
-
     max_bytes: ClassVar[int] = 8 * 1024
     run: Name
     replica: Name
@@ -161,7 +160,6 @@ class AdapterUnloaded(Message, tag="unloaded", tag_field="kind", kw_only=True):
 
 
 class AdapterFailed(Message, tag="failed", tag_field="kind", kw_only=True):
-
     max_bytes: ClassVar[int] = 8 * 1024
     run: Name
     replica: Name

@@ -101,13 +101,18 @@ class Evaluator:
 
 
 def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path:
-    """A local directory holding the exported version (downloads from S3 if needed)."""
+    """A local directory holding the exported version (downloads from S3 if needed). Only the
+    run's own export of `version` is read: an event naming anything else is refused."""
+    from services.common.store import S3Store, StoreError
+    from services.exporter.peft_dir import version_uri
+
+    expected = version_uri(cfg.exporter.uri, version)
+    if uri.rstrip("/") != expected:
+        raise StoreError(f"{uri}: not the run's export of v{version} ({expected}); only that is evaluated")
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(parsed.path)
-    from services.common.store import store_for_uri
-
-    store = store_for_uri(uri, cfg.store)
+    store = S3Store.from_config(cfg.store, uri=cfg.exporter.uri, create_bucket=False)
     target = scratch / f"v{version}"
     target.mkdir(parents=True, exist_ok=True)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -119,6 +124,7 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
     from services.clients import metrics
     from services.common import streams
     from services.common.metrics import start_metrics_server
+    from services.exporter.peft_dir import version_uri
 
     hook = load_hook(hook_spec)
     evaluator = await asyncio.to_thread(Evaluator, cfg, hook)
@@ -129,6 +135,10 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
     async with entry.connected(cfg, evaluator_name) as bus:
 
         async def on_export(event: m.ExportDone, _meta) -> None:
+            from services.common.bus import Refused
+
+            if event.run != cfg.run or event.uri.rstrip("/") != version_uri(cfg.exporter.uri, event.version):
+                raise Refused(f"export v{event.version}: {event.uri} is not the run's export of it")
             directory = local_dir(event.uri, cfg, event.version, scratch)
             started = time.monotonic()
             metric, score = await asyncio.to_thread(evaluator.score, directory)

@@ -42,6 +42,9 @@ class StoreConfig(Section):
     secret_key_env: str = "LORABUS_S3_SECRET_KEY"
     secure: bool = False
     region: str | None = None
+    max_object_bytes: int = 8 * 1024**3
+    """the most bytes a reader fetches for one object (an adapter); an event naming a larger
+    size is refused before anything is read"""
 
 
 class MetricsConfig(Section):

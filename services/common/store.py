@@ -96,20 +96,33 @@ def _validate_prefix(prefix: str) -> str:
     return prefix
 
 
+def _check_size(uri: str, size: int | None, limit: int | None) -> None:
+    if size is not None and limit is not None and size > limit:
+        raise StoreError(
+            f"{uri}: {size} bytes is over store.max_object_bytes ({limit}); raise it in the config "
+            "if adapters really are this large"
+        )
+
+
 def _copy_verified(
     chunks: Iterable[bytes],
     write: Callable[[bytes], object],
     uri: str,
     sha256: str | None,
     size: int | None,
+    limit: int | None = None,
 ) -> tuple[int, str]:
-    """Copy chunks to `write`, hashing on the way; raise if size or sha256 disagree."""
+    """Copy chunks to `write`, hashing on the way; raise if size or sha256 disagree, or once
+    more than `limit` bytes came (whatever size the caller expects)."""
+    _check_size(uri, size, limit)
     digest = hashlib.sha256()
     n = 0
     for chunk in chunks:
         n += len(chunk)
         if size is not None and n > size:
             raise StoreError(f"{uri}: size mismatch: expected {size} bytes, got more")
+        if limit is not None and n > limit:
+            raise StoreError(f"{uri}: larger than store.max_object_bytes ({limit}); not read further")
         digest.update(chunk)
         write(chunk)
     if size is not None and n != size:
@@ -167,19 +180,22 @@ class LocalStore:
     """A directory. `file://./runs/store` (relative to the working directory) or
     `file:///abs/dir`; URIs it hands out are always absolute (`file:///abs/dir/key`)."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, create: bool = True, max_bytes: int | None = None):
         self.root = Path(root).resolve()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"file://{self.root}: cannot create store directory: {exc}") from exc
+        self.max_bytes = max_bytes
+        """the most bytes `get_bytes`/`get_file` read of one object (None: no cap)"""
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"file://{self.root}: cannot create store directory: {exc}") from exc
         self.uri = f"file://{self.root}"
 
     @classmethod
-    def from_uri(cls, uri: str) -> LocalStore:
+    def from_uri(cls, uri: str, *, create: bool = True, max_bytes: int | None = None) -> LocalStore:
         if not uri.startswith("file://") or uri == "file://":
             raise StoreError(f"store.uri {uri!r}: expected file:///abs/dir or file://./rel/dir")
-        return cls(uri[len("file://") :])
+        return cls(uri[len("file://") :], create=create, max_bytes=max_bytes)
 
     def uri_for(self, key: str) -> str:
         return f"{self.uri}/{validate_key(key)}"
@@ -191,7 +207,11 @@ class LocalStore:
         return validate_key(uri[len(self.uri) + 1 :])
 
     def _path(self, key: str) -> Path:
-        return self.root / validate_key(key)
+        path = self.root / validate_key(key)
+        # a symlink inside the store must not lead out of it either
+        if path.exists() and not path.resolve().is_relative_to(self.root):
+            raise StoreError(f"{self.uri}/{key}: resolves outside the store ({path.resolve()})")
+        return path
 
     def put_bytes(self, key: str, data: bytes) -> ObjectRef:
         path = self._path(key)
@@ -222,7 +242,7 @@ class LocalStore:
         out = bytearray()
         try:
             with open(path, "rb") as f:
-                _copy_verified(_file_chunks(f), out.extend, uri, sha256, size)
+                _copy_verified(_file_chunks(f), out.extend, uri, sha256, size, self.max_bytes)
         except FileNotFoundError:
             raise ObjectNotFound(f"{uri}: no such object") from None
         except OSError as exc:
@@ -236,7 +256,7 @@ class LocalStore:
         try:
             with open(path, "rb") as src:
                 n, sha = _write_atomically(
-                    Path(dest), lambda f: _copy_verified(_file_chunks(src), f.write, uri, sha256, size)
+                    Path(dest), lambda f: _copy_verified(_file_chunks(src), f.write, uri, sha256, size, self.max_bytes)
                 )
         except FileNotFoundError:
             raise ObjectNotFound(f"{uri}: no such object") from None
@@ -306,9 +326,12 @@ class S3Store:
         secure: bool = False,
         region: str | None = None,
         create_bucket: bool = True,
+        max_bytes: int | None = None,
     ):
         from minio import Minio
 
+        self.max_bytes = max_bytes
+        """the most bytes `get_bytes`/`get_file` read of one object (None: no cap)"""
         self.bucket = bucket
         self.prefix = prefix
         self.endpoint = endpoint
@@ -340,6 +363,7 @@ class S3Store:
             secret_key=keys[cfg.secret_key_env],
             secure=cfg.secure,
             region=cfg.region,
+            max_bytes=cfg.max_object_bytes,
             **kwargs,
         )
 
@@ -404,9 +428,10 @@ class S3Store:
 
     def _stream(self, uri: str, write: Callable[[bytes], object], sha256, size) -> tuple[int, str]:
         name = self._object_name(self.key_for(uri))
+        _check_size(uri, size, self.max_bytes)
         response = self._call(uri, self._client.get_object, self.bucket, name)
         try:
-            return _copy_verified(response.stream(_CHUNK), write, uri, sha256, size)
+            return _copy_verified(response.stream(_CHUNK), write, uri, sha256, size, self.max_bytes)
         finally:
             response.close()
             response.release_conn()
@@ -460,27 +485,25 @@ def open_store(cfg: StoreConfig) -> LocalStore | S3Store:
 
 
 def store_for_uri(uri: str, cfg: StoreConfig) -> LocalStore | S3Store:
-    """A store that can read `uri` (taken from an event).
-
-    The configured store when the URI is inside it; otherwise a store of the URI's scheme
-    rooted at its bucket (s3, with the configured endpoint and keys; nothing is created) or
-    its directory (file).
-    """
-    if uri.startswith("file://"):
-        path = Path(uri[len("file://") :])
-        if cfg.uri.startswith("file://"):
-            store = LocalStore.from_uri(cfg.uri)
-            if uri.startswith(store.uri + "/"):
-                return store
-        if not path.is_absolute():
-            raise StoreError(f"{uri}: an object URI must be absolute (file:///...)")
-        return LocalStore(path.parent)
-    if uri.startswith("s3://"):
-        bucket, _ = parse_s3_uri(uri)
-        if cfg.uri.startswith("s3://"):
-            own_bucket, own_prefix = parse_s3_uri(cfg.uri)
-            own = f"s3://{own_bucket}/{own_prefix}" if own_prefix else f"s3://{own_bucket}"
-            if uri.startswith(own + "/"):
-                return S3Store.from_config(cfg)
-        return S3Store.from_config(cfg, uri=f"s3://{bucket}", create_bucket=False)
-    raise StoreError(f"{uri!r}: not a store URI; expected s3://bucket/key or file:///path")
+    """The run's own store, for reading `uri` (taken from an event): only a URI inside it
+    (under the local root, or the bucket and prefix of `store.uri`) is read, with reads capped
+    by `store.max_object_bytes`; anything else (`file:///etc/passwd`, another bucket) is a
+    StoreError, and opening it creates nothing."""
+    if uri.startswith("file://") and cfg.uri.startswith("file://"):
+        store: LocalStore | S3Store = LocalStore.from_uri(cfg.uri, create=False, max_bytes=cfg.max_object_bytes)
+    elif uri.startswith("s3://") and cfg.uri.startswith("s3://"):
+        parse_s3_uri(uri)
+        bucket, prefix = parse_s3_uri(cfg.uri)
+        own = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        if not uri.startswith(own + "/"):
+            raise StoreError(f"{uri}: outside the run's store {own}; readers only read the run's own objects")
+        return S3Store.from_config(cfg, create_bucket=False)
+    else:
+        raise StoreError(
+            f"{uri!r}: not an object of the run's store {cfg.uri}; readers only read the run's own objects"
+        )
+    try:
+        store.key_for(uri)
+    except StoreError as exc:
+        raise StoreError(f"{exc} (readers only read the run's own objects)") from None
+    return store

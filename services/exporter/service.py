@@ -2,9 +2,12 @@
 by `export.v<N>.done`.
 
 It reads the ADAPTERS stream through its own durable consumer (`exporter`), so it exports
-every version even when it starts late or restarts. A redelivered event is harmless: the
-directory is rewritten only when its weights differ, and ExportDone is published only when
-the EXPORTS stream does not already hold the same one (plus `Nats-Msg-Id` dedup).
+every version even when it starts late or restarts. Exports are write-once: a redelivered
+event finds its directory written with the same weights and only re-announces it if needed
+(ExportDone is published only when the EXPORTS stream does not already hold the same one,
+plus `Nats-Msg-Id` dedup); an event whose weights differ from an existing export (a version
+re-announced with other content) is refused, never written over it. Only the run's trainer
+lineage is exported (`services.common.lineage`: its epoch, bounded version steps).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import time
 
 from proto import subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
-from services.common import streams, xccl
-from services.common.bus import Bus, MsgMeta
+from services.common import lineage, streams, xccl
+from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.store import store_for_uri
@@ -53,6 +56,10 @@ class Exporter:
         self.bus = bus
         self._shape: ModelShape | None = None
         self._last_version = -1
+        self.epoch: str | None = None
+        """the run's trainer epoch (`start` reads it from the stream's first event)"""
+        self.newest: int | None = None
+        """the newest version exported (the bound for the next step)"""
         self.busy = asyncio.Lock()
         """held while an event is handled; shutdown takes it so no export is cut in half"""
 
@@ -62,15 +69,25 @@ class Exporter:
             self._shape = load_model_shape(self.cfg.actor.path)
         return self._shape
 
+    async def start(self) -> None:
+        """Where the lineage stands: the run's trainer epoch and the last version exported."""
+        self.epoch = await lineage.first_epoch(self.bus, streams.ADAPTERS(self.cfg.run))
+        try:
+            last = await self.bus.last(streams.EXPORTS(self.cfg.run), ExportDone)
+        except Exception:  # an undecodable last export: bound the next step from what comes
+            last = None
+        self.newest = last.version if last is not None else None
+
     async def handle(self, event: AdapterReady, meta: MsgMeta) -> None:
         async with self.busy:
             await self._handle(event, meta)
 
     async def _handle(self, event: AdapterReady, meta: MsgMeta) -> None:
         if event.run != self.cfg.run:
-            log.warning("%s: event of run %r on run %r's stream; ignored", meta.subject,
-                        event.run, self.cfg.run)  # fmt: skip
-            return
+            raise Refused(f"run: event of run {event.run!r} on run {self.cfg.run!r}'s stream")
+        problem = lineage.lineage_problem(self.epoch, self.newest, event.trainer_epoch, event.version)
+        if problem is not None:
+            raise Refused(f"{event.adapter_name}: {problem}")
         payload = event.object_payload()
         if payload is None:
             # An XCCL-only version has no durable copy to export; retrying would not create one.
@@ -80,7 +97,9 @@ class Exporter:
         started = time.perf_counter()
         files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
         with _stage("write"):
-            wrote = await asyncio.to_thread(self._write_if_changed, event.version, files)
+            wrote = await asyncio.to_thread(self._write_once, event.version, files)
+        self.epoch = event.trainer_epoch
+        self.newest = max(self.newest if self.newest is not None else -1, event.version)
         done = ExportDone(
             run=event.run,
             lora_name=event.lora_name,
@@ -112,14 +131,17 @@ class Exporter:
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 
-    def _write_if_changed(self, version: int, files: PeftFiles) -> bool:
+    def _write_once(self, version: int, files: PeftFiles) -> bool:
+        """Write version N's export unless it exists; False when it exists with these weights."""
         uri, store_cfg = self.cfg.exporter.uri, self.cfg.store
         existing = existing_sha256(uri, version, store_cfg)
         if existing == files.sha256:
             return False
         if existing is not None:
-            log.warning("v%d: export exists with other weights (sha256 %s); overwriting",
-                        version, existing[:12])  # fmt: skip
+            raise Refused(
+                f"export v{version}: already written with other weights (sha256 {existing[:12]}, this "
+                f"event's {files.sha256[:12]}); exports are write-once, a version is published once"
+            )
         write_export(uri, version, files, store_cfg)
         return True
 
@@ -138,6 +160,7 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
     try:
         await bus.ensure_streams()
         exporter = Exporter(cfg, bus)
+        await exporter.start()
         # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
         reader = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
         consumer = bus.dispatch(reader, exporter.handle)

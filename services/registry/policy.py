@@ -59,6 +59,7 @@ from proto.messages import (
     Trajectory,
     TrajectoryDecision,
 )
+from services.common.lineage import lineage_problem  # pure: the one rule every receiver applies
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
     from services.common.config_schema import LorabusConfig
@@ -248,23 +249,6 @@ class AdapterFacts(Struct, array_like=True, frozen=True):
 def adapter_facts(event: AdapterReady) -> AdapterFacts:
     return AdapterFacts(event.run, event.trainer_epoch, event.version, event.trainer_step, event.created_at,
                         event_digest(event))  # fmt: skip
-
-
-def lineage_problem(epoch: str | None, newest: int | None, event_epoch: str, version: int) -> str | None:
-    """Why an adapter event cannot be the next version of the lineage `epoch` whose newest
-    version is `newest`, or None. Shared by every receiver of adapter events: a version comes
-    only from the run's trainer (its epoch) and moves forward by at most MAX_VERSION_STEP."""
-    if epoch is not None and event_epoch != epoch:
-        return (
-            f"trainer_epoch: {event_epoch!r} is not the run's trainer epoch {epoch!r}; another "
-            "trainer (or a forger) announced it: only the run's trainer may publish versions"
-        )
-    if newest is not None and version > newest + MAX_VERSION_STEP:
-        return (
-            f"version: v{version} jumps more than {MAX_VERSION_STEP} versions past v{newest}; "
-            "the trainer steps by one, so this event is not the trainer's"
-        )
-    return None
 
 
 def on_adapter_ready(ledger: Ledger, event: AdapterReady | AdapterFacts, cfg: PolicyConfig) -> Applied:
@@ -593,8 +577,9 @@ def decide(
 ) -> TrajectoryDecision:
     """Accept or reject one finished trajectory, consuming its grant.
 
-    Invalid: another run, sent from another replica's subject, unknown or expired grant, a replica using another's grant, tokens
-    older than the granted version or newer than the head, values no sampler produces.
+    Invalid: another run, sent from another replica's subject, unknown or expired grant, a
+    replica using another's grant, tokens older than the granted version or newer than the
+    head, values no sampler produces.
     Stale: `H - oldest_version > k`. A duplicate trajectory_id gets its first decision.
     """
     first = seen_decision(ledger, trajectory.trajectory_id)

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from proto import codec, subjects
+from proto import subjects
 from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded
-from services.common import streams, xccl
-from services.common.bus import Bus
+from services.common import lineage, streams, xccl
+from services.common.bus import Bus, Refused
 from services.common.config_schema import LorabusConfig
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
@@ -62,6 +62,9 @@ class AdapterFollower:
         self.book = VersionBook(keep)
         self.load_attempts, self.retry_base_s = load_attempts, retry_base_s
         self.newest_seen = -1
+        """the newest version followed (only events that passed `_refusal` count)"""
+        self.epoch: str | None = None
+        """the run's trainer epoch (the stream's first event's), once known"""
         self.changed = asyncio.Condition()
         """notified when a version is loaded or unpinned"""
         self._events: dict[int, AdapterReady] = {}
@@ -95,10 +98,9 @@ class AdapterFollower:
         consumer task."""
         self._make_receiver()
         consumer = streams.consumer(self.run_id, f"rollout-{self.replica}")
-        try:
-            head = await self.bus.last(consumer.stream, AdapterReady)
-        except codec.DecodeError:
-            head = None  # the consumer dead-letters it when it gets there
+        self.epoch = await lineage.first_epoch(self.bus, consumer.stream)
+        # not simply the newest message: a forged jump there would anchor the keep window
+        head = await lineage.newest_trusted(self.bus, consumer.stream, self.epoch)
         if head is not None:
             try:
                 await self.on_adapter(head)
@@ -111,8 +113,21 @@ class AdapterFollower:
         if self.xccl is not None:
             await asyncio.to_thread(self.xccl.close)
 
+    def _refusal(self, ev: AdapterReady) -> str | None:
+        """Why `ev` is not a version of this run's trainer to follow, or None."""
+        if ev.run != self.run_id:
+            return f"run: {ev.run!r} is not this replica's run {self.run_id!r}"
+        newest = self.newest_seen if self.newest_seen >= 0 else None
+        problem = lineage.lineage_problem(self.epoch, newest, ev.trainer_epoch, ev.version)
+        if problem is None and ev.version in self._events and self._events[ev.version] != ev:
+            problem = f"version: v{ev.version} is loaded here from another event; a version is published once"
+        return problem
+
     async def on_adapter(self, ev: AdapterReady) -> None:
         async with self._load_lock:
+            if (problem := self._refusal(ev)) is not None:
+                raise Refused(f"{ev.adapter_name}: {problem}")
+            self.epoch = ev.trainer_epoch
             self.newest_seen = max(self.newest_seen, ev.version)
             if ev.version in self.book.loaded():
                 return

@@ -135,7 +135,8 @@ async def streams_ready(server, passwords, run, registry) -> None:
 
 def adapter_event(run: str, version: int) -> m.AdapterReady:
     return m.AdapterReady(
-        run=run, trainer_epoch="e0",
+        run=run,
+        trainer_epoch="e0",
         lora_name="tiny_lora",
         version=version,
         trainer_step=max(version - 1, 0),
@@ -444,7 +445,8 @@ async def test_object_store_credentials_never_travel_in_events(s3_store, monkeyp
     secret = os.environ["LORABUS_S3_SECRET_KEY"]
     ref = s3_store.put_bytes("run/adapters/v1/adapter_model.safetensors", b"weights")
     event = m.AdapterReady(
-        run="r", trainer_epoch="e0",
+        run="r",
+        trainer_epoch="e0",
         lora_name="l",
         version=1,
         trainer_step=0,

@@ -209,7 +209,8 @@ async def test_exporter_writes_loadable_versions(tmp_path, nats_url, store_cfg):
             store.put_bytes, f"{run}/adapters/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors)
         )
         event = AdapterReady(
-            run=run, trainer_epoch="e0",
+            run=run,
+            trainer_epoch="e0",
             lora_name="default_lora",
             version=version,
             trainer_step=version,
@@ -283,7 +284,8 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
     async def publish(version, data: bytes, layout="hf-peft", sha256=None):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         event = AdapterReady(
-            run=run, trainer_epoch="e0",
+            run=run,
+            trainer_epoch="e0",
             lora_name="default_lora",
             version=version,
             trainer_step=version,

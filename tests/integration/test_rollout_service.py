@@ -121,7 +121,8 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     async def publish(version: int, data: bytes, sha: str | None = None):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
-            run=run, trainer_epoch="e0",
+            run=run,
+            trainer_epoch="e0",
             lora_name="tiny",
             version=version,
             trainer_step=version,

@@ -109,7 +109,8 @@ class Run:
         data, spec = self.adapters[version]
         ref = self.store.put_bytes(f"{self.id}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
-            run=self.id, trainer_epoch="e0",
+            run=self.id,
+            trainer_epoch="e0",
             lora_name=LORA,
             version=version,
             trainer_step=version,

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 
 from services.common.config_schema import StoreConfig
@@ -155,16 +156,37 @@ def test_store_for_uri_reads_event_uri(store, store_cfg):
     assert reader.get_bytes(ref.uri, sha256=ref.sha256, size=ref.bytes) == b"weights"
 
 
-def test_store_for_uri_outside_configured_prefix(store, store_cfg):
-    """A reader configured for another prefix still reads an event's URI from the same server."""
+def test_store_for_uri_refuses_what_is_outside_the_runs_store(store, store_cfg, tmp_path):
+    """Issue 17: an event's URI is read only inside the run's own store (local root, or bucket
+    and prefix); another prefix, another bucket, `file:///etc/passwd` are refused, and
+    refusing them creates nothing."""
     ref = store.put_bytes("run/w", b"weights")
-    other = StoreConfig(
-        uri=store_cfg.uri + "-elsewhere",
-        endpoint=store_cfg.endpoint,
-        access_key_env=store_cfg.access_key_env,
-        secret_key_env=store_cfg.secret_key_env,
-    )
-    assert store_for_uri(ref.uri, other).get_bytes(ref.uri, sha256=ref.sha256) == b"weights"
+    other = msgspec.structs.replace(store_cfg, uri=store_cfg.uri + "-elsewhere")
+    with pytest.raises(StoreError, match="run's"):
+        store_for_uri(ref.uri, other)
+    if isinstance(store, S3Store):
+        outside = ["s3://another-bucket/run/w", "file:///etc/passwd"]
+    else:
+        outside = ["file:///etc/passwd", f"{store.uri}/../../etc/passwd", "s3://lorabus/run/w"]
+    for uri in outside:
+        with pytest.raises(StoreError):
+            store_for_uri(uri, store_cfg).get_bytes(uri)
+    missing = tmp_path / "never-created"
+    with pytest.raises(ObjectNotFound):  # a reader of a store that is not there yet
+        store_for_uri(f"file://{missing}/x", StoreConfig(uri=f"file://{missing}")).get_bytes(f"file://{missing}/x")
+    assert not missing.exists()
+
+
+def test_reads_are_capped_by_the_config_not_by_the_event(store, store_cfg):
+    """Issue 17: the size an event names does not set how much is read."""
+    ref = store.put_bytes("run/big", b"x" * 5000)
+    capped = msgspec.structs.replace(store_cfg, max_object_bytes=4096)
+    reader = store_for_uri(ref.uri, capped)
+    with pytest.raises(StoreError, match="max_object_bytes"):
+        reader.get_bytes(ref.uri, size=2**40)  # the event's claim is refused before reading
+    with pytest.raises(StoreError, match="max_object_bytes"):
+        reader.get_bytes(ref.uri)  # and without one, the read stops at the cap
+    assert store_for_uri(ref.uri, store_cfg).get_bytes(ref.uri, size=5000) == b"x" * 5000
 
 
 # --- local only -------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def cfg(k=1, b=2, max_concurrent=4, lease=10.0, seen_limit=1024) -> p.PolicyConf
 
 def ready(version: int, run: str = RUN, step: int | None = None) -> AdapterReady:
     return AdapterReady(
-        run=run, trainer_epoch="e0",
+        run=run,
+        trainer_epoch="e0",
         lora_name="lora",
         version=version,
         trainer_step=version if step is None else step,
