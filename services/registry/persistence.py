@@ -196,6 +196,15 @@ def decode_ref(data: bytes) -> SnapshotRef:
         ) from exc
 
 
+async def read_snapshot(bus: Bus, bucket: str) -> tuple[Snapshot, int, str] | None:
+    """The stored snapshot, the journal sequence of its reference and its slot; None if none."""
+    raw = await bus.last_raw(f"KV_{bucket}", f"$KV.{bucket}.{SNAPSHOT_KEY}")
+    if raw is None:
+        return None
+    ref = decode_ref(raw.data)
+    return decode_snapshot(await _read_pieces(bus, bucket, ref)), raw.seq, ref.slot
+
+
 async def _read_pieces(bus: Bus, bucket: str, ref: SnapshotRef) -> bytes:
     stream, prefix = f"KV_{parts_bucket(bucket)}", f"$KV.{parts_bucket(bucket)}."
     chunks = []
@@ -277,12 +286,11 @@ class Journal:
         await bus.key_value(parts_bucket(bucket))
         stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
         last = await bus.last_seq(stream)
-        raw = await bus.last_raw(stream, prefix + SNAPSHOT_KEY)
+        stored = await read_snapshot(bus, bucket)
         slot = "b"
-        if raw is not None:
-            ref = decode_ref(raw.data)
-            snap = decode_snapshot(await _read_pieces(bus, bucket, ref))
-            start, slot = raw.seq + 1, ref.slot
+        if stored is not None:
+            snap, seq, slot = stored
+            start = seq + 1
         else:
             snap = Snapshot(ledger=policy.new_ledger(run), cfg=cfg, revision=0)
             start = 1

@@ -46,7 +46,7 @@ async def open_journal(bus, cfg=CFG, snapshot_every=4) -> j.Journal:
 async def test_restart_replays_snapshot_and_entries_and_compacts(bus):
     run = bus.run
     journal = await open_journal(bus)
-    journal.apply(j.AdapterOp(ready(run, 0)))
+    journal.apply(j.AdapterOp(p.adapter_facts(ready(run, 0))))
     await journal.commit()
     # concurrent commits share writes: 30 admissions in 3 rounds, far fewer than 30 writes
     for round_ in range(3):
@@ -93,7 +93,7 @@ async def test_reply_leaves_only_after_its_write(bus):
         seen.append(msg.data)
 
     await bus.nc.subscribe(inbox, cb=on_reply)
-    journal.apply(j.AdapterOp(ready(run, 0)))
+    journal.apply(j.AdapterOp(p.adapter_facts(ready(run, 0))))
     journal.apply(j.AdmitOp(request(run, 1), 10.0))
     journal.send_after_commit(inbox, b"grant-1")
     seq_before = journal.seq
@@ -113,8 +113,8 @@ async def test_reply_leaves_only_after_its_write(bus):
 async def test_config_change_is_recorded_before_new_entries(bus):
     run = bus.run
     first = await open_journal(bus)
-    first.apply(j.AdapterOp(ready(run, 0)))
-    first.apply(j.AdapterOp(ready(run, 3)))
+    first.apply(j.AdapterOp(p.adapter_facts(ready(run, 0))))
+    first.apply(j.AdapterOp(p.adapter_facts(ready(run, 3))))
     await first.commit()
     # k=2 at decision time: v0 is retired (3 - 0 > 2)
     assert first.ledger.versions[0].retired
@@ -123,5 +123,44 @@ async def test_config_change_is_recorded_before_new_entries(bus):
     second = await open_journal(bus, cfg=wider)
     # the replay used the config the entries were written under, not the new one
     assert second.ledger == first.ledger
-    snap = j.decode_snapshot((await bus.js.get_last_msg(second.stream, second.prefix + "ledger")).data)
+    snap, _, _ = await j.read_snapshot(bus, streams.ledger_bucket(run))
     assert snap.cfg == wider
+
+
+async def test_a_ledger_larger_than_a_message_is_stored_in_pieces_and_read_back(bus):
+    """Issue 17: the ledger is stored in pieces that cannot outgrow a NATS message (two 800 KB
+    heartbeats once made every later start fail with MaxPayloadError)."""
+    run = bus.run
+    big = p.PolicyConfig(max_head_offpolicyness=1, consumer_batch_size=2, max_concurrent_rollouts=4,
+                         lease_seconds=60.0, seen_limit=20_000)  # fmt: skip
+    first = await open_journal(bus, cfg=big, snapshot_every=2)
+    first.apply(j.AdapterOp(p.adapter_facts(ready(run, 0))))
+    first.ledger.seen.update(
+        {f"t{i:06d}-" + "x" * 100: p.SeenDecision("accepted", "", f"g{i}", "r1", 0, 0, 1.0) for i in range(12_000)}
+    )
+    await first.commit()
+    first.apply(j.ExpireOp(2.0))
+    await first.commit()  # the second entry: a snapshot, now ~2 MB
+    assert first.snapshots >= 2
+    stored, _, slot = await j.read_snapshot(bus, streams.ledger_bucket(run))
+    assert len(j.encode_snapshot(stored)) > 1024 * 1024 and stored.ledger == first.ledger
+    again = await open_journal(bus, cfg=big)
+    assert again.ledger == first.ledger and again.slot != slot  # its own snapshot went to the other slot
+
+
+async def test_a_write_that_fails_for_good_stops_the_registry_loudly(bus, monkeypatch):
+    """Issue 17: a fatal storage error reaches the service (which exits non-zero) instead of
+    leaving a registry that fails every operation and never exits."""
+    monkeypatch.setattr(j, "RETRY_FOR_S", 1.0)
+    failures: list[BaseException] = []
+    journal = await j.Journal.open(bus, streams.ledger_bucket(bus.run), bus.run, CFG, on_fatal=failures.append)
+    await bus.js.delete_stream(journal.stream)  # the store is gone under it
+    journal.apply(j.AdmitOp(request(bus.run, 1), 10.0, "tok"))
+    journal.send_after_commit("_INBOX.nobody", b"reply")  # the admission path: no commit() awaited
+    for _ in range(200):
+        if failures:
+            break
+        await asyncio.sleep(0.05)
+    assert failures and journal.fatal is failures[0]
+    with pytest.raises(type(failures[0])):
+        journal.apply(j.ExpireOp(11.0))
