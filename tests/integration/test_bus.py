@@ -20,7 +20,7 @@ from proto.messages import (
     TrainerStep,
 )
 from services.common import streams
-from services.common.bus import Bus, MsgMeta
+from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
@@ -217,9 +217,48 @@ async def test_burst_consumer_loses_nothing_when_the_burst_pull_times_out(bus, r
     assert all(meta.num_delivered == 1 for _, meta in got.got)
 
 
+async def test_refused_message_is_dead_lettered_at_once_as_validation(bus, run):
+    """Issue 17: a handler that knows a message is wrong for good (a forged event) raises
+    Refused: one delivery, one validation dead letter, and the consumer goes on."""
+
+    async def handler(msg: TrainerStep, meta: MsgMeta) -> None:
+        got.append((msg.step, meta.num_delivered))
+        if msg.step == 0:
+            raise Refused("step: forged")
+
+    got: list[tuple[int, int]] = []
+    for i in range(2):
+        await bus.publish(subjects.trainer_step(run), step(i, run))
+    await bus.consume(streams.TRAINER(run), "refusing", TrainerStep, handler, retry_delay_s=5.0)
+    await wait_until(lambda: (1, 1) in got, what="the next message")
+    [letter] = await dead_letters(bus, "tester", 1)
+    assert (letter.reason, letter.error) == ("validation", "step: forged") and got == [(0, 1), (1, 1)]
+
+
+async def test_consumer_outlives_an_unexpected_pull_error(bus, run, monkeypatch):
+    """Issue 17: no consumer dies while its service lives (a pull error once ended the task,
+    leaving a service that consumed nothing more)."""
+    from services.common.pull import Puller
+
+    burst = Puller.burst
+    failures = [RuntimeError("pull broke"), RecursionError("deep")]
+
+    async def flaky(self, *args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return await burst(self, *args, **kwargs)
+
+    monkeypatch.setattr(Puller, "burst", flaky)
+    got = Collector()
+    task = await bus.consume(streams.TRAINER(run), "flaky", TrainerStep, got)
+    await bus.publish(subjects.trainer_step(run), step(7, run))
+    await got.wait_for(lambda c: c.steps() == [7])
+    assert not failures and not task.done()
+
+
 async def test_deeply_nested_message_is_dead_lettered(bus, run):
     subject = subjects.trainer_step(run)
-    depth = 100_000  # deeper than the decoder's recursion limit, well under the size limit
+    depth = 1500  # deeper than the decoder's recursion limit, under the type's size cap (4 KiB)
     nested = b'{"schema_version":"1.0","x":' + b"[" * depth + b"]" * depth + b"}"
     await bus.js.publish(subject, nested)
     await bus.publish(subject, step(1, run))

@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import msgspec
 import nats.js.errors
 import pytest
 import torch
@@ -281,7 +282,15 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
     store = open_store(store_cfg)
     spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model=str(base_dir))
 
-    async def publish(version, data: bytes, layout="hf-peft", sha256=None):
+    def ready_event(version: int) -> AdapterReady:
+        return AdapterReady(
+            run=run, trainer_epoch="e0", lora_name="default_lora", version=version, trainer_step=version,
+            created_at=time.time(), lora=spec,
+            payloads=[ObjectPayload(uri=f"file://{tmp_path}/store/{run}/adapters/v0/adapter_model.safetensors",
+                                    bytes=1, sha256="0" * 64)],
+        )  # fmt: skip
+
+    async def publish(version, data: bytes, layout="hf-peft", sha256=None, again=""):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         event = AdapterReady(
             run=run,
@@ -293,7 +302,7 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
             lora=spec,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha256 or ref.sha256, layout=layout)],
         )
-        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=f"adapter-v{version}")
+        await bus.publish(subjects.adapter_ready(run, version), event, msg_id=f"adapter-v{version}{again}")
 
     try:
         good = hf_tensors(source_model(base, seed=2))
@@ -325,6 +334,32 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
         assert metric(m, 'lorabus_exporter_failures_total{stage="fetch"}') == 5.0  # max_deliver
         assert metric(m, 'lorabus_exporter_failures_total{stage="convert"}') == 5.0
         assert metric(m, "lorabus_exporter_exports_total") == 1.0
+
+        # Issue 17: exports are write-once (v2 re-announced with other weights must not
+        # overwrite export/v2), only the run's trainer epoch is exported, no version jumps,
+        # and no object outside the run's store is read (`file:///etc/passwd`).
+        other = adapter_io.to_bytes(hf_tensors(source_model(base, seed=3)))
+        await publish(2, other, again="-again")
+        forged = msgspec.structs.replace(ready_event(3), trainer_epoch="forger")
+        jump = ready_event(1_000_000)
+        passwd = msgspec.structs.replace(
+            ready_event(3), payloads=[ObjectPayload(uri="file:///etc/passwd", bytes=10, sha256="0" * 64)]
+        )
+        for event in (forged, jump, passwd):
+            await bus.publish(
+                subjects.adapter_ready(run, event.version), event, msg_id=f"bad-{event.version}-{id(event)}"
+            )
+        while (await bus.js.stream_info(stream)).state.messages < 6:
+            assert proc.alive() and time.monotonic() < deadline + 60, proc.log_text()[-4000:]
+            await asyncio.sleep(0.2)
+        later = [codec.decode((await bus.js.get_msg(stream, seq)).data, DeadLetter) for seq in (3, 4, 5, 6)]
+        text = " | ".join(d.error for d in later)
+        assert "write-once" in text and "trainer_epoch" in text and "jumps more than" in text, text
+        assert "outside" in text or "run's store" in text, text
+        assert "root:" not in text  # nothing of /etc/passwd was read into a letter
+        weights = (Path(export_uri[len("file://") :]) / "v2" / adapter_io.WEIGHTS_NAME).read_bytes()
+        assert adapter_io.sha256(weights) == done.sha256  # export/v2 kept its first weights
+        assert proc.alive()
     finally:
         proc.stop()
         await bus.close()

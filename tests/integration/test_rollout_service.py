@@ -118,19 +118,20 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
 
     versions = {v: peft_version(base, seed=20 + v) for v in range(3)}
 
-    async def publish(version: int, data: bytes, sha: str | None = None):
+    async def publish(version: int, data: bytes, sha: str | None = None, epoch: str = "e0"):
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
             run=run,
-            trainer_epoch="e0",
+            trainer_epoch=epoch,
             lora_name="tiny",
             version=version,
+            parent_version=version - 1 if version else None,
             trainer_step=version,
             created_at=time.time(),
             lora=SPEC,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
         )
-        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}-{sha}")
+        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}-{sha}-{epoch}")
 
     prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
 
@@ -199,6 +200,25 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
         await wait_until(lambda: rec.of(AdapterFailed, "r1", version=3, will_retry=False), what="final failure")
         assert 3 not in await engine.loaded_versions()
         assert not rec.of(AdapterLoaded, "r1", version=3)
+
+        # Issue 17: a jump to v1000000 (once the rollouts' frozen head for the rest of the run)
+        # and another trainer epoch's v5 are refused, not followed; a replica starting after
+        # them starts from the real head
+        await publish(4, versions[1][1])
+        await publish(1_000_000, versions[2][1])
+        await publish(5, versions[0][1], epoch="forger")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=4), what="the real v4 loaded")
+        engine3, service3 = replica("r3")
+        stop3 = asyncio.Event()
+        task3 = asyncio.create_task(service3.run(stop3))
+        await wait_until(lambda: rec.of(AdapterLoaded, "r3"), what="r3 loaded something")
+        assert rec.of(AdapterLoaded, "r3")[0].version == 4
+        await asyncio.sleep(0.5)
+        stop3.set()
+        await asyncio.wait_for(task3, 30)
+        for r in ("r1", "r3"):
+            assert not rec.of(AdapterLoaded, r, version=1_000_000) and not rec.of(AdapterLoaded, r, version=5)
+        assert service.adapters.newest_seen == 4 and service3.adapters.newest_seen == 4
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
