@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.local.launcher", "start a whole local deployment"),
     "watch": ("services.clients.watch", "print the run's events live"),
     "evaluate": ("services.clients.evaluate", "score every new version, publish the result"),
+    "streams": ("services.clients.streams", "create or update the run's streams (the operator)"),
     "config": ("services.common.config_cli", "translate FILE: an AReaL YAML as native lorabus YAML"),
 }
 

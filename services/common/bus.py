@@ -209,6 +209,9 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
+                    # replies to this user's requests (PubAcks, pulled messages, grants) come to
+                    # an inbox only it may subscribe to (deploy/nats: `_INBOX_<user>.>`)
+                    inbox_prefix=f"_INBOX_{cfg.user}" if cfg.user else "_INBOX",
                     **options,
                 ),
                 timeout=cfg.connect_timeout_s,
@@ -257,12 +260,23 @@ class Bus:
     # --- streams and KV -----------------------------------------------------------------
 
     async def ensure_streams(self) -> None:
-        """Create every stream of the run, or update it to the current definition."""
+        """Make every stream of the run exist with its current definition: create what is
+        missing, update what differs. With NATS auth only the registry (the run's first
+        service) may create streams and only the operator may update them (deploy/nats); every
+        other service finds them in place, which needs nothing but STREAM.INFO."""
         for config in streams.stream_configs(self.run):
             try:
-                await self.js.stream_info(config.name)
+                existing = (await self.js.stream_info(config.name)).config
             except nats.js.errors.NotFoundError:
-                await self.js.add_stream(config)
+                try:
+                    await self.js.add_stream(config)
+                except (nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+                    raise BusError(
+                        f"stream {config.name}: missing, and this user cannot create it "
+                        f"({type(exc).__name__}); start the registry first (it creates the run's streams)"
+                    ) from exc
+                continue
+            if not streams.differs(existing, config):
                 continue
             try:
                 await self.js.update_stream(config)
@@ -271,6 +285,11 @@ class Bus:
                     f"stream {config.name}: existing stream cannot be changed to the current "
                     f"definition ({exc.description}); delete it (`nats stream rm`) or keep the "
                     "old settings"
+                ) from exc
+            except (nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+                raise BusError(
+                    f"stream {config.name}: differs from the current definition and this user may not "
+                    f"update it ({type(exc).__name__}); run `lorabus streams --config FILE` as the operator"
                 ) from exc
 
     async def key_value(self, bucket: str, *, history: int = 1) -> KeyValue:

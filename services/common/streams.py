@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from proto import subjects
+from proto import codec, subjects
+from proto import messages as m
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -73,21 +75,31 @@ def ledger_bucket(run: str) -> str:
     return f"lorabus_{subjects.token(run, 'run')}_ledger"
 
 
-# (stream, subject pattern, max_age, max_msgs_per_subject); -1 = unlimited.
+# (stream, subject pattern, max_age, max_msgs_per_subject, message type); -1 = unlimited.
 # Adapter events and exports are the run's history: services that start late replay them, so
 # they are kept for the run's lifetime. Heartbeats are chatter: keep the recent ones only.
 # Trajectories are kept a day so a registry that was down can catch up from its durable.
-_LAYOUT: list[tuple[Callable[[str], str], Callable[[str], str], float, int]] = [
-    (ADAPTERS, subjects.adapter_ready_all, 30 * DAY, -1),
-    (REPORTS, subjects.rollout_report_all, 1 * HOUR, 100),
-    (TRAJECTORIES, subjects.trajectory_all, 1 * DAY, -1),
-    (ACCEPTED, subjects.accepted, 1 * DAY, -1),
-    (DECISIONS, subjects.decision_all, 1 * DAY, -1),
-    (EXPORTS, subjects.export_done_all, 30 * DAY, -1),
-    (EVALS, subjects.eval_result_all, 30 * DAY, -1),
-    (TRAINER, subjects.trainer_step, 30 * DAY, -1),
-    (DEADLETTER, subjects.dead_letter_all, 7 * DAY, -1),
+# Each stream stores no message larger than its type's cap (`Message.max_bytes`): the server
+# refuses an oversize publish before any service sees it.
+_LAYOUT: list[tuple[Callable[[str], str], Callable[[str], str], float, int, Any]] = [
+    (ADAPTERS, subjects.adapter_ready_all, 30 * DAY, -1, m.AdapterReady),
+    (REPORTS, subjects.rollout_report_all, 1 * HOUR, 100, m.RolloutReport),
+    (TRAJECTORIES, subjects.trajectory_all, 1 * DAY, -1, m.Trajectory),
+    (ACCEPTED, subjects.accepted, 1 * DAY, -1, m.Trajectory),
+    (DECISIONS, subjects.decision_all, 1 * DAY, -1, m.TrajectoryDecision),
+    (EXPORTS, subjects.export_done_all, 30 * DAY, -1, m.ExportDone),
+    (EVALS, subjects.eval_result_all, 30 * DAY, -1, m.EvalResult),
+    (TRAINER, subjects.trainer_step, 30 * DAY, -1, m.TrainerStep),
+    (DEADLETTER, subjects.dead_letter_all, 7 * DAY, -1, m.DeadLetter),
 ]
+_COMPARED = ("subjects", "retention", "discard", "max_age", "max_msgs_per_subject", "max_msg_size", "storage",
+             "duplicate_window")  # fmt: skip
+
+
+def differs(existing: StreamConfig, wanted: StreamConfig) -> bool:
+    """Whether a stream as the server holds it differs from its definition (the fields set here)."""
+    have, want = existing.as_dict(), wanted.as_dict()
+    return any(have.get(key) != want.get(key) for key in _COMPARED)
 
 
 def stream_configs(run: str) -> list[StreamConfig]:
@@ -101,9 +113,10 @@ def stream_configs(run: str) -> list[StreamConfig]:
             discard=DiscardPolicy.OLD,
             max_age=max_age,
             max_msgs_per_subject=per_subject,
+            max_msg_size=codec.max_bytes_of(msg_type),
             duplicate_window=DUPLICATE_WINDOW_S,
         )
-        for name, subject, max_age, per_subject in _LAYOUT
+        for name, subject, max_age, per_subject, msg_type in _LAYOUT
     ]
 
 

@@ -76,12 +76,19 @@ async def test_node_evaluator_validates_real_events(node_example, tmp_path, monk
     trainer = None
     try:
         assert await read_line(proc) == "ready"
+        # the registry creates a run's streams (no other role may)
+        registry = await Bus.connect(
+            BusConfig(url=server.url, user="registry", password=passwords["NATS_REGISTRY_PASSWORD"]),
+            run=run,
+            service="registry",
+        )
+        await registry.ensure_streams()
+        await registry.close()
         trainer = await Bus.connect(
             BusConfig(url=server.url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"]),
             run=run,
             service="trainer",
         )
-        await trainer.ensure_streams()
         await trainer.publish(subjects.adapter_ready(run, 4), adapter_event(run, 4), msg_id=f"{run}-v4")
         line = await read_line(proc)
         assert line == f"{subjects.adapter_ready(run, 4)} v4 valid", line

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 
+import msgspec
 import nats
 import nats.errors
 import pytest
@@ -376,6 +377,145 @@ async def test_evaluator_reads_exports_and_publishes_only_eval_results(server, p
         await nc.close()
 
 
+async def violations(nc, errors: list[str], attempts: list[tuple[str, bytes]], *, request: bool) -> None:
+    """Send each (subject, payload) and wait for one permission violation per subject."""
+    for subject, payload in attempts:
+        if request:
+            with pytest.raises(nats.errors.TimeoutError):  # dropped by the server: no answer
+                await nc.request(subject, payload, timeout=1.0)
+        else:
+            await nc.publish(subject, payload)
+    await nc.flush()
+    for subject, _ in attempts:
+        await wait_until(
+            lambda subject=subject: any("permissions violation" in e.lower() and subject.lower() in e.lower()
+                                        for e in errors),
+            what=f"a violation for {subject}",
+        )  # fmt: skip
+
+
+async def test_rollout_cannot_change_or_create_streams(server, passwords, run, registry):
+    """Issue 17, abuses 1 and 2: a rollout credential updated the ADAPTERS stream to capture a
+    subject it may publish on (and injected an adapter event there), and shrank ACCEPTED to one
+    message. Only the operator may update a stream; creating one (a stream capturing the
+    admission subject or `_INBOX.>` would answer everyone's requests) is the registry's alone."""
+    await streams_ready(server, passwords, run, registry)
+    admin = await connect(server, passwords, "operator", run, "check")
+    adapters = (await admin.js.stream_info(streams.ADAPTERS(run))).config
+    accepted = (await admin.js.stream_info(streams.ACCEPTED(run))).config
+    capture = adapters.evolve(subjects=[*adapters.subjects, subjects.rollout_report(run, ROLLOUT, "loaded")])
+    shrink = accepted.evolve(max_msgs=1)
+    evil = streams.stream_configs(run)[0].evolve(name=f"EVIL_{run}", subjects=[subjects.admission(run)])
+    nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
+    try:
+        attempts = [
+            (f"$JS.API.STREAM.UPDATE.{adapters.name}", json_of(capture)),
+            (f"$JS.API.STREAM.UPDATE.{accepted.name}", json_of(shrink)),
+            (f"$JS.API.STREAM.CREATE.EVIL_{run}", json_of(evil)),
+            (f"$JS.API.STREAM.PURGE.{accepted.name}", b""),
+            (f"$JS.API.STREAM.DELETE.{adapters.name}", b""),
+        ]
+        await violations(nc, errors, attempts, request=True)
+    finally:
+        await nc.close()
+    try:
+        assert (await admin.js.stream_info(streams.ADAPTERS(run))).config.subjects == adapters.subjects
+        assert (await admin.js.stream_info(streams.ACCEPTED(run))).config.max_msgs == accepted.max_msgs
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await admin.js.stream_info(f"EVIL_{run}")
+        # the operator is who changes a stream (`lorabus streams`): same change, it holds
+        await admin.js.update_stream(accepted.evolve(max_msgs=accepted.max_msgs))
+    finally:
+        await admin.close()
+
+
+def json_of(config) -> bytes:
+    import json
+
+    return json.dumps(config.as_dict()).encode()
+
+
+async def test_rollout_cannot_take_over_the_trainers_durable(server, passwords, run, registry):
+    """Issue 17, abuse 3: a rollout credential bound to the trainer's durable on ACCEPTED and
+    acked its trajectories (silent loss of training data). Consumers are per role: creating,
+    pulling and acking are allowed on one's own durables only, and replies go to an inbox only
+    their user may read."""
+    await streams_ready(server, passwords, run, registry)
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    reg = await connect(server, passwords, "registry", run, "registry")
+    try:
+        reader = await trainer.pull(streams.consumer(run, "trainer"), m.Trajectory, batch=4)
+        await reg.publish(subjects.accepted(run), trajectory(run, ROLLOUT, 0), msg_id=f"{run}-acc-1")
+        nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
+        stream = streams.ACCEPTED(run)
+        try:
+            body = msgspec.json.encode(
+                {"stream_name": stream, "config": {"durable_name": "trainer", "ack_policy": "explicit"}}
+            )
+            attempts = [
+                (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.trainer", body),
+                (f"$JS.API.CONSUMER.CREATE.{stream}.trainer", body),
+                (f"$JS.API.CONSUMER.MSG.NEXT.{stream}.trainer", b'{"batch": 1, "no_wait": true}'),
+                (f"$JS.API.CONSUMER.DELETE.{stream}.trainer", b""),
+            ]
+            await violations(nc, errors, attempts, request=True)
+            await violations(nc, errors, [(f"$JS.ACK.{stream}.trainer.1.1.1.1700000000000000000.0", b"+ACK")],
+                             request=False)  # fmt: skip
+            # nor may it read anyone's replies: the trainer's pulls, the registry's answers
+            for inbox in ("_INBOX_trainer.>", "_INBOX_registry.>", "_INBOX.>"):
+                await nc.subscribe(inbox)
+            await nc.flush()
+            await wait_until(lambda: sum("subscription" in e.lower() for e in errors) >= 3, what="3 violations")
+        finally:
+            await nc.close()
+        [delivery] = await reader.burst(timeout=10.0)  # still the trainer's, never acked by another
+        assert delivery.meta.num_delivered == 1
+        await delivery.ack()
+    finally:
+        await trainer.close()
+        await reg.close()
+
+
+async def test_a_heartbeat_naming_another_replica_is_refused_by_the_registry(
+    server, passwords, run, registry, tmp_path
+):
+    """Issue 17, abuse 4: NATS sees subjects, not payloads, so a rollout may publish on its own
+    heartbeat subject a heartbeat naming another replica: the registry compares the two and
+    dead-letters it ("sender"); the other replica's state is untouched."""
+    from services.common.config import load_config
+    from services.registry.status import fetch_status
+
+    await streams_ready(server, passwords, run, registry)
+    bus = await connect(server, passwords, "rollout-vllm-0", run, f"rollout-{ROLLOUT}")
+    try:
+        lie = m.ReplicaHeartbeat(run=run, replica="sglang-0", engine="sglang", loaded_versions=[0], in_flight=0,
+                                 sent_at=time.time())  # fmt: skip
+        await bus.publish(subjects.rollout_report(run, ROLLOUT, "heartbeat"), lie, msg_id=f"{run}-lie")
+    finally:
+        await bus.close()
+    admin = await connect(server, passwords, "operator", run, "check")
+    try:
+
+        async def refused() -> bool:
+            raw = await admin.last_raw(streams.DEADLETTER(run), subjects.dead_letter(run, "registry"))
+            return raw is not None and b"sender" in raw.data
+
+        await wait_until(refused, 30, what="the registry's dead letter")
+    finally:
+        await admin.close()
+    config = tmp_path / "operator.yaml"
+    config.write_text(f"""
+experiment_name: {run}
+trial_name: t
+run: {run}
+bus: {{url: "{server.url}", user: operator, password: "{passwords["NATS_OPERATOR_PASSWORD"]}"}}
+actor: {{path: examples/tiny/model}}
+train_dataset: {{path: "builtin:arith"}}
+""")
+    status = await fetch_status(load_config(config), timeout=10.0)
+    assert "sglang-0" not in status.ledger.replicas
+
+
 async def test_wrong_password_is_refused(server, passwords):
     with pytest.raises(Exception) as info:
         await nats.connect(
@@ -458,8 +598,6 @@ async def test_object_store_credentials_never_travel_in_events(s3_store, monkeyp
     assert access.encode() not in wire and secret.encode() not in wire
     assert "@" not in ref.uri.split("//", 1)[1].split("/", 1)[0]
 
-    import msgspec
-
     forbidden = re.compile(r"(secret|password|passwd|credential|access_key|api_key|auth|^token$)", re.I)
     nested = (m.LoraSpec, m.TensorSpec, m.ObjectPayload, m.XcclPayload, m.Completion)
     for struct in m.TOP_LEVEL + nested:
@@ -535,14 +673,18 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
         url = f"tls://127.0.0.1:{srv.port}"
         cfg = BusConfig(
             url=url,
-            user="trainer",
-            password=passwords["NATS_TRAINER_PASSWORD"],
+            user="registry",
+            password=passwords["NATS_REGISTRY_PASSWORD"],
             tls_ca=certs["NATS_TLS_CA"],
             connect_timeout_s=3.0,
         )
+        registry = await Bus.connect(cfg, run="tlsrun", service="registry")
+        await registry.ensure_streams()  # the registry creates a run's streams
+        await registry.close()
+        cfg = msgspec.structs.replace(cfg, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"])
         bus = await Bus.connect(cfg, run="tlsrun", service="trainer")
         try:
-            await bus.ensure_streams()
+            await bus.ensure_streams()  # finds them in place: needs nothing but STREAM.INFO
             assert await bus.publish(subjects.adapter_ready("tlsrun", 0), adapter_event("tlsrun", 0)) >= 1
         finally:
             await bus.close()
