@@ -48,6 +48,10 @@ class ObjectNotFound(StoreError):
     """The object does not exist (a reader may retry: the writer may not have finished)."""
 
 
+class OutsideStore(StoreError):
+    """A URI outside the run's store: never read, and retrying cannot change that."""
+
+
 class ObjectStore(Protocol):
     uri: str
 
@@ -496,7 +500,7 @@ def store_for_uri(uri: str, cfg: StoreConfig) -> LocalStore | S3Store:
         bucket, prefix = parse_s3_uri(cfg.uri)
         own = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         if not uri.startswith(own + "/"):
-            raise StoreError(f"{uri}: outside the run's store {own}; readers only read the run's own objects")
+            raise OutsideStore(f"{uri}: outside the run's store {own}; readers only read the run's own objects")
         return S3Store.from_config(cfg, create_bucket=False)
     else:
         raise StoreError(

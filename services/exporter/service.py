@@ -23,7 +23,7 @@ from services.common import lineage, streams, xccl
 from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
-from services.common.store import store_for_uri
+from services.common.store import OutsideStore, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
     FILES,
@@ -95,7 +95,10 @@ class Exporter:
             log.error("v%d: no object payload (xccl only); not exported", event.version)
             return
         started = time.perf_counter()
-        files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
+        try:
+            files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
+        except OutsideStore as exc:
+            raise Refused(f"{event.adapter_name}: {exc}") from None
         with _stage("write"):
             wrote = await asyncio.to_thread(self._write_once, event.version, files)
         self.epoch = event.trainer_epoch

@@ -31,6 +31,7 @@ from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUn
 from services.common import lineage, streams, xccl
 from services.common.bus import Bus, Refused
 from services.common.config_schema import LorabusConfig
+from services.common.store import OutsideStore
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
@@ -191,7 +192,7 @@ class AdapterFollower:
                     await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
-                retry = attempt < self.load_attempts
+                retry = attempt < self.load_attempts and not isinstance(exc, OutsideStore)
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
                 )
@@ -208,6 +209,8 @@ class AdapterFollower:
                     ),
                     msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}",
                 )
+                if isinstance(exc, OutsideStore):  # no retry can make it the run's object
+                    raise Refused(f"{ev.adapter_name}: {exc}") from None
                 if not retry:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
