@@ -311,6 +311,13 @@ def _plausible(ledger: Ledger, versions: set[int]) -> set[int]:
     return {v for v in versions if low <= v <= high}
 
 
+def export_ahead(ledger: Ledger, event: ExportDone) -> bool:
+    """An export of a version the ledger may not have seen yet (its adapter event is on another
+    consumer, possibly behind): to be retried, not refused."""
+    head = ledger.head if ledger.head is not None else -1
+    return event.run == ledger.run and head < event.version <= head + MAX_VERSION_STEP
+
+
 def on_export_done(ledger: Ledger, event: ExportDone) -> Applied:
     record = ledger.versions.get(event.version)
     if event.run != ledger.run:

@@ -215,6 +215,8 @@ class RegistryService:
             await self._refuse(meta, applied.error, report)
 
     async def _on_export(self, event: ExportDone, meta: MsgMeta) -> None:
+        if policy.export_ahead(self.ledger, event):  # the bus retries it with backoff
+            raise RuntimeError(f"export of v{event.version}: its adapter event is not recorded yet")
         applied = self.journal.apply(ExportOp(event))
         if applied.changed:
             await self._commit()
