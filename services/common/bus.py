@@ -163,6 +163,9 @@ class Bus:
         self.service = subjects.token(service, "service")
         self._consumers: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
+        # labelled once: `labels()` takes a lock and builds a key, per message on hot paths
+        self.published = MESSAGES.labels(self.service, "published")
+        self.consumed = MESSAGES.labels(self.service, "consumed")
 
     # --- connection ---------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Bus:
             remaining = deadline - time.monotonic()
             try:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
                 return ack.seq
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
@@ -317,12 +320,12 @@ class Bus:
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
         await self.nc.publish(subject, codec.encode(msg))
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
     async def send_raw(self, subject: str, data: bytes) -> None:
         """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
         await self.nc.publish(subject, data)
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
     async def dead_letter(self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None) -> int:
         """Record a message this service could not use on `deadletter.<service>`."""
@@ -348,8 +351,8 @@ class Bus:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
         reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
-        MESSAGES.labels(self.service, "published").inc()
-        MESSAGES.labels(self.service, "consumed").inc()
+        self.published.inc()
+        self.consumed.inc()
         return decode(reply.data, reply_type)
 
     async def serve(
@@ -365,7 +368,7 @@ class Bus:
         requester times out, which is the only signal a typed reply can carry."""
 
         async def on_request(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 request = decode(nats_msg.data, request_type)
             except codec.DecodeError as exc:
@@ -379,7 +382,7 @@ class Bus:
                 return
             if nats_msg.reply:
                 await nats_msg.respond(codec.encode(reply))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_request)
         self._subs.append(sub)
@@ -401,7 +404,7 @@ class Bus:
         `handler(msg, meta)`; undecodable messages are dead-lettered, handler errors logged."""
 
         async def on_msg(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 msg = decode(nats_msg.data, msg_type)
             except codec.DecodeError as exc:
@@ -596,7 +599,7 @@ class Bus:
         futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
                    for subject, data, msg_id in msgs]  # fmt: skip
         acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
-        MESSAGES.labels(self.service, "published").inc(len(msgs))
+        self.published.inc(len(msgs))
         return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
 
     async def dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:

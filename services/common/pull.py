@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from proto import codec
-from services.common.bus import MESSAGES, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, BusError, MsgMeta, decode
+from services.common.bus import MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, BusError, MsgMeta, decode
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class Puller(Generic[T]):
                 await asyncio.sleep(IDLE_S)  # e.g. the durable was deleted: do not spin
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
-        MESSAGES.labels(self.bus.service, "consumed").inc()
+        self.bus.consumed.inc()
         info = raw.metadata
         meta = MsgMeta(
             subject=raw.subject,

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = entry.start(args, PROG, service="registry")
     try:
-        return asyncio.run(serve(cfg))
+        return entry.run(serve(cfg))
     except (BusError, ValueError) as exc:
         log.error("registry: %s", exc)
         return 1

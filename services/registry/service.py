@@ -233,7 +233,7 @@ class RegistryService:
                 first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
                 if first is None:
                     decision = self.journal.apply(DecideOp(policy.decision_input(trajectory), now))
-                    metrics.TRAJECTORIES.labels(decision.verdict).inc()
+                    metrics.verdict_count(decision.verdict).inc()
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
                 else:
