@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from proto.messages import SCHEMA_VERSION
+from proto.messages import SCHEMA_VERSION, DeadLetterReason
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ _encoder = msgspec.json.Encoder()
 
 
 class DecodeError(ValueError):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: DeadLetterReason, message: str):
         super().__init__(message)
         self.reason = reason
 

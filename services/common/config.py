@@ -21,7 +21,7 @@ import os
 import re
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import yaml
@@ -73,7 +73,7 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         raise ConfigError(f"is not valid YAML: {e}", source) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot be read: {_first_line(e)}", source) from None
-    tree = OmegaConf.to_container(loaded, resolve=False)
+    tree: object = OmegaConf.to_container(loaded, resolve=False)
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
@@ -166,7 +166,8 @@ def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, 
             problems.append(f"override {item!r} is not key=value; write e.g. rollout.replicas=3")
             continue
         try:
-            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+            # a dotlist makes a mapping; OmegaConf types to_container for any container
+            parsed = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
         except OmegaConfBaseException as e:
             problems.append(f"override {item!r} cannot be parsed: {_first_line(e)}")
             continue
@@ -189,7 +190,8 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(tree: dict[str, Any], source: str | None) -> dict[str, Any]:
     try:
-        return OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+        # a mapping in, a mapping out; OmegaConf types to_container for any container
+        return cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.create(tree), resolve=True))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(
@@ -235,6 +237,7 @@ _MAX_TYPE_PROBLEMS = 200
 
 def _explained_path(e: msgspec.ValidationError) -> list[str]:
     m = _MSGSPEC_AT.match(str(e))
+    assert m is not None  # every part of the pattern but `msg` is optional, and `msg` takes anything
     rel = (m.group("path") or "").lstrip(".") if m else ""
     # a bad list element resets the whole list: defaults have no element to take
     return _split_path(rel.split("[", 1)[0])
@@ -328,6 +331,7 @@ def _value_at(tree: Any, dotted: str) -> Any:
 
 def _explain(e: msgspec.ValidationError, tree: dict[str, Any], raw: dict[str, Any], prefix: str) -> str:
     m = _MSGSPEC_AT.match(str(e))
+    assert m is not None  # every part of the pattern but `msg` is optional, and `msg` takes anything
     msg, rel = m.group("msg"), (m.group("path") or "")
     rel = rel.lstrip(".")
     path = ".".join(p for p in (prefix, rel) if p).replace(".[", "[")
@@ -632,7 +636,7 @@ def _trained_hf_modules(actor: ActorConfig) -> list[str] | None:
     if lora_targets.problems(actor.target_modules, actor.backend):
         return None
     resolved = lora_targets.for_backend(actor.target_modules, actor.backend)
-    if resolved == ALL_LINEAR:
+    if isinstance(resolved, str):  # ALL_LINEAR
         return None
     return lora_targets.to_hf(resolved) if actor.backend == "megatron" else resolved
 
