@@ -17,7 +17,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
 
 import msgspec
 import nats
@@ -569,6 +569,10 @@ class Bus:
             return None
         return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
 
+    @overload
+    async def last(self, stream: str, msg_type: type[T], subject: str | None = None) -> T | None: ...
+    @overload
+    async def last(self, stream: str, msg_type: Any, subject: str | None = None) -> Any: ...
     async def last(self, stream: str, msg_type: type[T] | Any, subject: str | None = None) -> T | None:
         """The newest message of the stream (on `subject`, if given), decoded; None if there is
         none; `codec.DecodeError` if it does not decode as `msg_type`."""
@@ -615,6 +619,10 @@ class Bus:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
 
 
+@overload
+def decode(data: bytes, msg_type: type[T]) -> T: ...
+@overload
+def decode(data: bytes, msg_type: Any) -> Any: ...
 def decode(data: bytes, msg_type: type[T] | Any) -> T:
     """`codec.decode`; a payload nested deeper than the decoder's stack is undecodable too
     (`DecodeError` "decode"), not a `RecursionError` escaping the consumer."""
