@@ -85,11 +85,14 @@ class AcceptedQueue:
 
     async def next_batch(self, size: int, stop: asyncio.Event) -> list[Trajectory] | None:
         """Block until `size` usable groups are held (None if `stop` is set first)."""
+        if self.reader is None:
+            raise RuntimeError("AcceptedQueue: the reader opens in open(); call it first")
+        reader = self.reader
         groups: list[Trajectory] = []
         while len(groups) < size:
             if stop.is_set():
                 return None
-            for d in await self.reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+            for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
                 if d.msg.trajectory_id in self.skip_ids:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
