@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from proto.messages import FinishReason
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
 
@@ -54,7 +56,7 @@ class Row:
 class RowOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
 
 
 def mix32(x: int) -> int:
