@@ -6,7 +6,9 @@ The pipeline is: read the YAML (OmegaConf's loader, so `3e-5` is a float as in A
 apply `key=value` overrides, lay the result over the schema's defaults, resolve `${a.b}` and
 `${oc.env:NAME,default}`, convert into `LorabusConfig` (unknown keys and wrong types are errors),
 fill derived defaults, then run every validation rule. Problems are collected rather than raised
-one at a time, so a user fixes a broken file in one pass; `ConfigError.problems` lists them.
+one at a time, so a user fixes a broken file in one pass: unknown keys, wrong types and broken
+rules together (a value one stage reports is set back to its default for the next, and a rule
+about a field already reported is not repeated); `ConfigError.problems` lists them.
 
 Each rule is a pure function `cfg -> list[str]` returning messages of the form
 `<dotted.field>: <bad value> <what is wrong>; <the fix>`.
@@ -112,19 +114,53 @@ def config_from_dict(
 
 def _native_config(tree: dict[str, Any], overrides: Iterable[str], source: str | None) -> LorabusConfig:
     tree = deep_merge(tree, parse_overrides(overrides, source))
-    tree = deep_merge(msgspec.to_builtins(LorabusConfig()), tree)
-    # Shape first: a misspelt key or `actor: 5` would otherwise surface as a confusing
-    # interpolation failure in some other field that refers to it.
+    defaults = msgspec.to_builtins(LorabusConfig())
+    tree = deep_merge(defaults, tree)
+    # One pass: shape, type and rule problems are reported together. What one stage reports is
+    # set back to its default before the next looks, so that a misspelt key or `actor: 5` is one
+    # problem and not also a confusing interpolation or rule failure elsewhere.
     problems = _shape_problems(tree, LorabusConfig, "")
-    if problems:
-        raise ConfigError(problems, source)
-    resolved = _resolve(tree, source)
-    cfg = _to_struct(resolved, tree, source)
+    reported = {_problem_path(p) for p in problems}
+    tree = _known_only(tree, defaults, LorabusConfig)
+    try:
+        resolved = _resolve(tree, source)
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems, source) from None
+    cfg, type_problems = _to_struct(resolved, tree, defaults)
+    problems += type_problems
+    reported |= {_problem_path(p) for p in type_problems}
     backfill(cfg)
-    problems = validate(cfg)
+    problems += [p for p in validate(cfg) if not _under(_problem_path(p), reported)]
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def _problem_path(problem: str) -> str:
+    """The dotted field a problem message starts with (`actor.lr: ...` -> `actor.lr`)."""
+    return problem.split(":", 1)[0].split(" ", 1)[0]
+
+
+def _under(path: str, reported: set[str]) -> bool:
+    return any(path == r or path.startswith((r + ".", r + "[")) for r in reported)
+
+
+def _known_only(tree: dict[str, Any], defaults: dict[str, Any], cls: type[msgspec.Struct]) -> dict[str, Any]:
+    """`tree` without its unknown keys, and with a scalar where a section belongs set back to
+    the default section (both already reported by `_shape_problems`)."""
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if key not in fields:
+            continue
+        inner = _struct_type(fields[key].type)
+        if inner is not None and isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            out[key] = _known_only(value, defaults[key], inner)
+        elif inner is not None and not isinstance(value, dict) and not (isinstance(value, str) and "${" in value):
+            out[key] = defaults.get(key)
+        else:
+            out[key] = value
+    return out
 
 
 def parse_overrides(overrides: Iterable[str], source: str | None = None) -> dict[str, Any]:
@@ -183,25 +219,50 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`")
 _ENUM = re.compile(r"^Invalid enum value (?P<value>.+)$")
 
 
-def _to_struct(tree: dict[str, Any], raw: dict[str, Any], source: str | None) -> LorabusConfig:
-    """`tree` is resolved; `raw` is the same before resolution, to show where a value came from."""
-    problems = []
-    # One conversion per top-level field: msgspec stops at the first error, and a user should
-    # see one type problem per section at once rather than one per run.
-    for f in msgspec.structs.fields(LorabusConfig):
-        if f.name in tree:
-            try:
-                msgspec.convert(tree[f.name], f.type, strict=False)
-            except msgspec.ValidationError as e:
-                if not _UNKNOWN.match(str(e)):  # already reported, with suggestions
-                    problems.append(_explain(e, tree, raw, prefix=f.name))
-    if problems:
-        raise ConfigError(problems, source)
-    try:
-        # strict=False: `${oc.env:...}` always yields strings, so "8" must still become 8.
-        return msgspec.convert(tree, LorabusConfig, strict=False)
-    except msgspec.ValidationError as e:
-        raise ConfigError(_explain(e, tree, raw, prefix=""), source) from None
+def _to_struct(tree: dict[str, Any], raw: dict[str, Any], defaults: dict[str, Any]) -> tuple[LorabusConfig, list[str]]:
+    """`tree` is resolved; `raw` is the same before resolution, to show where a value came from.
+    Every wrong value is reported: msgspec stops at the first error, so each one found is
+    explained, set back to its default, and the conversion tried again."""
+    problems: list[str] = []
+    tree = msgspec.to_builtins(tree)  # a private copy: bad values are replaced below
+    for _ in range(_MAX_TYPE_PROBLEMS):
+        try:
+            # strict=False: `${oc.env:...}` always yields strings, so "8" must still become 8.
+            return msgspec.convert(tree, LorabusConfig, strict=False), problems
+        except msgspec.ValidationError as e:
+            problems.append(_explain(e, tree, raw, prefix=""))
+            path = _explained_path(e)
+            if not path or not _reset(tree, defaults, path):
+                break
+    raise ConfigError(problems)
+
+
+_MAX_TYPE_PROBLEMS = 200
+"""a bound on conversion retries; a file has far fewer fields"""
+
+
+def _explained_path(e: msgspec.ValidationError) -> list[str]:
+    m = _MSGSPEC_AT.match(str(e))
+    rel = (m.group("path") or "").lstrip(".") if m else ""
+    # a bad list element resets the whole list: defaults have no element to take
+    return _split_path(rel.split("[", 1)[0])
+
+
+def _reset(tree: dict[str, Any], defaults: dict[str, Any], parts: list[str]) -> bool:
+    """Set `tree` at `parts` back to the default there (or drop it if none); False if absent."""
+    node, base = tree, defaults
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            return False
+        node, base = node[part], base.get(part, {}) if isinstance(base, dict) else {}
+    leaf = parts[-1]
+    if leaf not in node:
+        return False
+    if isinstance(base, dict) and leaf in base:
+        node[leaf] = base[leaf]
+    else:
+        del node[leaf]
+    return True
 
 
 def _struct_type(tp: Any) -> type[msgspec.Struct] | None:

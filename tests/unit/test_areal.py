@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import yaml
@@ -335,3 +336,26 @@ def test_hub_id_without_datasets_library_is_a_clear_error(monkeypatch):
         DataError, match=r"'openai/gsm8k' is a Hugging Face dataset, which needs the `datasets` library"
     ):
         load_prompts(DatasetConfig(path="openai/gsm8k"))
+
+
+def test_areal_tiny_example_is_the_tiny_task(monkeypatch):
+    """examples/areal_tiny.yaml (AReaL's schema) runs the same job as examples/tiny.yaml, but for
+    the AReaL defaults an AReaL user would get there too."""
+    monkeypatch.setenv(areal.REPORTED_ENV, "1")
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    translated = msgspec.to_builtins(load_config(examples / "areal_tiny.yaml"))
+    native = msgspec.to_builtins(load_config(examples / "tiny.yaml"))
+
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, n = leaves(translated), leaves(native)
+    differ = {k: (a.get(k), n.get(k)) for k in a.keys() | n.keys() if a.get(k) != n.get(k)}
+    assert differ == {
+        "actor.ppo.reward_clip": (20.0, None),  # AReaL's default clip
+        "actor.ppo.norm_eps": (1e-5, 1e-6),  # AReaL's default epsilon
+        "valid_dataset.split": ("test", "train"),  # AReaL's default; builtin:arith:valid names its own
+    }

@@ -192,6 +192,23 @@ def test_type_errors_name_field_value_and_type():
     assert "vllm.lora_modules[0]: 1 has type int, expected str; quote it in YAML" in problems
 
 
+def test_shape_type_and_rule_problems_come_in_one_pass():
+    problems = problems_of(
+        "actor.lora_rnk=8",  # shape
+        "gconfig=5",  # shape: a scalar where a section belongs
+        "actor.optimizer.lr=x",  # type, nested two deep
+        "rollout.replicas=two",  # type, another section
+        "actor.lora_alpha=-2",  # rule
+        "rollout.engine=vlm",  # enum
+    )
+    fields = [p.split(":")[0] for p in problems]
+    for field in ("actor.lora_rnk", "gconfig", "actor.optimizer.lr", "rollout.replicas", "actor.lora_alpha",
+                  "rollout.engine"):  # fmt: skip
+        assert fields.count(field) == 1, (field, problems)
+    # a value already reported does not also break a rule about it (replicas is back at its default)
+    assert not any(p.startswith("rollout.replicas") and "must" in p for p in problems)
+
+
 def test_literal_error_suggests_choice():
     (problem,) = problems_of("rollout.engine=vlm")
     assert problem.startswith("rollout.engine: 'vlm' is not one of 'embedded', 'vllm', 'sglang'")
