@@ -38,6 +38,14 @@ def new_record(fleet: str, cfg: LorabusConfig, config: dict, now: float) -> RunR
 
 def admit_problems(cfg: LorabusConfig, records: Mapping[str, RunRecord], max_runs: int) -> list[str]:
     """Why the fleet cannot take the run `cfg` now (config conflicts are `runconfig.conflicts`'s)."""
+    a = cfg.actor
+    if a.backend != "fsdp2" or a.nproc_per_node != 1:
+        # the trainer adds a run as a peft adapter beside the others (FSDP2Engine.sibling)
+        return [
+            f"actor.backend: {a.backend!r} with actor.nproc_per_node {a.nproc_per_node}: this fleet's "
+            "trainer cannot take a second run; runs share one trainer with backend fsdp2 and "
+            "nproc_per_node 1 (start such a fleet for many runs)"
+        ]
     if cfg.run in records:
         state = records[cfg.run].state
         return [
