@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -36,6 +36,7 @@ from proto.messages import (
     AdmissionGrant,
     AdmissionRequest,
     FleetAdmissionRequest,
+    RunInfo,
     RunList,
     RunRecord,
     RunReply,
@@ -146,11 +147,11 @@ class FleetRegistry:
 
     # --- run requests -------------------------------------------------------------------------
 
-    def _reply(self, ok: bool, problems: list[str] = (), names: list[str] = ()) -> RunReply:  # type: ignore[assignment]
+    def _reply(self, ok: bool, problems: Sequence[str] = (), names: Sequence[str] = ()) -> RunReply:
         infos = [self.info(run) for run in names if run in self.records]
         return RunReply(fleet=self.fleet, ok=ok, problems=list(problems), runs=infos)
 
-    def info(self, run: str):
+    def info(self, run: str) -> RunInfo:
         service = self.services.get(run)
         return runs.info(self.records[run], self.configs[run], service.ledger if service else None)
 
