@@ -7,7 +7,7 @@ Field names are part of the contract: renaming one is a major schema change.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
@@ -183,6 +183,9 @@ class AdmissionGrant(Message, tag="grant", tag_field="kind", kw_only=True):
     version: Version
     """the version the rollout must generate with"""
     lease_expires_at: UnixTime
+    run: Name | None = None
+    """the run the grant is for: set on a fleet admission (the registry picked the run), None
+    on a run's own admission subject (the run is the subject's)"""
 
 
 class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
@@ -192,6 +195,17 @@ class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
 
 
 AdmissionReply = AdmissionGrant | AdmissionDeny
+
+
+class FleetAdmissionRequest(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.admission`: a replica asks for one group of work for whichever
+    run of the fleet the registry picks (the weighted fair share, `services.fleet.share`)."""
+
+    fleet: Name
+    replica: Name
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    loaded: dict[Name, list[Version]] = field(default_factory=dict)
+    """run -> the versions of that run this replica has loaded"""
 
 
 # --- trajectories ----------------------------------------------------------------------------
@@ -313,6 +327,78 @@ class DeadLetter(Message, kw_only=True):
     received_at: UnixTime
 
 
+# --- the fleet's runs (request/reply, and the run table) ------------------------------------
+
+RunStateName = Literal["active", "stopping", "stopped", "finished"]
+
+
+class RunSubmit(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.submit`: add a run to a running fleet."""
+
+    fleet: Name
+    run: Name
+    config: dict[str, Any]
+    """the run file as written: lorabus config keys a run may set (`services.fleet.runconfig`),
+    laid over the fleet's config and validated by the registry with the config loader's rules"""
+
+
+class RunStop(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.stop`: stop granting work to a run, let its grants finish,
+    keep its published versions and exports."""
+
+    fleet: Name
+    run: Name
+    reason: str = ""
+
+
+class RunList(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.list`: ask for the fleet's runs."""
+
+    fleet: Name
+
+
+class RunInfo(Struct, kw_only=True):
+    """One run as `lorabus run list` shows it."""
+
+    run: Name
+    lora_name: Name
+    state: RunStateName
+    share: Annotated[float, Meta(gt=0)]
+    lora_rank: PosInt
+    total_train_steps: PosInt
+    head_version: Version | None = None
+    running: NonNegInt = 0
+    """grants issued and not yet finished"""
+    accepted: NonNegInt = 0
+
+
+class RunReply(Message, kw_only=True):
+    """The registry's answer to RunSubmit, RunStop and RunList. `problems` are the config
+    loader's `field: value, problem; fix` lines (or why the request was refused)."""
+
+    fleet: Name
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    runs: list[RunInfo] = field(default_factory=list)
+
+
+class RunRecord(Message, kw_only=True):
+    """One run in the fleet's run table (KV bucket `lorabus_<fleet>_runs`, key = run): what
+    every service of the fleet watches to start and stop serving the run. Only the registry
+    writes it."""
+
+    fleet: Name
+    run: Name
+    state: RunStateName
+    share: Annotated[float, Meta(gt=0)]
+    config: dict[str, Any]
+    """the run's whole validated config without the fleet's connection sections (bus, store,
+    metrics), which every service takes from its own config"""
+    submitted_at: UnixTime
+    changed_at: UnixTime
+    reason: str = ""
+
+
 TOP_LEVEL: tuple[type, ...] = (
     AdapterReady,
     AdapterLoaded,
@@ -328,6 +414,12 @@ TOP_LEVEL: tuple[type, ...] = (
     EvalResult,
     TrainerStep,
     DeadLetter,
+    FleetAdmissionRequest,
+    RunSubmit,
+    RunStop,
+    RunList,
+    RunReply,
+    RunRecord,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {"msgspec"}]

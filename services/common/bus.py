@@ -12,6 +12,7 @@ It is the only module that talks to nats-py: services call its methods, never `n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -37,7 +38,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from proto import codec, subjects
-from proto.messages import DeadLetter, DeadLetterReason
+from proto.messages import DeadLetter, DeadLetterReason, RunList, RunRecord, RunReply, RunStop, RunSubmit
 from services.common import streams
 from services.common.config_schema import BusConfig
 
@@ -167,6 +168,8 @@ class Bus:
         self.service = subjects.token(service, "service")
         self._consumers: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
+        self._view = False
+        """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
 
     # --- connection ---------------------------------------------------------------------
 
@@ -229,6 +232,14 @@ class Bus:
     def is_closed(self) -> bool:
         return self.nc.is_closed
 
+    def for_run(self, run: str) -> Bus:
+        """This connection as seen by another run of the fleet: that run's subjects, streams
+        and dead letters, consumers and subscriptions of its own. Closing the view stops
+        those only; the connection belongs to the Bus it came from."""
+        view = Bus(self.nc, run, self.service)
+        view._view = True
+        return view
+
     async def close(self) -> None:
         """Stop consumers (un-acked messages are redelivered to the next owner of the
         durable), then drain: pending publishes are flushed, subscriptions finish."""
@@ -237,6 +248,12 @@ class Bus:
             task.cancel()
         # a consumer's last unsubscribe needs the server: never let a lost server hold close()
         await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S) if tasks else None
+        if self._view:
+            for sub in self._subs:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+            self._subs = []
+            return
         if self.nc.is_closed:
             return
         if not self.nc.is_connected:  # draining needs the server; don't wait for a reconnect
@@ -617,6 +634,69 @@ class Bus:
             await self.dead_letter(subject, reason, error, raw)
         except DEAD_LETTER_ERRORS as exc:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
+
+    # --- the fleet: its run table (KV, written by the registry alone) and run requests --------
+
+    async def run_records(self, fleet: str) -> dict[str, RunRecord]:
+        """Every run of `fleet` as the run table holds it now."""
+        kv = await self.key_value(streams.runs_bucket(fleet))
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await kv.get(key)
+                if entry.value:
+                    out[key] = decode(entry.value, RunRecord)
+        return out
+
+    async def put_run_record(self, record: RunRecord) -> int:
+        """Write one run's record (the registry's job); returns the bucket revision."""
+        kv = await self.key_value(streams.runs_bucket(record.fleet))
+        return await kv.put(subjects.token(record.run, "run"), codec.encode(record))
+
+    async def watch_run_records(self, fleet: str, handler: Callable[[RunRecord], Awaitable[None]]) -> asyncio.Task:
+        """`handler(record)` for every run of `fleet` now, then for every change, in order, in
+        a background task (cancel it to stop). A record that does not decode is logged and
+        skipped: the registry is the one writer, so it is a bug, not a message to retry."""
+        kv = await self.key_value(streams.runs_bucket(fleet))
+        watcher = await kv.watchall()
+
+        async def run() -> None:
+            try:
+                async for entry in watcher:
+                    if entry is None or not entry.value:  # end of the initial values; a delete
+                        continue
+                    try:
+                        record = decode(entry.value, RunRecord)
+                    except codec.DecodeError as exc:
+                        log.error("bus: run record %s of fleet %s does not decode: %s", entry.key, fleet, exc)
+                        continue
+                    await handler(record)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+        task = asyncio.create_task(run(), name=f"runs:{fleet}")
+        self._consumers.add(task)
+        task.add_done_callback(self._consumer_done)
+        return task
+
+    async def submit_run(self, fleet: str, run: str, config: dict[str, Any], *, timeout: float = 10.0) -> RunReply:
+        """Ask the fleet's registry to add a run (`lorabus run submit`)."""
+        request = RunSubmit(fleet=fleet, run=run, config=config)
+        return await self.request(subjects.run_control(fleet, "submit"), request, RunReply, timeout=timeout)
+
+    async def stop_run(self, fleet: str, run: str, reason: str = "", *, timeout: float = 10.0) -> RunReply:
+        """Ask the fleet's registry to stop a run (`lorabus run stop`)."""
+        request = RunStop(fleet=fleet, run=run, reason=reason)
+        return await self.request(subjects.run_control(fleet, "stop"), request, RunReply, timeout=timeout)
+
+    async def list_runs(self, fleet: str, *, timeout: float = 5.0) -> RunReply:
+        """The fleet's runs (`lorabus run list`)."""
+        return await self.request(subjects.run_control(fleet, "list"), RunList(fleet=fleet), RunReply, timeout=timeout)
 
 
 @overload

@@ -37,6 +37,9 @@ from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
 __all__ = [
     "ConfigError",
     "load_config",
+    "read_tree",
+    "parse_overrides",
+    "deep_merge",
     "config_from_dict",
     "backfill",
     "validate",
@@ -64,6 +67,11 @@ class ConfigError(ValueError):
 
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> LorabusConfig:
     """Read, resolve, back-fill and validate one config file; raises `ConfigError`."""
+    return config_from_dict(read_tree(path), overrides, source=os.fspath(path))
+
+
+def read_tree(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's mapping as written (nothing resolved or checked yet); raises `ConfigError`."""
     source = os.fspath(path)
     try:
         loaded = OmegaConf.load(source)
@@ -82,7 +90,7 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
             "(experiment_name:, actor:, rollout:, ...)",
             source,
         )
-    return config_from_dict(tree, overrides, source=source)
+    return tree
 
 
 def config_from_dict(
@@ -105,9 +113,9 @@ def config_from_dict(
 
 
 def _native_config(tree: dict[str, Any], overrides: Iterable[str], source: str | None) -> LorabusConfig:
-    tree = _deep_merge(tree, _parse_overrides(overrides, source))
+    tree = deep_merge(tree, parse_overrides(overrides, source))
     defaults = msgspec.to_builtins(LorabusConfig())
-    tree = _deep_merge(defaults, tree)
+    tree = deep_merge(defaults, tree)
     # One pass: shape, type and rule problems are reported together. What one stage reports is
     # set back to its default before the next looks, so that a misspelt key or `actor: 5` is one
     # problem and not also a confusing interpolation or rule failure elsewhere.
@@ -155,7 +163,7 @@ def _known_only(tree: dict[str, Any], defaults: dict[str, Any], cls: type[msgspe
     return out
 
 
-def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, Any]:
+def parse_overrides(overrides: Iterable[str], source: str | None = None) -> dict[str, Any]:
     if isinstance(overrides, str):  # a lone "a=b" would otherwise iterate per character
         overrides = [overrides]
     out: dict[str, Any] = {}
@@ -171,18 +179,18 @@ def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, 
         except OmegaConfBaseException as e:
             problems.append(f"override {item!r} cannot be parsed: {_first_line(e)}")
             continue
-        out = _deep_merge(out, parsed)
+        out = deep_merge(out, parsed)
     if problems:
         raise ConfigError(problems, source)
     return out
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` wins; mappings merge key by key, anything else (lists too) replaces."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -704,6 +712,18 @@ def check_schedule(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_fleet(cfg: LorabusConfig) -> list[str]:
+    f, out = cfg.fleet, []
+    if not f.share > 0:
+        out.append(f"fleet.share: {f.share} must be > 0 (a run's weight in the fleet's fair share; 1 is even)")
+    if f.max_runs < 1:
+        out.append(f"fleet.max_runs: {f.max_runs} must be >= 1 (runs served at once)")
+    mcr = f.max_concurrent_rollouts
+    if mcr is not None and mcr < 1:
+        out.append(f"fleet.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: each run's own bound only)")
+    return out
+
+
 RULES = (
     check_lora,
     check_lora_name,
@@ -716,6 +736,7 @@ RULES = (
     check_sglang_slots,
     check_run,
     check_schedule,
+    check_fleet,
 )
 
 
