@@ -11,7 +11,8 @@ the differences are the LoRA serving path alone:
   slots_mixed25  our slots, 25% of rows pinned to an older version (low-rank correction)
   slots_mixed3   our slots, 50% head, 25% each on two older versions
   slots_*_torch  the same mixes with the correction in plain torch (the reference path)
-                 instead of the Triton kernels (`services.rollout.lora_kernels`)
+                 instead of the Triton kernels (`services.rollout.lora_kernels`) in the
+                 captured graphs; eager forwards always run the torch path
   peft_unmerged  peft with one unmerged adapter
   peft_mixed2    peft, two adapters mixed in the batch through `adapter_names`
 Each of base and slots_* runs twice: eager (DynamicCache, one Python forward per step) and
@@ -405,21 +406,22 @@ def main(argv: list[str] | None = None) -> int:
             del ref_graphs
             slots.routing.kernel = True
 
-    # the kernel against the reference correction: logits of one prefill of mixed rows
+    # the kernel against the reference correction, op by op on the first layer's groups
     if slots.routing.kernel:
-        ids = torch.tensor([r.prompt for r in rows[: min(16, batch)]], device=device)
-        mix3 = mixes["slots_mixed3"]
-        mix_ids = [mix3[i * batch // len(ids)] for i in range(len(ids))]
+        from services.rollout import lora_kernels
 
         def kernel_vs_reference() -> dict:
-            out = {}
-            for kernel in (True, False):
-                slots.routing.kernel = kernel
-                with torch.no_grad(), slots.route(mix_ids):
-                    out[kernel] = model(input_ids=ids, logits_to_keep=1).logits.float()
-            slots.routing.kernel = True
-            diff = (out[True] - out[False]).abs().max().item()
-            return {"logits_max_abs_diff": diff, "logits_max_abs": out[False].abs().max().item()}
+            cols = slots.columns(mixes["slots_mixed3"])
+            worst = 0.0
+            for group in slots.groups[:4]:
+                x = torch.randn(batch, group.in_features, device=device, dtype=dtype)
+                y0 = torch.randn(batch, group.segs[-1], device=device, dtype=dtype)
+                want, got = y0.clone(), y0.clone()
+                lora_kernels.correct_reference_(want, x, group._a_all, group._bt_all, group.segs, cols, 1)
+                lora_kernels.correct_kernel_(got, x, group._a_all, group._bt_all, group._segs_dev, cols, 1)
+                size = (want.float() - y0.float()).abs().max().item()
+                worst = max(worst, (got.float() - want.float()).abs().max().item() / size)
+            return {"max_abs_diff_over_max_correction": worst}
 
         res["kernel_vs_reference"] = attempt("kernel_vs_reference", kernel_vs_reference)
 

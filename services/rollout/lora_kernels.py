@@ -38,8 +38,8 @@ BLOCK_M = 16
 """rows per program: the skip unit (tl.dot needs at least 16)"""
 BLOCK_N = 128
 BLOCK_K = 64
-K_CHUNK = 512
-"""input features per shrink program: the split-K width (down_proj's 8960 -> 18 programs)"""
+K_CHUNK = 1024
+"""input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,10 +62,22 @@ def correct_reference_(
     rows_per_mask: int,
 ) -> None:
     """y [rows, N] += the group's correction, in place (plain torch)."""
-    groups, sr = len(segs) - 1, cols.shape[1]
+    expand_reference_(y, shrink_reference(x, a, cols, rows_per_mask), bt, segs)
+
+
+def shrink_reference(x: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, rows_per_mask: int) -> torch.Tensor:
+    """The masked shrink t = (x @ A^T) * C, [rows, G * S * r] (it reads x only, so it can run
+    beside the layer's own matmul)."""
+    sr = cols.shape[1]
     t = x @ a.T
-    t.view(cols.shape[0], rows_per_mask, groups, sr).mul_(cols[:, None, None, :])
-    for g in range(groups):
+    t.view(cols.shape[0], rows_per_mask, -1, sr).mul_(cols[:, None, None, :])
+    return t
+
+
+def expand_reference_(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int]) -> None:
+    """y += t @ Bt, member by member."""
+    sr = bt.shape[0]
+    for g in range(len(segs) - 1):
         lo, hi = segs[g], segs[g + 1]
         y[:, lo:hi].addmm_(t[:, g * sr : (g + 1) * sr], bt[:, lo:hi])
 
@@ -81,22 +93,38 @@ def correct_kernel_(
 ) -> None:
     """Same as `correct_reference_`, as two Triton kernels; `segs` is an int32 tensor on the
     device (read by the kernel, so the call stays capturable)."""
+    expand_kernel_(y, shrink_kernel(x, a, cols, rows_per_mask, segs.shape[0] - 1), bt, segs, cols, rows_per_mask)
+
+
+def shrink_kernel(
+    x: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, rows_per_mask: int, groups: int
+) -> torch.Tensor:
+    """The masked shrink as split-K partial sums [splits, rows, G * SR_PAD] (fp32)."""
     assert triton is not None
     rows, k = x.shape
-    n, groups, sr = y.shape[1], segs.shape[0] - 1, cols.shape[1]
+    sr = cols.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     sr_pad = max(16, triton.next_power_of_2(sr))
     splits = triton.cdiv(k, K_CHUNK)
     partial = torch.empty(splits, rows, groups * sr_pad, dtype=torch.float32, device=x.device)
-    row_blocks = triton.cdiv(rows, BLOCK_M)
-    _shrink[(row_blocks, groups, splits)](
+    _shrink[(triton.cdiv(rows, BLOCK_M), groups, splits)](
         x, a, cols, partial, rows, k, rows_per_mask, x.stride(0), a.stride(0),
         SR=sr, SR_PAD=sr_pad, BM=BLOCK_M, BK=BLOCK_K, K_CHUNK=K_CHUNK,
     )  # fmt: skip
-    _expand[(row_blocks, triton.cdiv(n, BLOCK_N))](
+    return partial
+
+
+def expand_kernel_(
+    y: torch.Tensor, partial: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
+) -> None:
+    """y += (sum of the partials) @ Bt, every member in one kernel."""
+    assert triton is not None
+    splits, rows, width = partial.shape
+    n, groups, sr = y.shape[1], segs.shape[0] - 1, cols.shape[1]
+    _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
         y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
-        G=groups, SR=sr, SR_PAD=sr_pad, BM=BLOCK_M, BN=BLOCK_N,
+        G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
     )  # fmt: skip
 
 

@@ -49,13 +49,20 @@ _PEFT_PREFIX = "base_model.model."
 class Routing:
     """What every SlotGroup of a model reads during a forward: the sign mask C ([batch,
     slots * rank], or None when every row is on the head; set around each forward by
-    `LoraSlots.route`) and which correction runs (the Triton kernel or the torch reference)."""
+    `LoraSlots.route`), which correction captured graphs record (the Triton kernels or the
+    torch reference), and the side stream their shrinks run on."""
 
-    __slots__ = ("cols", "kernel")
+    __slots__ = ("cols", "kernel", "_side")
 
     def __init__(self, kernel: bool) -> None:
         self.cols: torch.Tensor | None = None
         self.kernel = kernel
+        self._side: torch.cuda.Stream | None = None
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
 
 class SlotGroup:
@@ -110,17 +117,34 @@ class SlotGroup:
         self._pending = None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         cols = self.routing.cols
         if cols is None:
-            return y
-        x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.segs[-1])
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
         # rows of x are (batch row, position) pairs: the mask is per batch row
         per_row = x2.shape[0] // cols.shape[0]
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # eager: a Triton launch costs ~20 us of Python, more than the work it replaces
+            y = F.linear(x, self.weight, self.bias)
+            lora_kernels.correct_reference_(y.view(-1, self.segs[-1]), x2, self._a_all, self._bt_all, self.segs, cols,
+                                            per_row)  # fmt: skip
+            return y
+        # In a captured graph the shrink reads only x, so it runs on a side stream beside the
+        # layer's matmul; only the expand waits for both.
+        main, side = torch.cuda.current_stream(), self.routing.side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            if self.routing.kernel:
+                t = lora_kernels.shrink_kernel(x2, self._a_all, cols, per_row, len(self.segs) - 1)
+            else:
+                t = lora_kernels.shrink_reference(x2, self._a_all, cols, per_row)
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(side)
+        y2 = y.view(-1, self.segs[-1])
         if self.routing.kernel:
-            lora_kernels.correct_kernel_(y2, x2, self._a_all, self._bt_all, self._segs_dev, cols, per_row)
+            lora_kernels.expand_kernel_(y2, t, self._bt_all, self._segs_dev, cols, per_row)
         else:
-            lora_kernels.correct_reference_(y2, x2, self._a_all, self._bt_all, self.segs, cols, per_row)
+            lora_kernels.expand_reference_(y2, t, self._bt_all, self.segs)
         return y
 
 
