@@ -11,10 +11,14 @@ gate/up), whose outputs sit side by side in one `y [rows, N]`:
 `correct_reference_` is plain torch (CPU, tests, and where Triton is missing): one shrink
 matmul for the whole group, one mask multiply, one expand per member. `correct_kernel_` is two
 Triton kernels for the whole group whatever G is: a split-K shrink that writes masked partial
-sums, then an expand that sums them and adds t @ Bt into y. Both skip blocks of 16 rows that
-are all on the head, and load only the A rows of slots that a block uses, so their cost
-follows the rows to correct rather than the batch. Neither allocates outside the caller's
-stream nor reads the mask on the host, so both can be captured in a CUDA graph.
+sums, then an expand that sums them and adds t @ Bt into y. The kernels skip blocks of 16 rows
+that are all on the head and load only the A rows of slots that a block uses, so their cost
+follows the rows to correct rather than the batch. Neither path reads the mask on the host, so
+both can be captured in a CUDA graph. Each is also split in its two phases (`shrink_*`,
+`expand_*`): the shrink reads x only, so a captured graph runs it on a side stream beside the
+layer's own matmul (`lora_slots.SlotGroup`). On the H200 the two give the same decode speed in
+graphs (benchmarks/results/embedded_engine_h200.json); eager forwards use the reference, since
+a Triton launch costs ~20 us of Python.
 
 Invariant: the two functions compute the same sum (to the rounding of the model's dtype);
 tests/unit/test_lora_kernels.py checks the kernel against the reference under Triton's

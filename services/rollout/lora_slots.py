@@ -17,10 +17,11 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   flow: a CUDA graph captured once per batch size serves every mix, and a head change only
   rewrites C.
 - Siblings that read the same input (q/k/v, gate/up: Megatron's fused layers) form one
-  `SlotGroup`: one matmul for their base outputs and one correction for all of them (on CUDA,
-  two Triton kernels, `lora_kernels`), so a decoder layer runs 4 matmuls + 8 correction
-  kernels instead of 7 + 21 (the per-layer kernel count set the mixed-batch cost: 0.78x the
-  base with three small kernels per layer).
+  `SlotGroup`: one matmul for their base outputs and one correction for all of them
+  (`lora_kernels`), and in a captured CUDA graph the correction's shrink runs on a side stream
+  beside the group's matmul. A decoder layer then puts 4 matmuls + 4 expands on the critical
+  path instead of 7 matmuls + 21 correction kernels (with three small kernels per module the
+  mixed-batch cost was 0.78x the graph base; now 0.88-0.89x).
 - Re-merging on a head change recomputes W from a pristine copy `w0` with one fused `addmm`
   per module, so there is no drift however many versions pass. Memory cost: one extra copy of
   every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in bf16), plus the
