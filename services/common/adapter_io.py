@@ -112,6 +112,12 @@ def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return b"".join([head, *(_raw(t) for t in ordered)])
 
 
+def serialized_size(tensors: dict[str, torch.Tensor]) -> int:
+    """len(to_bytes(tensors)), from names, shapes and dtypes alone (no data is read)."""
+    head, ordered = _safetensors_layout(tensors)
+    return len(head) + sum(t.numel() * t.element_size() for t in ordered)
+
+
 def write_weights(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
     """`to_bytes(tensors)` written to `path` tensor by tensor (no whole-file buffer), atomically
     (tmp + rename): a reader sees no file or the whole file."""
