@@ -103,7 +103,7 @@ def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[t
 def _raw(t: torch.Tensor) -> memoryview:
     """A tensor's bytes, host side, without a copy when it already is contiguous on the CPU."""
     flat = t.contiguous().cpu().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -140,6 +142,10 @@ def _store_in_background(
     key = adapter_key(run, version)
 
     def run_() -> None:
+        # behind the hot path, not in its way: the replicas' swap and the next step may share
+        # these cores (Linux: a thread's own nice value)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
             weights = adapter_io.to_bytes(tensors)
             if len(weights) != size:
