@@ -263,9 +263,8 @@ async def test_versions_arrive_by_broadcast_stay_servable_and_a_replica_outside_
         ref_dir = tmp_path / "ref1"
         adapter_io.write_peft_dir(ref_dir, adapter_io.to_bytes(tensors_of(1)), spec())
         want = peft_logprobs(ref_dir, prompt, out[0].token_ids)
-        torch.testing.assert_close(
-            torch.tensor(out[0].logprobs, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-4, rtol=0
-        )
+        got = torch.tensor(out[0].logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-4, rtol=0)
 
         # v1 pinned by work in flight: it keeps answering while v2 and v3 arrive
         a.book.pin(1)

@@ -381,10 +381,8 @@ def test_a_resumed_trainer_stores_and_seals_a_copy_its_predecessor_announced_but
     w = adapter_io.to_bytes(tensors)
     store.put_bytes(pub.announced_key("run", 3), durable.PENDING)  # died inside the upload window
     obj = ObjectPayload(uri=store.uri_for(pub.adapter_key("run", 3)), bytes=len(w))
-    ev = AdapterReady(
-        run="run", lora_name="l", version=3, trainer_step=3, created_at=1.0, lora=LoraSpec(rank=RANK, alpha=16.0, target_modules=["l"], base_model="m"),
-        payloads=[obj],
-    )  # fmt: skip
+    lora = LoraSpec(rank=RANK, alpha=16.0, target_modules=["l"], base_model="m")
+    ev = AdapterReady(run="run", lora_name="l", version=3, trainer_step=3, created_at=1.0, lora=lora, payloads=[obj])
     asyncio.run(pub._repair(store, ev, "run", 3, tensors, None))
     assert durable.read(store, obj) == w
 
