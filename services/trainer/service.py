@@ -193,7 +193,7 @@ class Rank0:
     """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
 
     async def announce(
-        self, version: int, tensors: dict[str, torch.Tensor], weights: bytes | None = None
+        self, version: int, tensors: dict[str, torch.Tensor], *, weights: bytes | None = None
     ) -> AdapterReady | None:
         """Store (or broadcast) and announce `version`; None when it was announced already.
         `weights`: its serialised form when at hand (else serialised where `deliver` says)."""
@@ -248,7 +248,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     `ctx.stop`; returns the last published version."""
     cfg, engine, bus, followers = ctx.cfg, ctx.engine, ctx.bus, ctx.followers
     version = start.version
-    event = await ctx.announce(version, start.tensors, start.weights)
+    event = await ctx.announce(version, start.tensors, weights=start.weights)
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.set(version)
 
