@@ -16,7 +16,7 @@ import time
 
 from proto import subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
-from services.common import streams, xccl
+from services.common import durable, streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
@@ -107,9 +107,7 @@ class Exporter:
         with _stage("fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
-            data = xccl.fetch_when_stored(
-                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes), what=payload.uri
-            )
+            data = xccl.fetch_when_stored(lambda: durable.read(store, payload), what=payload.uri)
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 
