@@ -6,11 +6,11 @@ can route any bad message to its dead-letter subject without inspecting the exce
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar, get_args, overload
 
 import msgspec
 
-from proto.messages import SCHEMA_VERSION
+from proto.messages import SCHEMA_VERSION, DeadLetterReason
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ _encoder = msgspec.json.Encoder()
 
 
 class DecodeError(ValueError):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: DeadLetterReason, message: str):
         super().__init__(message)
         self.reason = reason
 
@@ -69,6 +69,11 @@ def max_bytes_of(type_: Any) -> int:
     return min(max(caps), MAX_MESSAGE_BYTES)
 
 
+# A tagged union (e.g. `RolloutReport`) is not a `type[T]` to mypy: it decodes to Any.
+@overload
+def decode(data: bytes, type_: type[T], *, max_bytes: int | None = None) -> T: ...
+@overload
+def decode(data: bytes, type_: Any, *, max_bytes: int | None = None) -> Any: ...
 def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int | None = None) -> T:
     """Decode `data` as `type_` (a Struct or a tagged Union of Structs), refusing anything
     larger than the type's cap before parsing it."""

@@ -37,6 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import msgspec
 from msgspec import Struct
@@ -355,12 +356,12 @@ class Journal:
                     if batch.ops:
                         await self._store(batch.ops)
                 except BaseException as exc:
-                    self.fatal = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                    fatal = self.fatal = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
                     if batch.done is not None and not batch.done.done():
-                        batch.done.set_exception(self.fatal)
-                    self._fail_pending()
+                        batch.done.set_exception(fatal)
+                    self._fail_pending(fatal)
                     if self.on_fatal is not None:
-                        self.on_fatal(self.fatal)
+                        self.on_fatal(fatal)
                     if not isinstance(exc, Exception):
                         raise
                     return
@@ -371,10 +372,10 @@ class Journal:
         finally:
             self._writer = None
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, fatal: BaseException) -> None:
         batch, self._batch = self._batch, _Batch()
         if batch.done is not None and not batch.done.done():
-            batch.done.set_exception(self.fatal)
+            batch.done.set_exception(fatal)
 
     async def _store(self, ops: list[Op]) -> None:
         entries = encode_entries(ops)
@@ -393,8 +394,8 @@ class Journal:
         slot = "a" if self.slot == "b" else "b"
         chunks = pieces(data)
         for i, chunk in enumerate(chunks):
-            await self._retrying(lambda i=i, chunk=chunk: self.bus.publish_raw(
-                f"{self.parts_prefix}{slot}.{i}", chunk, msg_id=f"{self._token}:{self.seq}:{slot}.{i}"))  # fmt: skip
+            subject, msg_id = f"{self.parts_prefix}{slot}.{i}", f"{self._token}:{self.seq}:{slot}.{i}"
+            await self._retrying(partial(self.bus.publish_raw, subject, chunk, msg_id=msg_id))
         ref = SnapshotRef(slot=slot, pieces=len(chunks), sha256=hashlib.sha256(data).hexdigest())
         await self._write(msgspec.json.encode(ref), SNAPSHOT_KEY, rollup=True)
         self.slot = slot

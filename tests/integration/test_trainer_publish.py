@@ -27,11 +27,15 @@ async def bus(nats_url):
     await bus.close()
 
 
-def weights(seed: int) -> bytes:
+def tensors(seed: int):
     import torch
 
     torch.manual_seed(seed)
-    return adapter_io.to_bytes({"base_model.model.q_proj.lora_A.weight": torch.randn(2, 4)})
+    return {"base_model.model.q_proj.lora_A.weight": torch.randn(2, 4)}
+
+
+def weights(seed: int) -> bytes:
+    return adapter_io.to_bytes(tensors(seed))
 
 
 async def test_an_announcement_of_the_trainers_next_version_by_someone_else_does_not_stop_it(bus, tmp_path):
@@ -42,23 +46,23 @@ async def test_an_announcement_of_the_trainers_next_version_by_someone_else_does
     epoch = trainer_epoch(store, run)
     assert trainer_epoch(store, run) == epoch and trainer_epoch(store, "other-run") != epoch  # kept per run
 
-    async def announce(version: int, data: bytes) -> AdapterReady | None:
+    async def announce(version: int, seed: int) -> AdapterReady | None:
         return await publish_adapter(bus, store, run=run, epoch=epoch, lora_name="l", version=version,
-                                     weights=data, lora=LORA, trainer_step=version)  # fmt: skip
+                                     tensors=tensors(seed), lora=LORA, trainer_step=version)  # fmt: skip
 
-    v0 = await announce(0, weights(0))
+    v0 = await announce(0, 0)
     assert v0 is not None and v0.trainer_epoch == epoch
     forged = AdapterReady(
         run=run, trainer_epoch="forger", lora_name="l", version=1, trainer_step=1, created_at=time.time(),
         lora=LORA, payloads=v0.payloads,
     )  # fmt: skip
     await bus.publish(subjects.adapter_ready(run, 1), forged, msg_id="adapter-v1")
-    v1 = await announce(1, weights(1))
+    v1 = await announce(1, 1)
     assert v1 is not None and v1.trainer_epoch == epoch
     obj = v1.object_payload()
     assert obj is not None and obj.sha256 == adapter_io.sha256(weights(1))
     stored = await bus.last_raw(streams.ADAPTERS(run), subjects.adapter_ready(run, 1))
     assert stored is not None and codec.decode(stored.data, AdapterReady) == v1
     # and a restarted trainer of the same epoch still announces each version once
-    assert await announce(1, weights(1)) is None
+    assert await announce(1, 1) is None
     assert isinstance(obj, ObjectPayload)
