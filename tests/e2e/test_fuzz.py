@@ -108,7 +108,10 @@ def forged_cases(pools: dict[str, list], run: str, epoch: str, head: int, replic
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
 
     def report_subject() -> str:
-        return subjects.rollout_report(run, rng.choice([*replicas, token()]), rng.choice(subjects.ROLLOUT_KINDS))
+        # REPORTS keeps the last 100 per subject: a real replica's subject flooded past that
+        # drops the oldest before anyone reads them (retention, not loss of anything that counts)
+        replica = rng.choice(replicas) if rng.random() < 0.1 else token()
+        return subjects.rollout_report(run, replica, rng.choice(subjects.ROLLOUT_KINDS))
 
     def hostile(pool: str, subject, **expect) -> None:
         cases.extend(Case(subject(), data, **expect) for data in pools[pool])

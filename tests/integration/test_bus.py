@@ -7,6 +7,7 @@ import time
 import uuid
 
 import msgspec
+import nats.js.errors
 import pytest
 from prometheus_client import REGISTRY
 
@@ -269,9 +270,11 @@ async def test_deeply_nested_message_is_dead_lettered(bus, run):
     assert letter.reason == "decode" and letter.subject == subject
 
 
-async def test_oversized_message_is_dead_lettered(nats_server_factory, tmp_path, run):
+async def test_oversized_message_is_refused_at_the_door(nats_server_factory, tmp_path, run):
     # The server may allow more than the codec's 1 MiB (a peer's deployment choice): the
-    # receiver must still refuse it, as too-large, without stalling.
+    # stream itself refuses a message over its type's cap (issue 17), so no receiver ever
+    # sees it; a receiver of a stream without that cap refuses it as too-large
+    # (tests/unit/test_hostile_input.py).
     config = tmp_path / "big.conf"
     config.write_text("max_payload: 4MB\n")
     server = nats_server_factory(config_file=config)
@@ -280,14 +283,13 @@ async def test_oversized_message_is_dead_lettered(nats_server_factory, tmp_path,
         await bus.ensure_streams()
         subject = subjects.trainer_step(run)
         huge = b'{"schema_version":"1.0","pad":"' + b"x" * (codec.MAX_MESSAGE_BYTES + 10) + b'"}'
-        await bus.js.publish(subject, huge)
+        with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds"):
+            await bus.js.publish(subject, huge)
         await bus.publish(subject, step(1, run))
         got = Collector()
         await bus.consume(streams.TRAINER(run), "big", TrainerStep, got)
         await got.wait_for(lambda c: c.steps() == [1])
-        [letter] = await dead_letters(bus, "tester", 1)
-        assert letter.reason == "too-large"
-        assert letter.raw == huge[: 64 * 1024]
+        assert (await bus.js.stream_info(streams.TRAINER(run))).state.messages == 1
     finally:
         await bus.close()
 
