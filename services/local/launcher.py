@@ -222,10 +222,14 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
             progress.max_accepted_staleness = max(progress.max_accepted_staleness, staleness)
 
     async def on_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
-        progress.exported[msg.version] = msg.uri
+        if msg.run == run:
+            progress.exported[msg.version] = msg.uri
 
     async def on_eval(msg: m.EvalResult, _meta: MsgMeta) -> None:
-        progress.evals[msg.version] = msg.score
+        # the summary's scores are the held-out evaluator's (`lorabus evaluate`'s default name)
+        # of this run: anyone else's results on eval.* do not count
+        if msg.run == run and msg.evaluator == "heldout":
+            progress.evals[msg.version] = msg.score
 
     async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
         if isinstance(msg, m.AdapterLoaded):

@@ -21,8 +21,10 @@ What is asserted:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -193,6 +195,9 @@ async def send(bus: Bus, cases: list[Case]) -> tuple[list[Case], int]:
     delivered: list[Case] = []
     for i in range(0, len(js_cases), 256):
         delivered += await _publish(bus, js_cases[i : i + 256])
+        # ~500 messages/s: a flood, but one every subscriber can read (a core subscriber
+        # that falls 10 s behind is cut off by the server as a slow consumer)
+        await asyncio.sleep(0.5)
     assert not await _publish(bus, big), "a message over its stream's max_msg_size was stored"
     refused = len(big) + len(js_cases) - len(delivered)
     for i, c in enumerate(c for c in cases if c.core):
@@ -329,9 +334,10 @@ async def test_fuzzed_bus_every_bad_message_refused_and_the_run_still_learns(nat
         if launcher.poll() is None:  # SIGINT: the launcher stops its children before it exits
             launcher.send_signal(signal.SIGINT)
             try:
-                await asyncio.to_thread(launcher.wait, 60)
+                await asyncio.to_thread(launcher.wait, 120)
             except subprocess.TimeoutExpired:
                 launcher.kill()
+        stop_children(run_dir)
         await bus.close()
     print(out)
     assert launcher.returncode == 0, out[-4000:]
@@ -348,6 +354,16 @@ async def test_fuzzed_bus_every_bad_message_refused_and_the_run_still_learns(nat
         "heldout_v0": evals[0], f"heldout_best_of_last_3_of_{STEPS}": best_late,
     }  # fmt: skip
     print("fuzz figures:", json.dumps(figures))
+
+
+def stop_children(run_dir: Path) -> None:
+    """Whatever the launcher left running (it was killed, or stopped before its children)."""
+    pids = run_dir / "pids.json"
+    if not pids.exists():
+        return
+    for pid in json.loads(pids.read_text()).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def consumer_names(bus: Bus, stream: str) -> list[str]:
