@@ -346,8 +346,11 @@ async def test_fuzzed_bus_every_bad_message_refused_and_the_run_still_learns(nat
     print(out[-3000:])
     assert launcher.returncode == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["restarts"] == {} and summary["trainer_steps"] == STEPS, summary
+    assert summary["restarts"] == {}, summary["restarts"]  # no service crashed
+    # (the launcher's head and step counts are the live events it watched, forged ones included;
+    # what was trained is what the held-out evaluator scored: every version, in order)
     evals = {int(v): s for v, s in summary["eval_by_version"].items()}
+    assert set(range(STEPS + 1)) <= set(evals), sorted(evals)[:5]
     best_late = max(evals[v] for v in (STEPS - 2, STEPS - 1, STEPS))
     assert best_late >= evals[0] + MARGIN, evals
     figures = {
