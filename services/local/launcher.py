@@ -4,7 +4,9 @@ Starts a nats-server with JetStream in the run directory (unless `--bus-url` poi
 then the registry, trainer, `rollout.replicas` rollout processes, the exporter and (optionally)
 the evaluator, each as its own process with its log in the run directory. It prints progress from
 the bus while the run goes, stops everything on Ctrl-C or once the trainer has finished and the
-last version is exported, and prints a summary.
+last version is exported, and prints a summary. Scores still to come at that point are waited for
+at most `evaluator.max_wait_s`; the progress line says so, with the versions left, and the run
+ends with the scores it has.
 
 With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
 rollout replica (`services.local.inference_servers`), waits for them before starting the
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from proto import messages as m
 from proto import subjects
+from services.clients import eval_policy
 from services.common.config import load_config
 from services.common.config_schema import LorabusConfig
 from services.local import inference_servers, processes
@@ -97,6 +100,8 @@ class Progress:
     evals: dict[int, float] = field(default_factory=dict)
     loaded: dict[str, int] = field(default_factory=dict)
     max_accepted_staleness: int = 0
+    eval_wait: EvalWait | None = None
+    """set once training has ended and the last version is exported, while scores are missing"""
 
     def line(self) -> str:
         last = self.steps[-1] if self.steps else None
@@ -105,10 +110,64 @@ class Progress:
         accepted = self.verdicts.get("accepted", 0)
         rejected = sum(v for k, v in self.verdicts.items() if k != "accepted")
         replicas = " ".join(f"{r}:v{v}" for r, v in sorted(self.loaded.items())) or "-"
+        waiting = f" | {self.eval_wait.line(time.monotonic())}" if self.eval_wait else ""
         return (
             f"[{time.monotonic() - self.started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
-            f"accepted {accepted} rejected {rejected} | train tok/s {tps} | replicas {replicas}"
+            f"accepted {accepted} rejected {rejected} | train tok/s {tps} | replicas {replicas}{waiting}"
         )
+
+
+@dataclass
+class EvalWait:
+    """Training has ended and its last version is exported; scores are still missing. The run
+    waits for them at most `max_wait_s` (evaluator.max_wait_s), then ends with what it has."""
+
+    since: float
+    """time.monotonic() when the wait began"""
+    max_wait_s: float
+    missing: list[int]
+    waited_s: float = 0.0
+    """how long it waited, once it is over"""
+
+    def over(self, now: float) -> bool:
+        return not self.missing or now - self.since >= self.max_wait_s
+
+    def line(self, now: float) -> str:
+        if not self.missing:
+            return "evaluation done"
+        if self.waited_s:
+            return (
+                f"stopped waiting for the evaluator after {self.waited_s:.0f}s: {len(self.missing)} version(s) unscored"
+            )
+        shown = ", ".join(f"v{v}" for v in self.missing[:5]) + (", ..." if len(self.missing) > 5 else "")
+        return (
+            f"training done, waiting for the evaluator: {len(self.missing)} version(s) to score "
+            f"({shown}); {now - self.since:.0f}s of at most {self.max_wait_s:.0f}s"
+        )
+
+
+def training_done(cfg: LorabusConfig, progress: Progress, evaluate: bool, now: float) -> bool:
+    """Once the last version is exported: True when no score is missing or the bounded wait
+    for them is over. Starts (and updates) `progress.eval_wait` while scores are missing."""
+    final = cfg.total_train_steps
+    missing = eval_policy.still_to_score(cfg.evaluator, progress.exported, progress.evals, final) if evaluate else []
+    if progress.eval_wait is None:
+        if not missing:
+            return True
+        progress.eval_wait = EvalWait(now, cfg.evaluator.max_wait_s, missing)
+        print(f"lorabus up: {progress.eval_wait.line(now)}", flush=True)
+    wait = progress.eval_wait
+    wait.missing = missing
+    if not wait.over(now):
+        return False
+    wait.waited_s = now - wait.since
+    if missing:
+        print(
+            f"lorabus up: stopped waiting for the evaluator after {now - wait.since:.0f}s "
+            f"(evaluator.max_wait_s); {len(missing)} version(s) unscored: {', '.join(f'v{v}' for v in missing)}",
+            flush=True,
+        )
+    return True
 
 
 def trainer_launcher(cfg: LorabusConfig) -> list[str]:
@@ -272,6 +331,8 @@ def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: floa
         "exported": dict(sorted(progress.exported.items())),
         "trained_groups": sum(step.groups for step in progress.steps),
         "loaded": dict(sorted(progress.loaded.items())),
+        "eval_unscored": progress.eval_wait.missing if progress.eval_wait else [],
+        "eval_waited_s": round(progress.eval_wait.waited_s, 1) if progress.eval_wait else 0.0,
     }
 
 
@@ -282,6 +343,14 @@ def print_summary(result: dict) -> None:
         f"{result['elapsed_s']} s; logs in {result['run_dir']}"
     )
     print(f"trajectories: {result['trajectories']}")
+    if result["eval_unscored"]:
+        print(
+            f"evaluator: still scoring {len(result['eval_unscored'])} version(s) "
+            f"({', '.join(f'v{v}' for v in result['eval_unscored'])}) when the wait for it ended after "
+            f"{result['eval_waited_s']} s (evaluator.max_wait_s); the scores below are the ones it had"
+        )
+    elif result["eval_waited_s"]:
+        print(f"evaluator: the last scores came {result['eval_waited_s']} s after training ended")
     print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
     versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
     for v in versions:
@@ -297,7 +366,8 @@ class Outcome(Enum):
     """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
 
     FINISHED = auto()
-    """the trainer exited 0 and the last version is exported (and evaluated, with the evaluator)"""
+    """the trainer exited 0, the last version is exported, and the evaluator's scores are in or
+    the bounded wait for them (evaluator.max_wait_s) is over"""
     INTERRUPTED = auto()
     """SIGINT or SIGTERM: the operator stopped the run"""
     SERVERS_UNHEALTHY = auto()
@@ -394,7 +464,7 @@ async def supervise(
         if not trainer.alive():
             if trainer.returncode != 0:
                 return Outcome.TRAINER_FAILED, str(trainer.returncode)
-            if final_version in progress.exported and (not args.evaluate or final_version in progress.evals):
+            if final_version in progress.exported and training_done(cfg, progress, args.evaluate, now):
                 return Outcome.FINISHED, ""
         if now - progress.started > args.timeout:
             return Outcome.TIMEOUT, ""
