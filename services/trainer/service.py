@@ -257,6 +257,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
             version += 1
             t0 = time.perf_counter()
             weights = adapter_io.to_bytes(adapter)
+            t_bytes = time.perf_counter()
             ids = [g.trajectory_id for g in groups]
             if optim is not None:  # gathered by run_step because this step is checkpoint_due
                 await asyncio.to_thread(
@@ -271,8 +272,18 @@ async def serve(ctx: Rank0, start: Resume) -> int:
                         trained_ids=ids,
                     ),
                 )
+            t_saved = time.perf_counter()
             await ctx.announce(version, weights, adapter)
-            metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
+            t_out = time.perf_counter()
+            metrics.PUBLISH_SECONDS.observe(t_out - t0)
+            log.info(
+                "v%d published in %.1f ms: serialize %.1f, checkpoint %.1f, store + event %.1f ms",
+                version,
+                (t_out - t0) * 1e3,
+                (t_bytes - t0) * 1e3,
+                (t_saved - t_bytes) * 1e3,
+                (t_out - t_saved) * 1e3,
+            )
             await bus.publish(
                 subjects.trainer_step(run),
                 TrainerStep(
