@@ -40,15 +40,15 @@ from proto import subjects  # noqa: E402
 
 RUNS = {
     # shape: (model dir or None for examples/tiny/model, steps, extra overrides)
-    "tiny": (None, 20, ["actor.dtype=float32", "rollout.dtype=float32"]),
+    "tiny": (None, 12, ["actor.dtype=float32", "rollout.dtype=float32"]),
     "qwen2.5-1.5b": (
         "qwen2.5-1.5b",
-        10,
+        8,
         ["gconfig.max_new_tokens=64", "actor.lora_rank=16", "actor.lora_alpha=32", "evaluator.max_prompts=128"],
     ),
     "qwen2.5-7b": (
         "qwen2.5-7b",
-        6,
+        5,
         [
             "gconfig.max_new_tokens=64",
             "actor.lora_rank=16",
