@@ -12,8 +12,9 @@ the tiny task's byte-level tokenizer and prompts. Reported per run:
 - rollout: completion tokens/s per replica while generating, and over the run;
 - GPU memory per process (peak, `nvidia-smi --query-compute-apps`);
 - adapter propagation from "the trainer holds the new adapter" to "every replica serves it",
-  by stage: the trainer's serialize / checkpoint / store + event (trainer.log), the event's
-  trip to each replica, and the replica's fetch / parse / h2d / copy / merge (rollout logs);
+  by stage: the trainer's announce (serialize, store, event; its checkpoint follows the event)
+  from trainer.log, the event's trip to each replica, and the replica's fetch / parse / h2d /
+  copy / merge from the rollout logs;
 - the evaluator on the GPU: scores per version, and how long `lorabus up` waited for it.
 Writes gpu_loop.json and gpu_loop.md into --out-dir.
 """
@@ -72,8 +73,7 @@ SERVABLE = re.compile(
     r"copy (?P<copy>[\d.]+), merge (?P<merge>[\d.]+) ms(?:; verify (?P<verify>[\d.]+) ms beside them)?\)"
 )
 PUBLISHED = re.compile(
-    r"v(?P<v>\d+) published in (?P<total>[\d.]+) ms: serialize (?P<serialize>[\d.]+), checkpoint "
-    r"(?P<checkpoint>[\d.]+), store \+ event (?P<store>[\d.]+) ms"
+    r"v(?P<v>\d+) announced in (?P<announce>[\d.]+) ms; checkpoint and step event (?P<after>[\d.]+) ms after"
 )
 
 
@@ -248,7 +248,7 @@ def report(name, steps, rc, wall, watch: Watch, run_dir: Path, summary, peak, pe
     trainer_log = run_dir / "trainer.log"
     if trainer_log.exists():
         for hit in PUBLISHED.finditer(trainer_log.read_text(errors="replace")):
-            for k in ("total", "serialize", "checkpoint", "store"):
+            for k in ("announce", "after"):
                 trainer_stages.setdefault(k, []).append(float(hit[k]))
     return {
         "run": name,
@@ -282,7 +282,7 @@ def markdown(results: list[dict], device: str) -> str:
         "",
         "| run | steps | wall s | trainer step s (median) | trainer tok/s | rollout tok/s per replica "
         "(generating) | GPU MiB per process (peak) | event → every replica ms | replica load ms "
-        "(fetch/parse/h2d/copy/merge) | trainer publish ms (serialize/checkpoint/store+event) | eval |",
+        "(fetch/parse/h2d/copy/merge) | trainer: announce ms (serialize, store, event); checkpoint after | eval |",
         "|" + "---|" * 11,
     ]
     for r in results:
