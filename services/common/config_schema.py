@@ -257,8 +257,8 @@ class ExporterConfig(Section):
 class EvaluatorConfig(Section):
     """The held-out evaluator that `lorabus up` starts (`lorabus evaluate`)."""
 
-    device: str = "${rollout.device}"
-    """where the base model runs: auto, cpu or cuda[:N]"""
+    device: str = "auto"
+    """where the base model runs: auto (cuda when present, else cpu), cpu or cuda[:N]"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: rollout.dtype"""
     batch_size: int = 64

@@ -513,10 +513,10 @@ def test_derived_values_need_no_loader():
 # --- evaluator ---------------------------------------------------------------------------------
 
 
-def test_evaluator_follows_the_rollout_device_unless_set():
-    cfg = build("rollout.device=cuda", "rollout.dtype=bfloat16")
-    assert (cfg.evaluator.device, cfg.evaluator.dtype, cfg.evaluator.versions) == ("cuda", "auto", "every")
-    assert build("evaluator.device=cpu", "rollout.device=cuda").evaluator.device == "cpu"
+def test_evaluator_defaults_to_the_gpu_when_present_and_every_version():
+    cfg = build()
+    assert (cfg.evaluator.device, cfg.evaluator.dtype, cfg.evaluator.versions) == ("auto", "auto", "every")
+    assert build("evaluator.device=cuda:1").evaluator.device == "cuda:1"
 
 
 def test_evaluator_problems_name_field_value_and_fix():
