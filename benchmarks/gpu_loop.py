@@ -299,7 +299,7 @@ def markdown(results: list[dict], device: str) -> str:
             if st
             else "-"
         )
-        trainer = f"{ts.get('total')} ({ts.get('serialize')}/{ts.get('checkpoint')}/{ts.get('store')})" if ts else "-"
+        trainer = f"{ts.get('announce')}; {ts.get('after')}" if ts else "-"
         evals = r["eval_by_version"]
         ev = ", ".join(f"v{k}: {v:.3f}" for k, v in list(evals.items())[:6]) or "-"
         if r["eval_unscored"]:
