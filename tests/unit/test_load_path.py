@@ -83,7 +83,7 @@ async def test_fast_path_fills_the_slots_the_verified_path_fills(base, tmp_path)
         assert fast.slots.head == slow.slots.head == 2
         for path, layer in fast.slots.layers.items():
             other = slow.slots.layers[path]
-            assert torch.equal(layer.a, other.a) and torch.equal(layer.bt, other.bt), path
+            assert torch.equal(layer.a, other.a) and torch.equal(layer.b, other.b), path
             assert torch.equal(layer.weight, other.weight), path
     finally:
         stager.close()
