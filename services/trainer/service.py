@@ -94,6 +94,8 @@ class AcceptedQueue:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
                     continue
+                if any(h.msg.trajectory_id == d.msg.trajectory_id for h in self.held):
+                    continue  # redelivered while held (a late pull): the held copy settles it
                 if (problem := self._problem(d.msg)) is not None:
                     await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {problem}")
                     continue
