@@ -31,6 +31,7 @@ from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUn
 from services.common import streams, xccl
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.store import ObjectCorrupt, ObjectNotFound
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
@@ -129,7 +130,8 @@ class AdapterFollower:
             self._events[ev.version] = ev
             self._loading = ev.version
             try:
-                await self._load_with_retries(ev)
+                if not await self._load_with_retries(ev):
+                    self._events.pop(ev.version, None)
             except BaseException:
                 self._events.pop(ev.version, None)
                 raise
@@ -156,7 +158,9 @@ class AdapterFollower:
             self.xccl.release(ev.version)
         return True
 
-    async def _load_with_retries(self, ev: AdapterReady) -> None:
+    async def _load_with_retries(self, ev: AdapterReady) -> bool:
+        """Load `ev` (True), give it up when its object is missing or corrupt (False: reported,
+        never retried), or raise after `load_attempts` failures of another kind."""
         if self.xccl is not None and ev.xccl_payload() is not None:
             self.xccl.observe(ev.xccl_payload(), ev.version)
         for attempt in range(1, self.load_attempts + 1):
@@ -172,11 +176,17 @@ class AdapterFollower:
                             f"{ev.adapter_name}: no object payload and this replica did not receive it by xccl"
                         )
                     # under xccl the event may precede its object by an upload time
-                    data = await asyncio.to_thread(xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
+                    data = await asyncio.to_thread(
+                        xccl.fetch_when_stored,
+                        lambda: self.fetch(ev),
+                        what=ev.adapter_name,
+                        within_s=xccl.upload_wait_s(ev),
+                    )
                     await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
-                retry = attempt < self.load_attempts
+                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt)
+                retry = attempt < self.load_attempts and not gone
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
                 )
@@ -193,6 +203,10 @@ class AdapterFollower:
                     ),
                     msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}",
                 )
+                if gone:
+                    # the version is given up (reported above) and the newer ones behind it load
+                    log.error("rollout %s: %s given up: %s", self.replica, ev.adapter_name, exc)
+                    return False
                 if not retry:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
@@ -217,7 +231,8 @@ class AdapterFollower:
                 ),
                 msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}",
             )
-            return
+            return True
+        return False  # not reached: the last attempt returns or raises
 
     async def _make_room(self) -> None:
         """Wait until a slot is free: old versions go as soon as their requests finish."""
