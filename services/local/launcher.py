@@ -55,7 +55,7 @@ class Child:
     """inference servers: the base URL"""
     env_extra: dict[str, str] = field(default_factory=dict)
     server: bool = False
-    """an inference server: stopped as a process group, dies with the launcher"""
+    """an inference server (started before the sidecars, stopped after them)"""
 
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab", buffering=0)
@@ -68,7 +68,9 @@ class Child:
             env={**env, **self.env_extra},
             start_new_session=True,
             stdin=subprocess.DEVNULL,
-            preexec_fn=processes.die_with_parent if self.server else None,
+            # a launcher killed outright takes its services along (SIGTERM: they stop cleanly),
+            # so rerunning the command resumes the run instead of meeting orphans
+            preexec_fn=processes.die_with_parent,
         )
 
     def alive(self) -> bool:
