@@ -30,8 +30,8 @@ from services.local.nats_server import start_nats_server
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "tiny-trial0"
-GAP = 2
-"""versions the run must export between two faults"""
+GAP = 1
+"""versions the run must export between two faults (each is recovered from before the next)"""
 
 
 @dataclass

@@ -26,7 +26,7 @@ import pytest
 from tests.chaos.faults import Fault, Run, Streams, kill, read_streams, spoil_head_then_kill, stop_for
 
 MARGIN = 0.06
-ASYNC_STEPS = 30
+ASYNC_STEPS = 40
 SYNC_STEPS = 24
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -77,12 +77,13 @@ def test_every_process_killed_a_replica_stopped_objects_spoiled(tmp_path: Path) 
         Fault("SIGKILL exporter", 8, kill("exporter")),
         Fault("SIGKILL evaluator", 10, kill("evaluator")),
         Fault("SIGSTOP rollout-1 (8 s)", 12, stop_for("rollout-1", 8.0)),
-        Fault("corrupt object", 16, spoil_head_then_kill("rollout-0", "corrupt")),
-        Fault("missing object", 20, spoil_head_then_kill("rollout-1", "delete")),
+        Fault("corrupt object", 14, spoil_head_then_kill("rollout-0", "corrupt")),
+        Fault("missing object", 16, spoil_head_then_kill("rollout-1", "delete")),
     ]
     run = Run(tmp_path / "run", ASYNC_STEPS, faults=faults)
     proc, elapsed = run.go()
     print(proc.stdout[-3000:])
+    print(table("asynchronous, k = 2 (as fired)", faults, {}, elapsed))
     assert all(f.fired_at is not None for f in faults), [f.did for f in faults]
     streams = read_streams(run.run_dir)
     summary = check_run(run, proc, streams)
