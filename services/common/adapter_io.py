@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from proto.messages import LoraSpec
+from proto.messages import Dtype, LoraSpec
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -26,10 +26,10 @@ PEFT_PREFIX = "base_model.model."
 _ADAPTER_SEGMENT = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_(A|B)\.weight$")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[Dtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> Dtype:
     for name, value in DTYPES.items():
         if value == dtype:
             return name

@@ -20,6 +20,7 @@ from services.common import streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
+from services.common.pull import Puller
 from services.common.store import ObjectCorrupt, ObjectNotFound, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
@@ -149,14 +150,14 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         await bus.ensure_streams()
         exporter = Exporter(cfg, bus)
         # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
-        reader = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
+        reader: Puller[AdapterReady] = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
         consumer = bus.dispatch(reader, exporter.handle)
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
-        if consumer.done() and not consumer.cancelled() and consumer.exception():
-            raise consumer.exception()
+        if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
+            raise exc
         async with exporter.busy:  # let a running export finish (and ack) before closing
             await bus.close()
     finally:

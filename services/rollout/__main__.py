@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from proto.messages import EngineKind
 from services.common import entry
 from services.common.config_schema import LorabusConfig
 
@@ -38,7 +39,7 @@ def fetcher(cfg):
     return fetch
 
 
-async def serve(cfg: LorabusConfig, replica: str, engine_name: str) -> int:
+async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> int:
     from services.common import models
     from services.common.data import load_prompts
     from services.common.metrics import start_metrics_server

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from proto import codec, subjects
-from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded
+from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, LoadedVia
 from services.common import streams, xccl
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.pull import Puller
 from services.common.store import ObjectCorrupt, ObjectNotFound
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
@@ -105,7 +106,7 @@ class AdapterFollower:
                 await self.on_adapter(head)
             except Exception:  # reported already; the consumer below delivers it again
                 log.exception("rollout %s: initial load of v%d failed", self.replica, head.version)
-        reader = await self.bus.pull(consumer, AdapterReady, batch=1)
+        reader: Puller[AdapterReady] = await self.bus.pull(consumer, AdapterReady, batch=1)
         return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
 
     async def close(self) -> None:
@@ -161,11 +162,12 @@ class AdapterFollower:
     async def _load_with_retries(self, ev: AdapterReady) -> bool:
         """Load `ev` (True), give it up when its object is missing or corrupt (False: reported,
         never retried), or raise after `load_attempts` failures of another kind."""
-        if self.xccl is not None and ev.xccl_payload() is not None:
-            self.xccl.observe(ev.xccl_payload(), ev.version)
+        payload = ev.xccl_payload()
+        if self.xccl is not None and payload is not None:
+            self.xccl.observe(payload, ev.version)
         for attempt in range(1, self.load_attempts + 1):
             t0 = time.time()
-            via = "object"
+            via: LoadedVia = "object"
             try:
                 await self._make_room()
                 if attempt == 1 and await self._load_xccl(ev):
@@ -218,7 +220,8 @@ class AdapterFollower:
             log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, via, now - t0)
             metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
-            metrics.LOADED_VERSION.labels(self.replica).set(self.book.head())
+            if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
+                metrics.LOADED_VERSION.labels(self.replica).set(head)
             await self._report(
                 "loaded",
                 AdapterLoaded(
@@ -278,7 +281,9 @@ class AdapterFollower:
             return []
         # _collecting: no unload of a version while we decide whether to bring it back
         async with self._restoring, self._collecting:
-            admissible = set(self.book.loaded()) | ({self._loading} - {None})
+            admissible = set(self.book.loaded())
+            if self._loading is not None:
+                admissible.add(self._loading)
             restored: list[int] = []
             try:
                 restored = list(await reload_missing(sorted(admissible)))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.messages import TensorSpec, XcclPayload
+from proto.messages import TensorSpec, XcclBackend, XcclPayload
 from services.common import xccl
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class XcclSender:
         *,
         address: str,
         port: int,
-        backend: str,
+        backend: XcclBackend,
         bucket_bytes: int,
         timeout_s: float,
         device: torch.device | str = "cpu",
