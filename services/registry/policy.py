@@ -27,7 +27,6 @@ rejected-invalid ("duplicate") and counted nowhere, and never accepted twice.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 from collections.abc import Collection
@@ -51,6 +50,7 @@ from proto.messages import (
     TrajectoryDecision,
     Verdict,
 )
+from services.common import ranges
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
     from services.common.config_schema import LorabusConfig
@@ -493,33 +493,12 @@ def _grant_number(ledger: Ledger, grant_id: str, replica: str) -> int | None:
     return number if number < ledger.next_grant else None
 
 
-def _in_ranges(ranges: list[tuple[int, int]], n: int) -> bool:
-    i = bisect.bisect_right(ranges, (n, math.inf)) - 1
-    return i >= 0 and ranges[i][0] <= n <= ranges[i][1]
-
-
-def _add_to_ranges(ranges: list[tuple[int, int]], n: int) -> None:
-    if _in_ranges(ranges, n):
-        return
-    i = bisect.bisect_right(ranges, (n, math.inf))
-    left = i > 0 and ranges[i - 1][1] == n - 1
-    right = i < len(ranges) and ranges[i][0] == n + 1
-    if left and right:
-        ranges[i - 1 : i + 1] = [(ranges[i - 1][0], ranges[i][1])]
-    elif left:
-        ranges[i - 1] = (ranges[i - 1][0], n)
-    elif right:
-        ranges[i] = (n, ranges[i][1])
-    else:
-        ranges.insert(i, (n, n))
-
-
 def duplicate_of_decided(ledger: Ledger, t: DecisionInput, now: float) -> TrajectoryDecision | None:
     """A trajectory whose grant an earlier, already decided trajectory used (a redelivery older
     than the `seen` window): rejected-invalid, and counted nowhere, since its first decision was
     counted. Exact for the whole run, in memory proportional to the grants never used."""
     n = _grant_number(ledger, t.grant_id, t.replica)
-    if t.grant_id in ledger.grants or n is None or not _in_ranges(ledger.decided_grants, n):
+    if t.grant_id in ledger.grants or n is None or not ranges.contains(ledger.decided_grants, n):
         return None
     return TrajectoryDecision(
         run=ledger.run,
@@ -538,7 +517,7 @@ def duplicate_of_decided(ledger: Ledger, t: DecisionInput, now: float) -> Trajec
 def _mark_decided(ledger: Ledger, t: DecisionInput) -> None:
     n = _grant_number(ledger, t.grant_id, t.replica)
     if n is not None and t.grant_id not in ledger.grants:  # used now, or expired before it came
-        _add_to_ranges(ledger.decided_grants, n)
+        ranges.add(ledger.decided_grants, n)
 
 
 # --- decisions -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 
 from proto import subjects
 from proto.messages import AdapterReady, TrainerStep, Trajectory
-from services.common import adapter_io, streams
+from services.common import adapter_io, ranges, streams
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Delivery, Puller
@@ -56,9 +56,13 @@ class AcceptedQueue:
     """The durable pull consumer on the ACCEPTED stream, with acks deferred until the batch
     has been trained and published (`Bus.consume` acks per message, too early for us)."""
 
-    def __init__(self, bus: Bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str]):
+    def __init__(
+        self, bus: Bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str], trained: ranges.Ranges | None = None
+    ):
         self.bus, self.cfg, self.vocab_size = bus, cfg, vocab_size
         self.skip_ids = skip_ids
+        self.trained: ranges.Ranges = list(trained or [])
+        """ACCEPTED sequences trained so far (checkpointed with every step)"""
         self.held: list[Delivery[Trajectory]] = []
         self.reader: Puller[Trajectory] | None = None
         self.consumer = streams.consumer(cfg.run, DURABLE)
@@ -93,6 +97,10 @@ class AcceptedQueue:
             if stop.is_set():
                 return None
             for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+                if ranges.contains(self.trained, d.meta.stream_seq):
+                    log.info("trajectory %s was trained already (its ack was lost); acking", d.msg.trajectory_id)
+                    await d.ack()
+                    continue
                 if d.msg.trajectory_id in self.skip_ids:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
@@ -118,6 +126,11 @@ class AcceptedQueue:
         """Unsubscribe the reader before the bus drains (nothing of it is left to deliver)."""
         if self.reader is not None:
             await self.reader.stop()
+
+    def mark_trained(self) -> None:
+        """The held batch is trained: remember its sequences (before the checkpoint is saved)."""
+        for d in self.held:
+            ranges.add(self.trained, d.meta.stream_seq)
 
     async def ack_held(self) -> None:
         for d in self.held:
@@ -154,6 +167,7 @@ class Resume:
     weights: bytes
     tensors: dict[str, torch.Tensor]
     trained_ids: frozenset[str]
+    trained_seqs: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def plan(
@@ -173,7 +187,7 @@ class Resume:
             return cls(version, adapter_io.to_bytes(initial), initial, frozenset())
         tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
-        return cls(version, weights, tensors, frozenset(ckpt.trained_ids))
+        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs))
 
 
 @dataclass(frozen=True)
@@ -247,7 +261,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.set(version)
 
-    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids))
+    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
     await queue.open()
     keep_alive = asyncio.create_task(queue.keep_alive())
     try:
@@ -276,6 +290,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     t0 = time.perf_counter()
     weights = adapter_io.to_bytes(adapter)
     ids = [g.trajectory_id for g in groups]
+    queue.mark_trained()
     if optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(
             checkpoint.save,
@@ -287,6 +302,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
                 optimizer=optim,
                 rng=checkpoint.rng_state(),
                 trained_ids=ids,
+                trained_seqs=list(queue.trained),
             ),
         )
     await ctx.announce(version, weights, adapter)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from proto.messages import ReplicaHeartbeat
+from services.common import ranges
 from services.registry import persistence as j
 from services.registry import policy as p
 from tests.unit.test_registry_policy import RUN, ready, request, traj
@@ -92,4 +93,4 @@ def test_decided_grants_stay_a_few_ranges_when_grants_are_used_out_of_order() ->
         p.decide(led, traj(grants[i].grant_id, [0], tid=f"t{i}", replica="r1"), 2.0, c)
     assert len(led.decided_grants) <= len(lost) + 1
     for i in range(500):
-        assert p._in_ranges(led.decided_grants, i) == (i not in lost)
+        assert ranges.contains(led.decided_grants, i) == (i not in lost)
