@@ -3,8 +3,11 @@
 Starts a nats-server with JetStream in the run directory (unless `--bus-url` points at one),
 then the registry, trainer, `rollout.replicas` rollout processes, the exporter and (optionally)
 the evaluator, each as its own process with its log in the run directory. It prints progress from
-the bus while the run goes, stops everything on Ctrl-C or once the trainer has finished and the
-last version is exported, and prints a summary.
+the bus while the run goes and supervises: a process that dies (the nats-server included, on its
+store and port) is restarted under `supervision.RestartPolicy`. It stops everything on Ctrl-C or
+once the last version is exported (and evaluated), and prints a summary read back from the
+streams (`summary.py`). A run already finished is recognised before anything starts: rerunning
+the command prints its summary at once; any other ending says that rerunning it resumes the run.
 
 With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
 rollout replica (`services.local.inference_servers`), waits for them before starting the
