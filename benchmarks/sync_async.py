@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL: wall-clock to a fixed held-out score, k = 0, 1, 2, 4.
 
-    python benchmarks/sync_async.py [--steps 40] [--target 0.43] [--ks 0 1 2 4]
+    python benchmarks/sync_async.py [--steps 40] [--targets 0.43 0.48 0.5] [--ks 0 1 2 4]
         [--out benchmarks/results/sync_async.json]
 
 One `lorabus up` per k on the tiny task (examples/tiny.yaml, every service its own process,
@@ -10,7 +10,7 @@ samples all come from it; the rollouts wait while the trainer steps), larger k l
 rollouts run ahead of the trainer by up to k versions.
 
 Time to score: from the announcement of v0 to the announcement of the first version whose
-greedy held-out score (the evaluator's, on the fixed 500-prompt set) reaches `--target`; both
+greedy held-out score (the evaluator's, on the fixed 500-prompt set) reaches each target; both
 times are the trainer's `AdapterReady.created_at`, read back from the run's streams, so the
 evaluator's own lag and the processes' start-up are not counted. Also reported: steps to the
 target, seconds per step, the best score, rejected-stale trajectories. Writes the JSON and a
@@ -73,17 +73,22 @@ async def read(run_dir: Path) -> tuple[dict[int, float], dict[int, float], dict[
     return {e.version: e.created_at for e in ready}, {e.version: e.score for e in evals}, verdicts
 
 
-def measure(k: int, steps: int, target: float, scratch: Path) -> dict:
+def measure(k: int, steps: int, targets: list[float], scratch: Path) -> dict:
     run_dir = scratch / f"k{k}"
     wall = run_up(k, steps, run_dir)
     announced, scores, verdicts = asyncio.run(read(run_dir))
     t0 = announced[0]
-    reached = next((v for v in sorted(scores) if scores[v] >= target), None)
     span = announced[max(announced)] - t0
+    to_target = {}
+    for target in targets:
+        reached = next((v for v in sorted(scores) if scores[v] >= target and v in announced), None)
+        to_target[str(target)] = {
+            "seconds": None if reached is None else round(announced[reached] - t0, 2),
+            "steps": reached,
+        }
     return {
         "k": k,
-        "time_to_target_s": None if reached is None else round(announced[reached] - t0, 2),
-        "steps_to_target": reached,
+        "to_target": to_target,
         "best_score": max(scores.values()),
         "v0_score": scores[0],
         "s_per_step": round(span / max(max(announced), 1), 3),
@@ -93,7 +98,7 @@ def measure(k: int, steps: int, target: float, scratch: Path) -> dict:
     }
 
 
-def plot(results: list[dict], target: float, path: Path) -> None:
+def plot(results: list[dict], targets: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +108,8 @@ def plot(results: list[dict], target: float, path: Path) -> None:
     for r in results:
         xs, ys = zip(*r["curve"])
         ax.plot(xs, ys, marker=".", label=f"k = {r['k']}" + (" (synchronous)" if r["k"] == 0 else ""))
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+    for target in targets:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("seconds since v0 was announced")
     ax.set_ylabel("held-out score (greedy, 500 prompts)")
     ax.set_title("tiny task: held-out score against wall-clock, by max_head_offpolicyness")
@@ -115,31 +121,38 @@ def plot(results: list[dict], target: float, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--target", type=float, default=0.43)
+    p.add_argument("--targets", type=float, nargs="+", default=[0.43, 0.48, 0.5])
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--out", default="benchmarks/results/sync_async.json")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="sync-async-") as tmp:
-        results = [measure(k, args.steps, args.target, Path(tmp)) for k in args.ks]
-    print(f"\nwall-clock to held-out >= {args.target} on the tiny task ({args.steps} steps per run)")
-    print(f"{'k':>3} {'to target s':>12} {'steps':>6} {'s/step':>7} {'best':>6} {'stale':>6}")
+        results = [measure(k, args.steps, args.targets, Path(tmp)) for k in args.ks]
+    print(f"\nseconds (steps) to a held-out score on the tiny task ({args.steps} steps per run)")
+    print(
+        f"{'k':>3} "
+        + " ".join(f"{'>= ' + str(t):>12}" for t in args.targets)
+        + f" {'s/step':>7} {'best':>6} {'stale':>6}"
+    )
     for r in results:
-        t = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        cells = []
+        for t in args.targets:
+            hit = r["to_target"][str(t)]
+            cells.append("-" if hit["seconds"] is None else f"{hit['seconds']:.1f} ({hit['steps']})")
         stale = r["trajectories"].get("rejected-stale", 0)
-        print(f"{r['k']:>3} {t:>12} {r['steps_to_target'] or '-':>6} {r['s_per_step']:>7.2f} "
-              f"{r['best_score']:>6.3f} {stale:>6}")  # fmt: skip
+        print(f"{r['k']:>3} " + " ".join(f"{c:>12}" for c in cells)
+              + f" {r['s_per_step']:>7.2f} {r['best_score']:>6.3f} {stale:>6}")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": "sync_async",
         "task": "examples/tiny.yaml",
         "steps": args.steps,
-        "target": args.target,
+        "targets": args.targets,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
         "results": results,
     }
     out.write_text(json.dumps(doc, indent=2))
-    plot(results, args.target, out.with_suffix(".png"))
+    plot(results, args.targets, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
