@@ -62,7 +62,10 @@ class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
 
     uri: Annotated[str, Meta(pattern=r"^(s3|file)://.+")]
     bytes: NonNegInt
-    sha256: Sha256
+    sha256: Sha256 | None = None
+    """None: an XCCL event sent as soon as the broadcast was done, before the copy was
+    serialised; its sha256 is then the content of `announced.sha256` beside the object, written
+    once the object is stored (readers: `services.common.durable.read`)"""
     layout: Literal["hf-peft", "megatron-bridge"] = "hf-peft"
 
 

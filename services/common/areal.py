@@ -554,17 +554,8 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.lora_alpha", "actor.lora_alpha", default=16)
     x.to(f"{a}.target_modules", "actor.target_modules", default=[])
     mode = x.get(f"{a}.weight_update_mode", "xccl")
-    if mode == "xccl":
-        x.to(
-            f"{a}.weight_update_mode",
-            "actor.weight_update_mode",
-            "disk",
-            default="xccl",
-            note="AReaL's xccl for LoRA goes through vLLM's private worker API; lorabus's "
-            "servers load each version from the adapter directory: same adapter, same versions",
-        )
-    elif mode == "disk":
-        x.to(f"{a}.weight_update_mode", "actor.weight_update_mode")
+    if mode in ("disk", "xccl"):
+        x.to(f"{a}.weight_update_mode", "actor.weight_update_mode", default="xccl")
     else:
         x.refuse(f"{a}.weight_update_mode", "is not supported; use disk or xccl")
     for name, default in (("enable_delta_weight_update", False),):

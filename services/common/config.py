@@ -434,25 +434,20 @@ def check_lora_name(cfg: LorabusConfig) -> list[str]:
 
 
 def check_engine_matrix(cfg: LorabusConfig) -> list[str]:
-    backend, engine, mode = cfg.actor.backend, cfg.rollout.engine, cfg.actor.weight_update_mode
-    if mode != "xccl":
+    """XCCL works with every trainer backend and rollout engine: a vLLM/SGLang sidecar joins the
+    group, receives the version into memory and has its server load it from the adapter
+    directory (docs/xccl.md). What cannot work is an nccl group whose server sidecar has no GPU
+    to receive on."""
+    a, ro = cfg.actor, cfg.rollout
+    if a.weight_update_mode != "xccl" or ro.engine == "embedded":
         return []
-    why = None
-    if engine == "sglang":
-        why = (
-            "SGLang's distributed weight update (/update_weights_from_distributed) updates base "
-            "weights only and has no LoRA target"
-        )
-    elif engine == "vllm":
-        # AReaL reaches into vLLM's worker (LoRAModel.from_lora_tensors) for this; lorabus does
-        # not patch private APIs that change between vLLM releases
-        why = "stock vLLM has no public API to load a LoRA adapter from tensors, only from a directory"
-    if why is None:
-        return []
-    return [
-        f"actor.weight_update_mode: 'xccl' is not supported with actor.backend {backend} and "
-        f"rollout.engine {engine}: {why}; use weight_update_mode: disk"
-    ]
+    if a.xccl_backend == "nccl" and ro.device == "cpu":
+        return [
+            f"actor.xccl_backend: 'nccl' with rollout.engine {ro.engine} and rollout.device: cpu: "
+            "the sidecar receives an nccl broadcast into GPU memory; set rollout.device: auto "
+            "(or cuda), or actor.xccl_backend: gloo"
+        ]
+    return []
 
 
 def check_megatron(cfg: LorabusConfig) -> list[str]:

@@ -16,7 +16,7 @@ import time
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
-from services.common import streams, xccl
+from services.common import durable, streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
@@ -116,9 +116,7 @@ class Exporter:
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
             data = xccl.fetch_when_stored(
-                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes),
-                what=payload.uri,
-                within_s=xccl.upload_wait_s(event),
+                lambda: durable.read(store, payload), what=payload.uri, within_s=xccl.upload_wait_s(event)
             )
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)

@@ -30,11 +30,12 @@ def build_engine(name: str, cfg):
 
 
 def fetcher(cfg):
+    from services.common import durable
     from services.common.store import store_for_uri
 
     def fetch(ev) -> bytes:
         obj = ev.object_payload()
-        return store_for_uri(obj.uri, cfg.store).get_bytes(obj.uri, sha256=obj.sha256, size=obj.bytes)
+        return durable.read(store_for_uri(obj.uri, cfg.store), obj)
 
     return fetch
 

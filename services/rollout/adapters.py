@@ -84,12 +84,14 @@ class AdapterFollower:
     def _make_receiver(self) -> None:
         if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
             return
-        if self.engine_name != "embedded":
-            log.info("rollout %s: engine %s takes adapters from the object copy only", self.replica, self.engine_name)
-            return
         from services.rollout.xccl_receiver import XcclReceiver
 
-        device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        if self.engine_name == "embedded":
+            device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        else:  # a server's sidecar: an nccl group needs a GPU to stage on, gloo stages in host memory
+            from services.common.models import resolve_device
+
+            device = resolve_device(self.cfg.rollout.device)
         self.xccl = XcclReceiver(self.replica, device=device, timeout_s=self.cfg.actor.xccl_timeout_s)
 
     async def start(self) -> asyncio.Task:

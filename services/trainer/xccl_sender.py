@@ -197,6 +197,12 @@ class XcclSender:
             self.members = {}
             return self.handle(manifest, {})
 
+    def last_sent(self) -> dict[str, torch.Tensor]:
+        """The last version as broadcast: views into the send buckets, valid until the next
+        `send` packs over them (publish.deliver serialises the durable copy from these and
+        waits for it before the next send)."""
+        return xccl.unpack(self.plan, self.buffers)
+
     def _flag_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
