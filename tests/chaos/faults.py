@@ -130,10 +130,13 @@ class Run:
     faults: list[Fault] = field(default_factory=list)
     timeout_s: float = 540.0
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
+                "--timeout", str(self.timeout_s), "--progress-every", "10",
+                f"run_dir={self.run_dir}", f"total_train_steps={self.steps}", *self.overrides]  # fmt: skip
+
     def go(self) -> tuple[subprocess.CompletedProcess, float]:
-        cmd = [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
-               "--timeout", str(self.timeout_s), "--progress-every", "10",
-               f"run_dir={self.run_dir}", f"total_train_steps={self.steps}", *self.overrides]  # fmt: skip
+        cmd = self.command()
         started = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         done = threading.Event()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.faults import Fault, Run, Streams, kill, read_streams, spoil_head_then_kill, stop_for
+from tests.chaos.faults import ROOT, Fault, Run, Streams, kill, read_streams, spoil_head_then_kill, stop_for
 
 MARGIN = 0.06
 ASYNC_STEPS = 40
@@ -118,3 +120,9 @@ def test_synchronous_mode_runs_without_stalls_and_survives_a_killed_trainer(tmp_
     assert gaps[-2] < 15.0, f"k = 0 stalled between steps: gaps {gaps[-5:]}"
     assert gaps[-1] < 60.0, f"k = 0: the killed trainer stalled the run: gaps {gaps[-5:]}"
     print(table("synchronous, k = 0", faults, {faults[0].name: f"longest gap {gaps[-1]:.1f} s"}, elapsed))
+    # the same command on the finished run: the summary at once, from the streams, nothing started
+    t0 = time.monotonic()
+    again = subprocess.run(run.command(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stdout[-2000:]
+    assert time.monotonic() - t0 < 30.0, "rerunning a finished run did not return promptly"
+    assert "started trainer" not in again.stdout
