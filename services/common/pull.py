@@ -35,7 +35,7 @@ from nats.aio.subscription import Subscription
 
 from proto import codec
 from proto.messages import DeadLetterReason
-from services.common.bus import DEAD_LETTER_ERRORS, MESSAGES, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
+from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class Puller(Generic[T]):
                     await d.in_progress()
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
-        MESSAGES.labels(self.bus.service, "consumed").inc()
+        self.bus.consumed.inc()
         info = raw.metadata
         meta = MsgMeta(
             subject=raw.subject,
