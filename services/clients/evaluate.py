@@ -181,7 +181,13 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
             )
 
         await bus.consume(
-            streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone, on_export, batch=1, ack_wait_s=300
+            streams.EXPORTS(cfg.run),
+            f"eval-{evaluator_name}",
+            m.ExportDone,
+            on_export,
+            batch=1,
+            # kept alive while scoring: a killed evaluator's version comes back this soon
+            ack_wait_s=streams.ACK_WAIT_S,
         )
         await stop.wait()
     return 0

@@ -54,6 +54,11 @@ class ObjectNotFound(StoreError):
     """The object does not exist (a reader may retry: the writer may not have finished)."""
 
 
+class ObjectCorrupt(StoreError):
+    """The object's bytes are not the ones its event names (size or sha256): reading it again
+    gives the same bytes, so a reader gives the version up instead of retrying."""
+
+
 class ObjectStore(Protocol):
     uri: str
 
@@ -116,14 +121,14 @@ def _copy_verified(
     for chunk in chunks:
         n += len(chunk)
         if size is not None and n > size:
-            raise StoreError(f"{uri}: size mismatch: expected {size} bytes, got more")
+            raise ObjectCorrupt(f"{uri}: size mismatch: expected {size} bytes, got more")
         digest.update(chunk)
         write(chunk)
     if size is not None and n != size:
-        raise StoreError(f"{uri}: size mismatch: expected {size} bytes, got {n}")
+        raise ObjectCorrupt(f"{uri}: size mismatch: expected {size} bytes, got {n}")
     actual = digest.hexdigest()
     if sha256 is not None and actual != sha256:
-        raise StoreError(f"{uri}: sha256 mismatch: expected {sha256}, got {actual}")
+        raise ObjectCorrupt(f"{uri}: sha256 mismatch: expected {sha256}, got {actual}")
     return n, actual
 
 

@@ -39,6 +39,7 @@ from services.common import streams, xccl
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Puller
+from services.common.store import ObjectCorrupt, ObjectNotFound
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
@@ -164,7 +165,8 @@ class AdapterFollower:
             self._events[ev.version] = ev
             self._loading = ev.version
             try:
-                await self._load_with_retries(ev)
+                if not await self._load_with_retries(ev):
+                    self._events.pop(ev.version, None)
             except BaseException:
                 self._events.pop(ev.version, None)
                 raise
@@ -191,7 +193,10 @@ class AdapterFollower:
             self.xccl.release(ev.version)
         return True
 
-    async def _load_with_retries(self, ev: AdapterReady, verify_first: bool = False) -> None:
+    async def _load_with_retries(self, ev: AdapterReady, verify_first: bool = False) -> bool:
+        """Load `ev` (True), give it up when its object is missing or corrupt (False: reported,
+        never retried), or raise after `load_attempts` failures of another kind. `verify_first`
+        takes the hash-before-load path (a version withdrawn after a failed background check)."""
         payload = ev.xccl_payload()
         if self.xccl is not None and payload is not None:
             self.xccl.observe(payload, ev.version)
@@ -212,16 +217,23 @@ class AdapterFollower:
                     # under xccl the event may precede its object by an upload time
                     if (stager := self.stager) is not None and not verify_first:
                         staged = await asyncio.to_thread(
-                            xccl.fetch_when_stored, lambda: stager.load(ev), what=ev.adapter_name
+                            xccl.fetch_when_stored,
+                            lambda: stager.load(ev),
+                            what=ev.adapter_name,
+                            within_s=xccl.upload_wait_s(ev),
                         )
                     else:
                         data = await asyncio.to_thread(
-                            xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name
+                            xccl.fetch_when_stored,
+                            lambda: self.fetch(ev),
+                            what=ev.adapter_name,
+                            within_s=xccl.upload_wait_s(ev),
                         )
                         await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
-                retry = attempt < self.load_attempts
+                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt)
+                retry = attempt < self.load_attempts and not gone
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
                 )
@@ -238,6 +250,10 @@ class AdapterFollower:
                     ),
                     msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}",
                 )
+                if gone:
+                    # the version is given up (reported above) and the newer ones behind it load
+                    log.error("rollout %s: %s given up: %s", self.replica, ev.adapter_name, exc)
+                    return False
                 if not retry:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
@@ -268,7 +284,8 @@ class AdapterFollower:
                 ),
                 msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}",
             )
-            return
+            return True
+        return False  # not reached: the last attempt returns or raises
 
     async def _settle(self, ev: AdapterReady, staged: Staged, check: asyncio.Future[None], since: float) -> None:
         """Wait for a fast-loaded version's check: log its stages, or withdraw it."""
