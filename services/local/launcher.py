@@ -97,6 +97,12 @@ class Progress:
     evals: dict[int, float] = field(default_factory=dict)
     loaded: dict[str, int] = field(default_factory=dict)
     max_accepted_staleness: int = 0
+    others: dict[str, dict[str, int]] = field(default_factory=dict)
+    """runs submitted to the fleet: run -> newest version announced (head) and exported"""
+
+    def others_exported(self) -> bool:
+        """Every submitted run's newest version is exported (its last, once the trainer is gone)."""
+        return all(o["exported"] >= o["head"] for o in self.others.values())
 
     def line(self) -> str:
         last = self.steps[-1] if self.steps else None
@@ -237,6 +243,25 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
     await bus.subscribe(subjects.export_done_all(run), m.ExportDone, on_export)
     await bus.subscribe(subjects.eval_result_all(run), m.EvalResult, on_eval)
     await bus.subscribe(subjects.rollout_report_all(run), m.RolloutReport, on_report)
+
+    async def on_run(record: m.RunRecord) -> None:
+        if record.run == run or record.run in progress.others:
+            return
+        other = progress.others[record.run] = {"head": -1, "exported": -1}
+
+        async def on_other_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
+            other["head"] = max(other["head"], msg.version)
+
+        async def on_other_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
+            other["exported"] = max(other["exported"], msg.version)
+
+        await bus.subscribe(subjects.adapter_ready_all(record.run), m.AdapterReady, on_other_ready)
+        await bus.subscribe(subjects.export_done_all(record.run), m.ExportDone, on_other_export)
+
+    try:
+        await bus.watch_run_records(run, on_run)
+    except Exception as exc:  # a bus user without rights on the run table: the own run only
+        print(f"lorabus up: not following the fleet's other runs ({exc!r})", flush=True)
     return [bus]
 
 
@@ -272,6 +297,7 @@ def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: floa
         "exported": dict(sorted(progress.exported.items())),
         "trained_groups": sum(step.groups for step in progress.steps),
         "loaded": dict(sorted(progress.loaded.items())),
+        "other_runs": dict(sorted(progress.others.items())),
     }
 
 
@@ -297,7 +323,8 @@ class Outcome(Enum):
     """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
 
     FINISHED = auto()
-    """the trainer exited 0 and the last version is exported (and evaluated, with the evaluator)"""
+    """the trainer exited 0 and the last version is exported (and evaluated, with the evaluator),
+    and so is every submitted run's last version"""
     INTERRUPTED = auto()
     """SIGINT or SIGTERM: the operator stopped the run"""
     SERVERS_UNHEALTHY = auto()
@@ -394,7 +421,8 @@ async def supervise(
         if not trainer.alive():
             if trainer.returncode != 0:
                 return Outcome.TRAINER_FAILED, str(trainer.returncode)
-            if final_version in progress.exported and (not args.evaluate or final_version in progress.evals):
+            exported = final_version in progress.exported and progress.others_exported()
+            if exported and (not args.evaluate or final_version in progress.evals):
                 return Outcome.FINISHED, ""
         if now - progress.started > args.timeout:
             return Outcome.TIMEOUT, ""
