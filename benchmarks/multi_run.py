@@ -204,10 +204,12 @@ def table(results: dict) -> str:
     ]
     for r in results["rows"]:
         lines.append(
-            f"{r['runs']:>4} {r['together_wall_s']:>10} {r['sequential_wall_s']:>12} {r['together_over_sequential']:>6} "
+            f"{r['runs']:>4} {r['together_wall_s']:>10} {r['sequential_wall_s']:>12} "
+            f"{r['together_over_sequential']:>6} "
             f"{r['together_steps_per_hour']:>11} {r['sequential_steps_per_hour']:>11} "
             f"{r['together_rollout_tokens_per_s']:>9} {r['sequential_rollout_tokens_per_s']:>9} "
-            f"{r['together_peak_rss_mib']:>11} {r['solo_peak_rss_mib']:>12}  {r['together_scores']} | {r['solo_scores']}"
+            f"{r['together_peak_rss_mib']:>11} {r['solo_peak_rss_mib']:>12}  "
+            f"{r['together_scores']} | {r['solo_scores']}"
         )
     return "\n".join(lines)
 
