@@ -18,6 +18,7 @@ from proto.messages import AdapterReady, RunRecord
 from services.common import streams
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.pull import Puller
 from services.exporter.service import DURABLE, Exporter
 from services.fleet import runconfig
 
@@ -37,7 +38,7 @@ class FleetExports:
             view = self.bus.for_run(record.run)
             await view.ensure_streams()
             exporter = Exporter(cfg, view)
-            reader = await view.pull(streams.consumer(record.run, DURABLE), AdapterReady, batch=1)
+            reader: Puller[AdapterReady] = await view.pull(streams.consumer(record.run, DURABLE), AdapterReady, batch=1)
             self.runs[record.run] = (exporter, view, view.dispatch(reader, exporter.handle))
         except Exception:  # one run that cannot be exported must not stop the others
             log.exception("run %s: cannot follow its adapters", record.run)
