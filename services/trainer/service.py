@@ -240,7 +240,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     version = start.version
     event = await ctx.announce(version, start.weights, start.tensors)
     log.info("v%d %s", version, "announced" if event else "was already announced")
-    metrics.VERSION.set(version)
+    metrics.VERSION.labels(cfg.run).set(version)
 
     queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids))
     await queue.open()
@@ -285,7 +285,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
             ),
         )
     await ctx.announce(version, weights, adapter)
-    metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
+    metrics.PUBLISH_SECONDS.labels(run).observe(time.perf_counter() - t0)
     await bus.publish(
         subjects.trainer_step(run),
         TrainerStep(
@@ -303,7 +303,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         msg_id=f"trainer-step-{step_index}",
     )
     await queue.ack_held()
-    record(stats, version)
+    record(stats, version, run)
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
         step_index,
@@ -316,13 +316,13 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     return version
 
 
-def record(stats: StepStats, version: int) -> None:
-    metrics.STEP_SECONDS.observe(stats.step_seconds)
-    metrics.TOKENS_PER_SECOND.set(stats.tokens / max(stats.step_seconds, 1e-9))
-    metrics.VERSION.set(version)
-    metrics.LOSS.set(stats.loss)
-    metrics.REWARD_MEAN.set(stats.reward_mean)
-    metrics.STEPS.inc()
+def record(stats: StepStats, version: int, run: str) -> None:
+    metrics.STEP_SECONDS.labels(run).observe(stats.step_seconds)
+    metrics.TOKENS_PER_SECOND.labels(run).set(stats.tokens / max(stats.step_seconds, 1e-9))
+    metrics.VERSION.labels(run).set(version)
+    metrics.LOSS.labels(run).set(stats.loss)
+    metrics.REWARD_MEAN.labels(run).set(stats.reward_mean)
+    metrics.STEPS.labels(run).inc()
 
 
 def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
