@@ -472,8 +472,8 @@ def asyncapi() -> dict:
                 "channel": {"$ref": f"#/channels/{reply_channel}"},
                 "messages": [{"$ref": f"#/channels/{reply_channel}/messages/{name}"} for name in family.reply],
             }
-        for action, services in (("send", family.senders), ("receive", family.receivers)):
-            for service in services:
+        for action, actors in (("send", family.senders), ("receive", family.receivers)):
+            for service in actors:
                 op: dict[str, Any] = {
                     "action": action,
                     "channel": {"$ref": f"#/channels/{family.channel}"},

@@ -21,6 +21,14 @@ Version = Annotated[int, Meta(ge=0, description="adapter version N of `{lora_nam
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$(?!\n)")]
 UnixTime = Annotated[float, Meta(ge=0, description="seconds since the epoch")]
+# Named so that code building these messages can type what it passes (a bare `str` is not one)
+Dtype = Literal["float32", "bfloat16", "float16"]
+XcclBackend = Literal["nccl", "gloo"]
+LoadedVia = Literal["object", "xccl"]
+EngineKind = Literal["embedded", "vllm", "sglang"]
+FinishReason = Literal["stop", "length", "abort"]
+Verdict = Literal["accepted", "rejected-stale", "rejected-invalid"]
+DeadLetterReason = Literal["decode", "schema-version", "validation", "too-large", "handler"]
 
 
 class Message(Struct, forbid_unknown_fields=False, omit_defaults=False, kw_only=True):
@@ -39,14 +47,14 @@ class LoraSpec(Struct, kw_only=True):
     rank: PosInt
     alpha: float
     target_modules: list[str]
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     base_model: str
 
 
 class TensorSpec(Struct, array_like=False):
     name: str
     shape: list[NonNegInt]
-    dtype: Literal["float32", "bfloat16", "float16"]
+    dtype: Dtype
 
 
 class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
@@ -54,7 +62,10 @@ class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
 
     uri: Annotated[str, Meta(pattern=r"^(s3|file)://.+")]
     bytes: NonNegInt
-    sha256: Sha256
+    sha256: Sha256 | None = None
+    """None: an XCCL event sent as soon as the broadcast was done, before the copy was
+    serialised; its sha256 is then the content of `announced.sha256` beside the object, written
+    once the object is stored (readers: `services.common.durable.read`)"""
     layout: Literal["hf-peft", "megatron-bridge"] = "hf-peft"
 
 
@@ -62,7 +73,7 @@ class XcclPayload(Struct, tag="xccl", tag_field="kind", kw_only=True):
     """The fast path: join a torch.distributed group hosted by the trainer (rank 0) and receive
     the tensors by broadcast, in manifest order, packed into flat buckets."""
 
-    backend: Literal["nccl", "gloo"]
+    backend: XcclBackend
     master_address: str
     master_port: Annotated[int, Meta(ge=1, le=65535)]
     world_size: PosInt
@@ -120,7 +131,7 @@ class AdapterLoaded(Message, tag="loaded", tag_field="kind", kw_only=True):
     run: Name
     replica: Name
     version: Version
-    via: Literal["object", "xccl"]
+    via: LoadedVia
     load_seconds: Annotated[float, Meta(ge=0)]
     loaded_at: UnixTime
 
@@ -148,7 +159,7 @@ class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True)
 
     run: Name
     replica: Name
-    engine: Literal["embedded", "vllm", "sglang"]
+    engine: EngineKind
     loaded_versions: list[Version]
     in_flight: NonNegInt
     sent_at: UnixTime
@@ -211,7 +222,7 @@ class Completion(Struct, kw_only=True):
     logprobs: list[float]
     versions: list[Version]
     reward: float
-    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    finish_reason: FinishReason = "stop"
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -254,7 +265,7 @@ class TrajectoryDecision(Message, kw_only=True):
     trajectory_id: str
     grant_id: str
     replica: Name
-    verdict: Literal["accepted", "rejected-stale", "rejected-invalid"]
+    verdict: Verdict
     reason: str = ""
     head_version: Version
     oldest_version: Version | None = None
@@ -312,7 +323,7 @@ class DeadLetter(Message, kw_only=True):
     run: Name
     service: Name
     subject: str
-    reason: Literal["decode", "schema-version", "validation", "too-large", "handler"]
+    reason: DeadLetterReason
     error: str
     raw: bytes
     """the original bytes (base64 in JSON), truncated to 64 KiB"""

@@ -18,7 +18,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
 
 import msgspec
 import nats
@@ -38,7 +38,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from proto import codec, subjects
-from proto.messages import DeadLetter, RunList, RunRecord, RunReply, RunStop, RunSubmit
+from proto.messages import DeadLetter, DeadLetterReason, RunList, RunRecord, RunReply, RunStop, RunSubmit
 from services.common import streams
 from services.common.config_schema import BusConfig
 
@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 DEAD_LETTER_RAW_BYTES = 64 * 1024
-DEAD_LETTER_REASONS: tuple[str, ...] = get_args(get_type_hints(DeadLetter)["reason"])
+DEAD_LETTER_REASONS: tuple[str, ...] = get_args(DeadLetterReason)
 DEAD_LETTER_ERROR_CHARS = 2000
 RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
@@ -101,6 +101,10 @@ class BusError(RuntimeError):
 
 class SequenceMismatch(BusError):
     """A `publish_expect` found the stream past the expected sequence: someone else wrote."""
+
+
+DEAD_LETTER_ERRORS: tuple[type[BaseException], ...] = (BusError, *TRANSIENT_ERRORS)
+"""what `dead_letter` raises when it could not record the message"""
 
 
 class StoredMsg(msgspec.Struct, frozen=True):
@@ -198,10 +202,11 @@ class Bus:
                 nc.connect(
                     servers=[cfg.url],
                     name=f"lorabus-{run}-{service}",
-                    connect_timeout=cfg.connect_timeout_s,
+                    # nats-py annotates both as int but hands them to asyncio timeouts as seconds
+                    connect_timeout=cfg.connect_timeout_s,  # type: ignore[arg-type]
                     allow_reconnect=True,
                     max_reconnect_attempts=cfg.max_reconnect_attempts,
-                    reconnect_time_wait=RECONNECT_WAIT_S,
+                    reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
@@ -269,6 +274,7 @@ class Bus:
     async def ensure_streams(self) -> None:
         """Create every stream of the run, or update it to the current definition."""
         for config in streams.stream_configs(self.run):
+            assert config.name is not None  # stream_configs names every stream
             try:
                 await self.js.stream_info(config.name)
             except nats.js.errors.NotFoundError:
@@ -341,7 +347,9 @@ class Bus:
         await self.nc.publish(subject, data)
         MESSAGES.labels(self.service, "published").inc()
 
-    async def dead_letter(self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None) -> int:
+    async def dead_letter(
+        self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
+    ) -> int:
         """Record a message this service could not use on `deadletter.<service>`."""
         if reason not in DEAD_LETTER_REASONS:
             raise BusError(f"dead_letter reason: {reason!r} is not one of {DEAD_LETTER_REASONS}")
@@ -578,6 +586,10 @@ class Bus:
             return None
         return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
 
+    @overload
+    async def last(self, stream: str, msg_type: type[T], subject: str | None = None) -> T | None: ...
+    @overload
+    async def last(self, stream: str, msg_type: Any, subject: str | None = None) -> Any: ...
     async def last(self, stream: str, msg_type: type[T] | Any, subject: str | None = None) -> T | None:
         """The newest message of the stream (on `subject`, if given), decoded; None if there is
         none; `codec.DecodeError` if it does not decode as `msg_type`."""
@@ -616,11 +628,11 @@ class Bus:
         MESSAGES.labels(self.service, "published").inc(len(msgs))
         return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
 
-    async def dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
+    async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""
         try:
             await self.dead_letter(subject, reason, error, raw)
-        except (BusError, *TRANSIENT_ERRORS) as exc:
+        except DEAD_LETTER_ERRORS as exc:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
 
     # --- the fleet: its run table (KV, written by the registry alone) and run requests --------
@@ -687,6 +699,10 @@ class Bus:
         return await self.request(subjects.run_control(fleet, "list"), RunList(fleet=fleet), RunReply, timeout=timeout)
 
 
+@overload
+def decode(data: bytes, msg_type: type[T]) -> T: ...
+@overload
+def decode(data: bytes, msg_type: Any) -> Any: ...
 def decode(data: bytes, msg_type: type[T] | Any) -> T:
     """`codec.decode`; a payload nested deeper than the decoder's stack is undecodable too
     (`DecodeError` "decode"), not a `RecursionError` escaping the consumer."""

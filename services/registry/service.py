@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from proto import codec, subjects
 from proto.messages import (
@@ -89,13 +90,19 @@ class RegistryService:
         self.cfg = cfg
         self.clock = clock
         self.snapshot_every = snapshot_every
-        self.journal: Journal | None = None
+        self._journal: Journal | None = None
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
-        self._subs = []
+        self._subs: list[Subscription] = []
         self._puller: Puller[Trajectory] | None = None
         self._accepted = subjects.accepted(self.run)
         self._encode = msgspec.json.Encoder().encode
+
+    @property
+    def journal(self) -> Journal:
+        if self._journal is None:
+            raise RuntimeError("registry: the journal opens in start(); call it first")
+        return self._journal
 
     @property
     def ledger(self) -> Ledger:
@@ -103,7 +110,7 @@ class RegistryService:
 
     async def start(self) -> None:
         kw = {} if self.snapshot_every is None else {"snapshot_every": self.snapshot_every}
-        self.journal = await Journal.open(self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw)
+        self._journal = await Journal.open(self.bus, streams.ledger_bucket(self.run), self.run, self.cfg, **kw)
         led = self.ledger
         log.info(
             "registry: ledger loaded (revision %d, %d journal entries replayed): head %s, "
@@ -121,9 +128,10 @@ class RegistryService:
             bus.dispatch(await bus.pull(streams.consumer(run, "registry-exports"), ExportDone, batch=16),
                          self._on_export),
         ]  # fmt: skip
-        self._puller = await bus.pull(streams.consumer(run, "registry-trajectories"), Trajectory,
-                                      batch=PULL_BATCH, keep_open=True)  # fmt: skip
-        self._tasks.append(asyncio.create_task(self._trajectory_loop(), name="registry-trajectories"))
+        puller: Puller[Trajectory] = await bus.pull(streams.consumer(run, "registry-trajectories"), Trajectory,
+                                                    batch=PULL_BATCH, keep_open=True)  # fmt: skip
+        self._puller = puller
+        self._tasks.append(asyncio.create_task(self._trajectory_loop(puller), name="registry-trajectories"))
         self._subs.append(await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry"))
         self._subs.append(await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status))
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
@@ -211,9 +219,9 @@ class RegistryService:
 
     # --- trajectories -----------------------------------------------------------------------
 
-    async def _trajectory_loop(self) -> None:
+    async def _trajectory_loop(self, puller: Puller[Trajectory]) -> None:
         while True:
-            deliveries = await self._puller.burst()
+            deliveries = await puller.burst()
             try:
                 await self._decide_burst(deliveries)
             except asyncio.CancelledError:

@@ -51,6 +51,11 @@ class Routing:
 
 
 class SlotLinear(nn.Module):
+    # buffers (register_buffer below), declared so that they type as tensors
+    w0: torch.Tensor
+    a: torch.Tensor
+    bt: torch.Tensor
+
     def __init__(self, base: nn.Linear, slots: int, rank: int, routing: Routing):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features

@@ -28,7 +28,8 @@ def lora_config(actor: ActorConfig) -> LoraConfig:
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=actor.lora_rank,
-        lora_alpha=actor.lora_alpha,
+        # peft annotates lora_alpha as int but only divides it by r: a float alpha is kept exactly
+        lora_alpha=actor.lora_alpha,  # type: ignore[arg-type]
         target_modules=for_backend(actor.target_modules, "fsdp2"),
         lora_dropout=0.0,
         bias="none",

@@ -91,7 +91,7 @@ class FleetTrainer:
     # --- runs joining and leaving -------------------------------------------------------------
 
     async def open(self, ctx: Rank0, start: Resume, *, own: bool = False) -> Slot:
-        event = await ctx.announce(start.version, start.weights, start.tensors)
+        event = await ctx.announce(start.version, start.tensors, weights=start.weights)
         log.info("run %s: v%d %s", ctx.cfg.run, start.version, "announced" if event else "was already announced")
         queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids))
         await queue.open()

@@ -3,12 +3,16 @@
 Rank 0 alone talks to NATS and the object store; under torchrun the other ranks follow its
 broadcasts (`ranks.py`). Per step:
 
-    pull B accepted groups -> train_step -> gather adapter -> checkpoint (if due)
-      -> upload + announce v<N+1> -> TrainerStep -> ack the B messages
+    pull B accepted groups -> train_step -> gather adapter -> announce v<N+1> (upload, or
+      broadcast with the upload behind it) -> checkpoint (if due) -> TrainerStep -> ack the B
+      messages
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
-the restarted trainer: accepted trajectories are never lost. The checkpoint comes before the
-announcement, so with `checkpoint_every: 1` every announced version can be restored exactly.
+the restarted trainer: accepted trajectories are never lost. The announcement comes before the
+checkpoint (under XCCL nothing may be serialised before the event, and a checkpoint would be):
+a crash between the two resumes from the previous checkpoint as a new version above N (the
+store holds N), and the redelivered batch is trained again; no version number ever names two
+adapters, and the cost of that crash is one step of compute.
 """
 
 from __future__ import annotations
@@ -85,11 +89,14 @@ class AcceptedQueue:
 
     async def next_batch(self, size: int, stop: asyncio.Event) -> list[Trajectory] | None:
         """Block until `size` usable groups are held (None if `stop` is set first)."""
+        if self.reader is None:
+            raise RuntimeError("AcceptedQueue: the reader opens in open(); call it first")
+        reader = self.reader
         groups: list[Trajectory] = []
         while len(groups) < size:
             if stop.is_set():
                 return None
-            for d in await self.reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+            for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
                 if d.msg.trajectory_id in self.skip_ids:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
@@ -185,19 +192,22 @@ class Rank0:
     sender: XcclSender | None
     """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
 
-    async def announce(self, version: int, weights: bytes, tensors: dict[str, torch.Tensor]) -> AdapterReady | None:
-        """Store (or broadcast) and announce `version`; None when it was announced already."""
+    async def announce(
+        self, version: int, tensors: dict[str, torch.Tensor], *, weights: bytes | None = None
+    ) -> AdapterReady | None:
+        """Store (or broadcast) and announce `version`; None when it was announced already.
+        `weights`: its serialised form when at hand (else serialised where `deliver` says)."""
         return await publish_adapter(
             self.bus,
             self.store,
             run=self.cfg.run,
             lora_name=self.cfg.gconfig.lora_name,
             version=version,
-            weights=weights,
+            tensors=tensors,
             lora=self.engine.lora_spec(),
             trainer_step=self.engine.step,
             sender=self.sender,
-            tensors=tensors,
+            weights=weights,
         )
 
 
@@ -238,7 +248,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     `ctx.stop`; returns the last published version."""
     cfg, engine, bus, followers = ctx.cfg, ctx.engine, ctx.bus, ctx.followers
     version = start.version
-    event = await ctx.announce(version, start.weights, start.tensors)
+    event = await ctx.announce(version, start.tensors, weights=start.weights)
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.labels(cfg.run).set(version)
 
@@ -269,8 +279,12 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
     version += 1
     t0 = time.perf_counter()
-    weights = adapter_io.to_bytes(adapter)
     ids = [g.trajectory_id for g in groups]
+    # announced before the checkpoint: under XCCL nothing is serialised before the event. A
+    # crash between the two resumes from an older checkpoint above N (the store has N's
+    # marker), so N never names two adapters.
+    await ctx.announce(version, adapter)
+    metrics.PUBLISH_SECONDS.labels(run).observe(time.perf_counter() - t0)
     if optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(
             checkpoint.save,
@@ -278,14 +292,12 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
             checkpoint.Checkpoint(
                 step=engine.step,
                 version=version,
-                adapter_bytes=weights,
+                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
                 optimizer=optim,
                 rng=checkpoint.rng_state(),
                 trained_ids=ids,
             ),
         )
-    await ctx.announce(version, weights, adapter)
-    metrics.PUBLISH_SECONDS.labels(run).observe(time.perf_counter() - t0)
     await bus.publish(
         subjects.trainer_step(run),
         TrainerStep(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,16 @@ from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.schedule import make_scheduler
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a (peft-wrapped) HF causal LM: FSDP2's sharding units."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # peft's
+    inner = get_base_model() if get_base_model is not None else model
     layers = getattr(getattr(inner, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
@@ -52,7 +56,7 @@ _SHARED = ("device", "rank", "world_size", "pad_id", "dtype", "vocab_size", "mod
 class FSDP2Engine:
     """Owns the model, optimizer and the step counter; knows nothing about the bus."""
 
-    def __init__(self, cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
+    def __init__(self, cfg: LorabusConfig, base: PreTrainedModel | None = None, *, pad_id: int = 0):
         self.cfg = cfg
         self.actor = cfg.actor
         self.device = resolve_device(self.actor.device)
@@ -71,11 +75,18 @@ class FSDP2Engine:
         if base is None:
             base = startup.load_base(self.actor, self.device, self.rank, self.world_size)
         if not from_rank0:
-            base = base.to(device=self.device, dtype=self.dtype)
+            # transformers wraps `to` with functools.wraps(nn.Module.to), which mypy reads as unbound
+            base = base.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         base.config.use_cache = False
         if self.actor.gradient_checkpointing:
             startup.enable_gradient_checkpointing(base)
-        self.vocab_size = base.get_input_embeddings().num_embeddings
+        embeddings = base.get_input_embeddings()
+        if not isinstance(embeddings, nn.Embedding):
+            raise ValueError(
+                f"{type(base).__name__}: input embeddings are a {type(embeddings).__name__}, not an "
+                "nn.Embedding; the fsdp2 engine supports HF decoder-only models (Llama/Qwen/Mistral layout)"
+            )
+        self.vocab_size = embeddings.num_embeddings
         self.model = wrap_lora(base, self.actor)  # LoRA parameters: fp32 masters
         self.adapter = "default"
         """the peft adapter this engine trains (a fleet's other runs are siblings: `sibling`)"""
@@ -208,7 +219,7 @@ class FSDP2Engine:
                 stats = stats + mb_stats
             grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping))
             self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]  # the LR this step ran with
+        lr = float(self.scheduler.get_last_lr()[0])  # the LR this step ran with
         self.scheduler.step()
         self.step += 1
 
@@ -247,7 +258,7 @@ class FSDP2Engine:
         """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        state = get_optimizer_state_dict(
+        state: dict[str, Any] = get_optimizer_state_dict(
             self.model,
             self.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
