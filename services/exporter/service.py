@@ -146,8 +146,8 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         others = FleetExports(cfg, bus)
         try:
             await bus.watch_run_records(cfg.run, others.on_record)  # a task of the bus: close() ends it
-        except Exception as exc:  # e.g. a bus user without rights on the run table
-            log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, exc, cfg.run)
+        except Exception as refused:  # e.g. a bus user without rights on the run table
+            log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, refused, cfg.run)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
