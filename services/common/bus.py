@@ -168,6 +168,9 @@ class Bus:
         self.service = subjects.token(service, "service")
         self._consumers: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
+        # labelled once: `labels()` takes a lock and builds a key, per message on hot paths
+        self.published = MESSAGES.labels(self.service, "published")
+        self.consumed = MESSAGES.labels(self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
 
@@ -325,7 +328,7 @@ class Bus:
             remaining = deadline - time.monotonic()
             try:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
                 return ack.seq
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
@@ -340,12 +343,12 @@ class Bus:
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
         await self.nc.publish(subject, codec.encode(msg))
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
     async def send_raw(self, subject: str, data: bytes) -> None:
         """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
         await self.nc.publish(subject, data)
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
     async def dead_letter(
         self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
@@ -373,8 +376,8 @@ class Bus:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
         reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
-        MESSAGES.labels(self.service, "published").inc()
-        MESSAGES.labels(self.service, "consumed").inc()
+        self.published.inc()
+        self.consumed.inc()
         return decode(reply.data, reply_type)
 
     async def serve(
@@ -390,7 +393,7 @@ class Bus:
         requester times out, which is the only signal a typed reply can carry."""
 
         async def on_request(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 request = decode(nats_msg.data, request_type)
             except codec.DecodeError as exc:
@@ -404,7 +407,7 @@ class Bus:
                 return
             if nats_msg.reply:
                 await nats_msg.respond(codec.encode(reply))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_request)
         self._subs.append(sub)
@@ -426,7 +429,7 @@ class Bus:
         `handler(msg, meta)`; undecodable messages are dead-lettered, handler errors logged."""
 
         async def on_msg(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 msg = decode(nats_msg.data, msg_type)
             except codec.DecodeError as exc:
@@ -625,7 +628,7 @@ class Bus:
         futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
                    for subject, data, msg_id in msgs]  # fmt: skip
         acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
-        MESSAGES.labels(self.service, "published").inc(len(msgs))
+        self.published.inc(len(msgs))
         return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:

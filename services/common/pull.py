@@ -33,7 +33,7 @@ from nats.aio.subscription import Subscription
 
 from proto import codec
 from proto.messages import DeadLetterReason
-from services.common.bus import DEAD_LETTER_ERRORS, MESSAGES, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
+from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class Puller(Generic[T]):
                 await asyncio.sleep(IDLE_S)  # e.g. the durable was deleted: do not spin
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
-        MESSAGES.labels(self.bus.service, "consumed").inc()
+        self.bus.consumed.inc()
         info = raw.metadata
         meta = MsgMeta(
             subject=raw.subject,

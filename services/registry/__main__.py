@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.fleet.runconfig import fleet_tree
 
     try:
-        return asyncio.run(serve(cfg, fleet_tree(args.config, args.overrides)))
+        return entry.run(serve(cfg, fleet_tree(args.config, args.overrides)))
     except (BusError, ValueError) as exc:
         log.error("registry: %s", exc)
         return 1

@@ -460,9 +460,12 @@ def _bad_values(t: Trajectory) -> str | None:
     for i, c in enumerate(t.completions):
         if not math.isfinite(c.reward):
             return f"completions[{i}].reward: {c.reward} is not finite"
-        for j, lp in enumerate(c.logprobs):
-            if not (lp <= 0.0):  # also catches NaN
-                return f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability (must be <= 0 and not NaN)"
+        # C-speed screen first (a NaN or +inf anywhere makes the sum NaN or +inf, a positive
+        # value makes the max positive); the per-token loop only runs to name the culprit
+        if c.logprobs and (max(c.logprobs) > 0.0 or not sum(c.logprobs) <= 0.0):
+            for j, lp in enumerate(c.logprobs):
+                if not (lp <= 0.0):  # also catches NaN
+                    return f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability (must be <= 0 and not NaN)"
     return None
 
 
