@@ -39,7 +39,7 @@ from tests.fixtures.waiting import until
 from tests.integration.test_registry_service import stream_messages
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 12
+STEPS = 16
 MARGIN = 0.04
 CONFIG = "examples/tiny.yaml"
 
