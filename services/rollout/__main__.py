@@ -54,8 +54,12 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> in
     log.info("rollout %s: metrics on port %d", replica, port)
     tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
     engine = build_engine(engine_name, cfg)
+    slots, _ = capacity.slots(cfg)
     stager = None
-    if engine_name == "embedded":
+    # The fast load path installs the engine's slots for the fleet's own run alone; a fleet sized
+    # for submitted runs (more slots, or a higher padded rank) loads through `RunEngines` instead.
+    own_only = slots == cfg.rollout.keep_versions + 1 and capacity.max_rank(cfg) == cfg.actor.lora_rank
+    if engine_name == "embedded" and own_only:
         from services.common.store import store_for_uri
         from services.rollout.load_path import Stager
 
@@ -80,7 +84,6 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> in
                 stager=stager if run_cfg.run == cfg.run else None,
             )
 
-        slots, _ = capacity.slots(cfg)
         engines = RunEngines(engine, cfg.run, slots=slots, rank=capacity.max_rank(cfg))
         fleet_replica = FleetReplica(
             cfg, replica, bus, engines, make, admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0)

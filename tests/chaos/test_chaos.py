@@ -63,6 +63,16 @@ def check_run(run: Run, proc, streams: Streams) -> dict:
     return summary
 
 
+def longest_head_gap_s(registry_log: str) -> float:
+    """The longest time between two new heads in the registry's log (HH:MM:SS.mmm stamps)."""
+    stamps = []
+    for line in registry_log.splitlines():
+        if "head is now v" in line:
+            h, m, sec = line.split(" ", 1)[0].split(":")
+            stamps.append(int(h) * 3600 + int(m) * 60 + float(sec))
+    return max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
+
+
 def table(title: str, faults: list[Fault], survived: dict[str, str], elapsed: float) -> str:
     rows = [f"{title} ({elapsed:.0f} s)", f"{'fault':<28} {'at':>6}  {'injected':<44} survived"]
     for f in faults:
@@ -97,10 +107,15 @@ def test_every_process_killed_a_replica_stopped_objects_spoiled(tmp_path: Path) 
         given_up = [v for r, v in streams.given_up if r == replica]
         assert given_up, f"{replica}: no AdapterFailed(will_retry=false) for the spoiled object"
         assert max(streams.loaded[replica]) > max(given_up), f"{replica} never loaded a version after it"
+    # Whether the stopped replica held grants at that moment depends on timing; what must hold
+    # is that whatever it held did not stop the run for a lease (60 s): the silent-replica rule
+    # frees them within a few heartbeat periods (tests/unit/test_registry_liveness.py pins it).
     log = (run.run_dir / "registry.log").read_text()
-    assert "held by silent replicas" in log, "the stopped replica's grants were not freed"
+    freed = "held by silent replicas" in log
+    gap = longest_head_gap_s(log)
+    assert gap < 30.0, f"the head stood still for {gap:.1f} s: the stopped replica's grants were not freed"
     survived = {f.name: "restarted, run finished" for f in faults[:5]}
-    survived[faults[5].name] = "grants freed, run finished"
+    survived[faults[5].name] = f"{'grants freed' if freed else 'held no grant'}, longest head gap {gap:.0f} s"
     survived[faults[6].name] = survived[faults[7].name] = "given up (AdapterFailed), newer loaded"
     print(table("asynchronous, k = 2", faults, survived, elapsed))
 
