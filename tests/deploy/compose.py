@@ -98,9 +98,10 @@ class Project:
             )
         return result
 
-    def up(self, *services: str, timeout: float = 600) -> None:
-        """`up -d --wait`: returns once every started service is running and healthy."""
-        self.run("up", "-d", "--wait", "--no-build", *services, timeout=timeout)
+    def up(self, *services: str, wait: bool = True, timeout: float = 600) -> None:
+        """`up -d`, with `--wait`: returns once every started service is running and healthy
+        (not for a project whose trainer may finish first: an exited container fails it)."""
+        self.run("up", "-d", *(["--wait"] if wait else []), "--no-build", *services, timeout=timeout)
 
     def containers(self) -> dict[str, dict]:
         """service -> its container's state (`State`, `ExitCode`, `Health`, ...), stopped ones too."""
@@ -111,8 +112,9 @@ class Project:
     def logs(self, *services: str, tail: int = 60) -> str:
         return self.run("logs", "--no-color", "--tail", str(tail), *services, check=False).stdout
 
-    def down(self) -> None:
-        self.run("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300)
+    def down(self) -> subprocess.CompletedProcess:
+        """`down -v`; never raises, so that cleanup goes on (`leftovers` tells what stayed)."""
+        return self.run("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
 
     def leftovers(self) -> dict[str, list[str]]:
         """Containers, volumes and networks the engine still holds for this project."""

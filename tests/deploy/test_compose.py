@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from services.cli import COMMANDS
@@ -305,3 +306,36 @@ def test_slim_services_import_without_the_gpu_stack(blocked, modules):
         [sys.executable, "-c", BLOCKER, blocked, *modules], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_cpu_config_is_the_tiny_task(monkeypatch):
+    """deploy/lorabus.cpu.yaml runs examples/tiny.yaml's job; only where things live differs."""
+    for key in list(__import__("os").environ):
+        if key.startswith(("LORABUS_", "MINIO_")):
+            monkeypatch.delenv(key)
+    deployed = msgspec.to_builtins(load_config(DEPLOY / "lorabus.cpu.yaml"))
+    tiny = msgspec.to_builtins(load_config(REPO / "examples" / "tiny.yaml"))
+
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = leaves(deployed), leaves(tiny)
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    # where things live: the run directory (and what defaults under it), NATS, S3, the model
+    assert differ == {
+        "run_dir",
+        "actor.checkpoint_dir",
+        "rollout.adapter_dir",
+        "bus.url",
+        "store.uri",
+        "store.endpoint",
+        "exporter.uri",
+        "actor.path",
+        "vllm.model",
+        "sglang.model_path",
+    }, differ
+    assert a["actor.path"] == "/app/examples/tiny/model"  # where Dockerfile.cpu copies examples/
+    assert a["bus.url"] == "nats://nats:4222" and a["store.endpoint"] == "s3:9000"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import uuid
 
@@ -28,10 +29,9 @@ import pytest
 from services.local.launcher import Progress, follow
 from services.local.ports import free_ports
 from tests.deploy.compose import ROLES, Project, env_file_with_fresh_secrets
-from tests.deploy.test_compose_up import exported_versions, operator_config, target_health, wait_for_end
-from tests.fixtures.waiting import wait_until
+from tests.deploy.test_compose_up import exported_versions, operator_config, scraped, wait_for_end
 
-STEPS = 4
+STEPS = 8
 # the workers' metrics ports (trainer, rollout-cpu-0, rollout-cpu-1), published on the "LAN"
 WORKER_METRICS = (9102, 9107, 9108)
 
@@ -39,15 +39,19 @@ pytestmark = [pytest.mark.timeout(1800)]
 
 
 def bridge_gateway() -> str:
-    """The host's address on the engine's default bridge: every container can reach it."""
-    out = subprocess.run(
-        ["docker", "network", "inspect", "bridge", "--format", "{{(index .IPAM.Config 0).Gateway}}"],
+    """The host's address on the engine's default bridge (docker0): every container reaches it,
+    nothing outside this machine does."""
+    bridge = subprocess.run(
+        ["docker", "network", "inspect", "bridge", "--format", '{{index .Options "com.docker.network.bridge.name"}}'],
         capture_output=True,
         text=True,
         check=True,
         timeout=30,
-    )
-    return out.stdout.strip()
+    ).stdout.strip()
+    addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", bridge], capture_output=True, text=True, timeout=30)
+    match = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", addr.stdout)
+    assert match, f"no IPv4 address on the engine's bridge {bridge!r}: {addr.stdout}{addr.stderr}"
+    return match.group(1)
 
 
 def networks_of(project: Project) -> dict[str, set[str]]:
@@ -106,7 +110,7 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
     try:
         await asyncio.to_thread(control.up)
         buses = await follow(cfg, progress)
-        await asyncio.to_thread(workers.up)
+        await asyncio.to_thread(workers.up, wait=False)
 
         control_nets, worker_nets = networks_of(control), networks_of(workers)
         assert set(worker_nets) == {"trainer", "rollout-cpu-0", "rollout-cpu-1"}, worker_nets
@@ -117,15 +121,6 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
         )
         assert resolve.returncode != 0, "a worker resolved the control project's `nats`"
 
-        prometheus = f"http://127.0.0.1:{prometheus_port}"
-        wanted = {f"{lan}:{port}" for port in WORKER_METRICS} | {"registry:9101", "exporter:9103"}
-        await wait_until(
-            lambda: all(target_health(prometheus).get(t) == "up" for t in wanted),
-            120,
-            lambda: f"the control host's Prometheus to scrape {sorted(wanted)}: {target_health(prometheus)}",
-            interval=2.0,
-        )
-
         await wait_for_end(workers, progress, STEPS, 900, evaluated=False)
         print(progress.line())
         exported = await asyncio.to_thread(exported_versions, env, cfg.run, lan)
@@ -134,11 +129,17 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
         ), exported
         assert {"cpu-0", "cpu-1"} <= set(progress.loaded), progress.loaded
         assert progress.verdicts.get("accepted", 0) >= STEPS * cfg.rollout.consumer_batch_size
+
+        wanted = {f"{lan}:{port}" for port in WORKER_METRICS} | {"registry:9101", "exporter:9103"}
+        got = scraped(f"http://127.0.0.1:{prometheus_port}")
+        assert wanted <= got, f"the control host's Prometheus did not scrape {sorted(wanted - got)}"
     finally:
         for bus in buses:
             await bus.close()
-        for project in (workers, control):
+        downs = {}
+        for project in (workers, control):  # each goes down whatever happened to the other
             (tmp_path / f"{project.name}.log").write_text(project.logs(tail=400))
-            await asyncio.to_thread(project.down)
+            downs[project.name] = await asyncio.to_thread(project.down)
     for project in (workers, control):
-        assert project.leftovers() == {"containers": [], "volumes": [], "networks": []}, project.name
+        left = project.leftovers()
+        assert left == {"containers": [], "volumes": [], "networks": []}, downs[project.name].stderr[-3000:]
