@@ -25,6 +25,7 @@ import contextlib
 import functools
 import http.server
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -194,19 +195,32 @@ def build_env(torch_index: str) -> dict[str, str]:
     }
 
 
+def one_service_per_image(project: dict) -> list[str]:
+    """Services to build so that each image is built once: compose builds every service with a
+    `build:` section, and five services share `lorabus-cpu` (five parallel torch installs)."""
+    first: dict[str, str] = {}
+    for name, service in sorted(project["services"].items()):
+        if "build" in service:
+            first.setdefault(service.get("image", name), name)
+    return sorted(first.values())
+
+
 def build(compose_files: list[Path], env_file: Path | None = None) -> float:
     """Every image the files build; returns the seconds it took."""
     started = time.monotonic()
     ensure_debian()
     ensure_python()
+    cmd = compose_command()
+    for file in compose_files:
+        cmd += ["-f", str(file)]
+    if env_file is not None:
+        cmd += ["--env-file", str(env_file)]
+    project = json.loads(_run([*cmd, "config", "--format", "json"]).stdout)
     with serve(torch_wheels()) as torch_index:
-        cmd = compose_command()
-        for file in compose_files:
-            cmd += ["-f", str(file)]
-        if env_file is not None:
-            cmd += ["--env-file", str(env_file)]
         env = {**os.environ, **build_env(torch_index)}
-        result = subprocess.run([*cmd, "build"], env=env, text=True, capture_output=True)
+        result = subprocess.run(
+            [*cmd, "build", *one_service_per_image(project)], env=env, text=True, capture_output=True
+        )
         if result.returncode != 0:
             raise LocalImagesError(f"compose build: exit {result.returncode}\n{result.stdout[-4000:]}{result.stderr}")
     return time.monotonic() - started

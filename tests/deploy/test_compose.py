@@ -339,3 +339,14 @@ def test_cpu_config_is_the_tiny_task(monkeypatch):
     }, differ
     assert a["actor.path"] == "/app/examples/tiny/model"  # where Dockerfile.cpu copies examples/
     assert a["bus.url"] == "nats://nats:4222" and a["store.endpoint"] == "s3:9000"
+
+
+def test_localimages_builds_each_image_of_the_cpu_file_once(cpu_project):
+    from localimages import one_service_per_image  # deploy/ is on sys.path (tests.deploy.compose)
+
+    services = cpu_project["services"]
+    chosen = one_service_per_image(cpu_project)
+    images = [services[name]["image"] for name in chosen]
+    assert len(images) == len(set(images))
+    assert set(images) == {svc["image"] for svc in services.values() if "build" in svc}
+    assert len(set(images)) == 5  # lorabus-cpu, lorabus-slim, nats, seaweedfs, prometheus
