@@ -10,6 +10,9 @@ the differences are the LoRA serving path alone:
   slots_head     our slots, every row on the merged head version
   slots_mixed25  our slots, 25% of rows pinned to an older version (low-rank correction)
   slots_mixed3   our slots, 50% head, 25% each on two older versions
+  slots_*_torch  the same mixes with the correction in plain torch (the reference path)
+                 instead of the Triton kernels (`services.rollout.lora_kernels`) in the
+                 captured graphs; eager forwards always run the torch path
   peft_unmerged  peft with one unmerged adapter
   peft_mixed2    peft, two adapters mixed in the batch through `adapter_names`
 Each of base and slots_* runs twice: eager (DynamicCache, one Python forward per step) and
@@ -155,6 +158,47 @@ def agreement(a, b) -> dict:
     }
 
 
+def run_peft(model, versions, rows, device, args, res, tps, peft_loads, swaps, rank):
+    """peft's load_adapter and hotswap_adapter latency, unmerged and two-adapter generation;
+    returns the plain base model again (peft layers removed)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.hotswap import hotswap_adapter
+
+    batch = len(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [write_peft_dir(Path(tmp) / f"v{v}", versions[v], rank, args.alpha) for v in range(peft_loads + 1)]
+        lcfg = LoraConfig(r=rank, lora_alpha=args.alpha, target_modules=TARGETS, lora_dropout=0.0)
+        pm = get_peft_model(model, lcfg, adapter_name="default")
+        pm.load_adapter(str(dirs[0]), adapter_name="default", is_trainable=False)
+        pm.eval()
+        load_s = []
+        for i in range(1, peft_loads + 1):
+            name = f"x{i}"
+            load_s.append(
+                timed(
+                    lambda m=pm, d=dirs[i], n=name: m.load_adapter(str(d), adapter_name=n, is_trainable=False), device
+                )
+            )
+            pm.delete_adapter(name)
+        pm.set_adapter("default")
+        hot_s = [
+            timed(
+                lambda m=pm, d=dirs[1 + i % peft_loads]: hotswap_adapter(
+                    m, str(d), adapter_name="default", torch_device=str(device)
+                ),
+                device,
+            )
+            for i in range(swaps)
+        ]
+        res["peft_load_adapter_ms_p50"] = p50_ms(load_s)
+        res["peft_hotswap_adapter_ms_p50"] = p50_ms(hot_s)
+        tps["peft_unmerged"] = tokens_per_s(pm, rows, device)
+        pm.load_adapter(str(dirs[0]), adapter_name="other", is_trainable=False)
+        names = ["default" if i % 2 == 0 else "other" for i in range(batch)]
+        tps["peft_mixed2"] = tokens_per_s(pm, rows, device, forward_kwargs={"adapter_names": names}, repeats=1)
+        return pm.unload()
+
+
 def p50_ms(samples: list[float]) -> float:
     return 1000 * statistics.median(samples)
 
@@ -169,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swaps", type=int, default=None)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument("--skip-peft", action="store_true", help="leave out the peft variants (unchanged by our code)")
     ap.add_argument(
         "--static-cpu",
         action="store_true",
@@ -204,9 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     res["transformers"], res["peft"] = transformers.__version__, peft.__version__
-    from peft import LoraConfig, get_peft_model
-    from peft.utils.hotswap import hotswap_adapter
-
     model = build_model(cfg, device, dtype)
     versions = {v: random_adapter(model, rank, seed=100 + v, dtype=dtype) for v in range(swaps + 2)}
     adapter_bytes = sum(t.numel() * t.element_size() for t in versions[0].values())
@@ -255,39 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     # --- peft: load_adapter from disk, hotswap_adapter, unmerged generation ---
-    with tempfile.TemporaryDirectory() as tmp:
-        dirs = [write_peft_dir(Path(tmp) / f"v{v}", versions[v], rank, args.alpha) for v in range(peft_loads + 1)]
-        lcfg = LoraConfig(r=rank, lora_alpha=args.alpha, target_modules=TARGETS, lora_dropout=0.0)
-        pm = get_peft_model(model, lcfg, adapter_name="default")
-        pm.load_adapter(str(dirs[0]), adapter_name="default", is_trainable=False)
-        pm.eval()
-        load_s = []
-        for i in range(1, peft_loads + 1):
-            name = f"x{i}"
-            load_s.append(
-                timed(
-                    lambda m=pm, d=dirs[i], n=name: m.load_adapter(str(d), adapter_name=n, is_trainable=False), device
-                )
-            )
-            pm.delete_adapter(name)
-        pm.set_adapter("default")
-        hot_s = [
-            timed(
-                lambda m=pm, d=dirs[1 + i % peft_loads]: hotswap_adapter(
-                    m, str(d), adapter_name="default", torch_device=str(device)
-                ),
-                device,
-            )
-            for i in range(swaps)
-        ]
-        res["peft_load_adapter_ms_p50"] = p50_ms(load_s)
-        res["peft_hotswap_adapter_ms_p50"] = p50_ms(hot_s)
-        tps["peft_unmerged"] = tokens_per_s(pm, rows, device)
-        pm.load_adapter(str(dirs[0]), adapter_name="other", is_trainable=False)
-        names = ["default" if i % 2 == 0 else "other" for i in range(batch)]
-        tps["peft_mixed2"] = tokens_per_s(pm, rows, device, forward_kwargs={"adapter_names": names}, repeats=1)
-        model = pm.unload()  # the plain base model again, peft layers removed
-        del pm
+    if not args.skip_peft:
+        model = run_peft(model, versions, rows, device, args, res, tps, peft_loads, swaps, rank)
 
     tps["base_again"] = tokens_per_s(model, rows, device)  # run-to-run noise, same model
     if use_graphs and "base_graphs" in tps:
@@ -332,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     res["slots_swap_ms_p50_from_pinned_host"] = p50_ms(host_total_s)
     res["slots_copy_ms_p50"] = p50_ms(copy_s)
     res["slots_merge_ms_p50"] = p50_ms(merge_s)
+    res["correction"] = "triton" if slots.routing.kernel else "torch"
     head = slots.head
     older = sorted(v for v in slots.versions() if v != head)
 
@@ -346,9 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     mixed25 = mixes["slots_mixed25"]
     for name, mix in mixes.items():
-        tps[name] = tokens_per_s(model, rows, device, step_context=routed(mix))
-        print(f"{name} eager {tps[name]:.0f} tok/s", flush=True)
-        save()
+        got = attempt(name, lambda: tokens_per_s(model, rows, device, step_context=routed(mix)))
+        if got is None and slots.routing.kernel:
+            # a kernel that does not run here must not cost the other figures: the reference
+            slots.routing.kernel = False
+            res["correction"] = "torch (kernel failed)"
+            got = attempt(f"{name}_torch", lambda: tokens_per_s(model, rows, device, step_context=routed(mix)))
+        if got:
+            tps[name] = got
+            print(f"{name} eager {got:.0f} tok/s", flush=True)
     if use_graphs and "base_graphs" in tps:
         slot_graphs = DecodeGraphs(model, capture=capture)
         for name, mix in mixes.items():
@@ -370,6 +388,42 @@ def main(argv: list[str] | None = None) -> int:
                 decode(model, check, step_context=routed(mix_check), graphs=slot_graphs),
             ),
         )
+        del slot_graphs
+        if slots.routing.kernel:
+            # the same mixes through the torch reference correction, in their own graphs
+            slots.routing.kernel = False
+            ref_graphs = DecodeGraphs(model, capture=capture)
+            for name in ("slots_mixed25", "slots_mixed3"):
+                got = attempt(
+                    f"{name}_torch_graphs",
+                    lambda: tokens_per_s(
+                        model, rows, device, step_context=routed(mixes[name]), graphs=ref_graphs, repeats=3
+                    ),
+                )
+                if got:
+                    tps[f"{name}_torch_graphs"] = got
+                    print(f"{name} torch graphs {got:.0f} tok/s", flush=True)
+            del ref_graphs
+            slots.routing.kernel = True
+
+    # the kernel against the reference correction, op by op on the first layer's groups
+    if slots.routing.kernel:
+        from services.rollout import lora_kernels
+
+        def kernel_vs_reference() -> dict:
+            cols = slots.columns(mixes["slots_mixed3"])
+            worst = 0.0
+            for group in slots.groups[:4]:
+                x = torch.randn(batch, group.in_features, device=device, dtype=dtype)
+                y0 = torch.randn(batch, group.segs[-1], device=device, dtype=dtype)
+                want, got = y0.clone(), y0.clone()
+                lora_kernels.correct_reference_(want, x, group._a_all, group._bt_all, group.segs, cols, 1)
+                lora_kernels.correct_kernel_(got, x, group._a_all, group._bt_all, group._segs_dev, cols, 1)
+                size = (want.float() - y0.float()).abs().max().item()
+                worst = max(worst, (got.float() - want.float()).abs().max().item() / size)
+            return {"max_abs_diff_over_max_correction": worst}
+
+        res["kernel_vs_reference"] = attempt("kernel_vs_reference", kernel_vs_reference)
 
     # correctness spot check: our routed rows vs W0 + s B A computed directly, on one layer
     layer_name, layer = next(iter(slots.layers.items()))
@@ -408,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         "peft_hotswap_adapter_ms_p50",
         "peft_load_adapter_ms_p50",
     ):
-        print(f"{k:<40}{res[k]:>9.2f}")
+        if k in res:
+            print(f"{k:<40}{res[k]:>9.2f}")
     print(
         f"\nW0 copy {res['w0_copy_gb']:.2f} GB, slot buffers {res['slot_buffers_gb']:.2f} GB, "
         f"max rel error vs W0+sBA {worst:.2e}"

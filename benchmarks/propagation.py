@@ -244,11 +244,14 @@ async def replica_main(index: int, nats_url: str) -> None:
 class Acks:
     def __init__(self):
         self.got: dict[str, dict[str, tuple[float, str]]] = {}
+        self.extras: dict[str, list[dict]] = {}
+        """each ack's whole message, by tag (the vLLM sidecars report their timings in it)"""
         self.event = asyncio.Event()
 
     async def on(self, msg) -> None:
         d = json.loads(msg.data)
-        self.got.setdefault(str(d["tag"]), {})[d["replica"]] = (time.perf_counter(), d["via"])
+        self.got.setdefault(str(d["tag"]), {})[d["replica"]] = (time.perf_counter(), d.get("via", ""))
+        self.extras.setdefault(str(d["tag"]), []).append(d)
         self.event.set()
 
     async def wait(self, tag, n: int, timeout: float = 120.0) -> tuple[float, list[str]]:
@@ -291,6 +294,16 @@ async def run_bench(args) -> dict:
     nc = await nats.connect(nats_srv.url)
     acks = Acks()
     await nc.subscribe(ACK, cb=acks.on)
+    if args.vllm:
+        from benchmarks import propagation_servers
+
+        try:
+            rows = await propagation_servers.run_vllm_cells(args, nats_srv.url, s3_cfg, local_cfg, acks)
+        finally:
+            await nc.close()
+            s3.stop()
+            nats_srv.stop()
+        return {"rows": rows, "summary": propagation_servers.summarize(rows)}
     n_max = max(args.replicas)
     procs = [
         subprocess.Popen(
@@ -443,15 +456,13 @@ async def run_bench(args) -> dict:
                                     )
                                     await nc.publish(EVENT, codec.encode(ev))
 
-                                weights = await asyncio.to_thread(adapter_io.to_bytes, tensors)
                                 await deliver(
                                     local_store,
                                     run="bench",
                                     version=version,
-                                    weights=weights,
+                                    tensors=tensors,
                                     publish=publish,
                                     sender=sender,
-                                    tensors=tensors,
                                 )
                             else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
@@ -576,7 +587,8 @@ def main() -> int:
     ap.add_argument("--paths", nargs="*", default=["s3", "local", "xccl", "xccl_only", "peft"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/propagation.json"))
+    ap.add_argument("--vllm", action="store_true", help="the vLLM server cells only (propagation_servers.py)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/propagation[_vllm].json")
     ap.add_argument("--replica", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--nats", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -588,8 +600,11 @@ def main() -> int:
         args.sizes = args.sizes or ["4MB", "37MB"]
         args.replicas = args.replicas or [1, 8]
         args.reps = 2
+    if args.vllm:
+        args.sizes, args.replicas, args.paths = ["37MB"], args.replicas or [1, 2], []
     args.sizes = args.sizes or list(SIZES)
     args.replicas = args.replicas or [1, 2, 4, 8]
+    args.out = args.out or str(ROOT / f"benchmarks/results/propagation{'_vllm' if args.vllm else ''}.json")
     t0 = time.time()
     out = asyncio.run(run_bench(args))
     out["config"] = {
@@ -603,7 +618,12 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    print_table(out["summary"])
+    if args.vllm:
+        from benchmarks import propagation_servers
+
+        propagation_servers.print_table(out["summary"])
+    else:
+        print_table(out["summary"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out} ({out['config']['wall_s']:.0f} s)")

@@ -6,11 +6,11 @@ can route any bad message to its dead-letter subject without inspecting the exce
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
-from proto.messages import SCHEMA_VERSION
+from proto.messages import SCHEMA_VERSION, DeadLetterReason
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ _encoder = msgspec.json.Encoder()
 
 
 class DecodeError(ValueError):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: DeadLetterReason, message: str):
         super().__init__(message)
         self.reason = reason
 
@@ -62,6 +62,11 @@ def check_schema_version(version: str) -> None:
         )
 
 
+# A tagged union (e.g. `RolloutReport`) is not a `type[T]` to mypy: it decodes to Any.
+@overload
+def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T: ...
+@overload
+def decode(data: bytes, type_: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any: ...
 def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
     """Decode `data` as `type_` (a Struct or a tagged Union of Structs)."""
     if len(data) > max_bytes:

@@ -132,6 +132,12 @@ def example_messages() -> dict[str, msgspec.Struct]:
             loaded_versions=[3, 4],
         ),
         m.AdmissionGrant(request_id="rollout-0-17", grant_id="g-17", version=4, lease_expires_at=_T0 + 60),
+        m.FleetAdmissionRequest(
+            fleet="demo-trial0",
+            replica="rollout-0",
+            request_id="rollout-0-19",
+            loaded={"demo-trial0": [3, 4], "demo-r16": [1]},
+        ),
         m.AdmissionDeny(
             request_id="rollout-0-18",
             reason="staleness capacity (k + H + 1) * B reached",
@@ -198,6 +204,39 @@ def example_messages() -> dict[str, msgspec.Struct]:
             raw=b"{not json",
             received_at=_T0 + 7,
         ),
+        m.RunSubmit(
+            fleet="demo-trial0",
+            run="demo-r16",
+            config={"run": "demo-r16", "gconfig": {"lora_name": "r16"}, "actor": {"lora_rank": 16}},
+        ),
+        m.RunStop(fleet="demo-trial0", run="demo-r16", reason="enough"),
+        m.RunList(fleet="demo-trial0"),
+        m.RunReply(
+            fleet="demo-trial0",
+            ok=True,
+            runs=[
+                m.RunInfo(
+                    run="demo-r16",
+                    lora_name="r16",
+                    state="active",
+                    share=1.0,
+                    lora_rank=16,
+                    total_train_steps=20,
+                    head_version=3,
+                    running=2,
+                    accepted=30,
+                )
+            ],
+        ),
+        m.RunRecord(
+            fleet="demo-trial0",
+            run="demo-r16",
+            state="active",
+            share=1.0,
+            config={"run": "demo-r16", "actor": {"lora_rank": 16}},
+            submitted_at=_T0,
+            changed_at=_T0,
+        ),
     ]
     return {type(e).__name__: e for e in examples}
 
@@ -210,6 +249,7 @@ PARAMETERS: dict[str, str] = {
     "replica": "rollout replica id; a subject token of 1-64 [A-Za-z0-9_-]",
     "evaluator": "evaluator name; a subject token of 1-64 [A-Za-z0-9_-]",
     "service": "the service that gave up on the message; a subject token of 1-64 [A-Za-z0-9_-]",
+    "fleet": "the fleet's name (the run of the config `lorabus up` started it with); a subject token",
 }
 _INT_PARAMS = {"version"}
 
@@ -264,6 +304,35 @@ FAMILIES: tuple[Family, ...] = (
         "A rollout asks for one group's admission; the registry replies with a grant or a "
         "deny on the request's reply inbox. Core NATS request/reply, never persisted.",
         reply=("AdmissionGrant", "AdmissionDeny"),
+    ),
+    Family(
+        "fleetAdmission",
+        subjects.fleet_admission,
+        ("FleetAdmissionRequest",),
+        ("rollout",),
+        ("registry",),
+        "A replica asks for one group of work for any run of the fleet; the registry picks the "
+        "run by weighted fair share and replies with a grant naming run and version, or a deny. "
+        "Core NATS request/reply, never persisted.",
+        reply=("AdmissionGrant", "AdmissionDeny"),
+    ),
+    *(
+        Family(
+            f"run{op.capitalize()}",
+            subjects.run_control,
+            (message,),
+            ("operator",),
+            ("registry",),
+            f"`lorabus run {op}`: {what} Core NATS request/reply; the run table itself is the KV "
+            "bucket `lorabus_<fleet>_runs` (one RunRecord per run, written by the registry only).",
+            fixed={"op": op},
+            reply=("RunReply",),
+        )
+        for op, message, what in (
+            ("submit", "RunSubmit", "add a run to the fleet (its config validated by the registry)."),
+            ("list", "RunList", "the fleet's runs with their state, share and progress."),
+            ("stop", "RunStop", "stop granting work to a run; its versions and exports stay."),
+        )
     ),
     Family(
         "registryStatus",
@@ -403,8 +472,8 @@ def asyncapi() -> dict:
                 "channel": {"$ref": f"#/channels/{reply_channel}"},
                 "messages": [{"$ref": f"#/channels/{reply_channel}/messages/{name}"} for name in family.reply],
             }
-        for action, services in (("send", family.senders), ("receive", family.receivers)):
-            for service in services:
+        for action, actors in (("send", family.senders), ("receive", family.receivers)):
+            for service in actors:
                 op: dict[str, Any] = {
                     "action": action,
                     "channel": {"$ref": f"#/channels/{family.channel}"},

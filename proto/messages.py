@@ -7,7 +7,7 @@ Field names are part of the contract: renaming one is a major schema change.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
@@ -21,6 +21,14 @@ Version = Annotated[int, Meta(ge=0, description="adapter version N of `{lora_nam
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$(?!\n)", description="subject-safe token")]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$(?!\n)")]
 UnixTime = Annotated[float, Meta(ge=0, description="seconds since the epoch")]
+# Named so that code building these messages can type what it passes (a bare `str` is not one)
+Dtype = Literal["float32", "bfloat16", "float16"]
+XcclBackend = Literal["nccl", "gloo"]
+LoadedVia = Literal["object", "xccl"]
+EngineKind = Literal["embedded", "vllm", "sglang"]
+FinishReason = Literal["stop", "length", "abort"]
+Verdict = Literal["accepted", "rejected-stale", "rejected-invalid"]
+DeadLetterReason = Literal["decode", "schema-version", "validation", "too-large", "handler"]
 
 
 class Message(Struct, forbid_unknown_fields=False, omit_defaults=False, kw_only=True):
@@ -39,14 +47,14 @@ class LoraSpec(Struct, kw_only=True):
     rank: PosInt
     alpha: float
     target_modules: list[str]
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     base_model: str
 
 
 class TensorSpec(Struct, array_like=False):
     name: str
     shape: list[NonNegInt]
-    dtype: Literal["float32", "bfloat16", "float16"]
+    dtype: Dtype
 
 
 class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
@@ -54,7 +62,10 @@ class ObjectPayload(Struct, tag="object", tag_field="kind", kw_only=True):
 
     uri: Annotated[str, Meta(pattern=r"^(s3|file)://.+")]
     bytes: NonNegInt
-    sha256: Sha256
+    sha256: Sha256 | None = None
+    """None: an XCCL event sent as soon as the broadcast was done, before the copy was
+    serialised; its sha256 is then the content of `announced.sha256` beside the object, written
+    once the object is stored (readers: `services.common.durable.read`)"""
     layout: Literal["hf-peft", "megatron-bridge"] = "hf-peft"
 
 
@@ -62,7 +73,7 @@ class XcclPayload(Struct, tag="xccl", tag_field="kind", kw_only=True):
     """The fast path: join a torch.distributed group hosted by the trainer (rank 0) and receive
     the tensors by broadcast, in manifest order, packed into flat buckets."""
 
-    backend: Literal["nccl", "gloo"]
+    backend: XcclBackend
     master_address: str
     master_port: Annotated[int, Meta(ge=1, le=65535)]
     world_size: PosInt
@@ -120,7 +131,7 @@ class AdapterLoaded(Message, tag="loaded", tag_field="kind", kw_only=True):
     run: Name
     replica: Name
     version: Version
-    via: Literal["object", "xccl"]
+    via: LoadedVia
     load_seconds: Annotated[float, Meta(ge=0)]
     loaded_at: UnixTime
 
@@ -148,7 +159,7 @@ class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True)
 
     run: Name
     replica: Name
-    engine: Literal["embedded", "vllm", "sglang"]
+    engine: EngineKind
     loaded_versions: list[Version]
     in_flight: NonNegInt
     sent_at: UnixTime
@@ -175,6 +186,9 @@ class AdmissionGrant(Message, tag="grant", tag_field="kind", kw_only=True):
     version: Version
     """the version the rollout must generate with"""
     lease_expires_at: UnixTime
+    run: Name | None = None
+    """the run the grant is for: set on a fleet admission (the registry picked the run), None
+    on a run's own admission subject (the run is the subject's)"""
 
 
 class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
@@ -184,6 +198,17 @@ class AdmissionDeny(Message, tag="deny", tag_field="kind", kw_only=True):
 
 
 AdmissionReply = AdmissionGrant | AdmissionDeny
+
+
+class FleetAdmissionRequest(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.admission`: a replica asks for one group of work for whichever
+    run of the fleet the registry picks (the weighted fair share, `services.fleet.share`)."""
+
+    fleet: Name
+    replica: Name
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    loaded: dict[Name, list[Version]] = field(default_factory=dict)
+    """run -> the versions of that run this replica has loaded"""
 
 
 # --- trajectories ----------------------------------------------------------------------------
@@ -197,7 +222,7 @@ class Completion(Struct, kw_only=True):
     logprobs: list[float]
     versions: list[Version]
     reward: float
-    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    finish_reason: FinishReason = "stop"
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -240,7 +265,7 @@ class TrajectoryDecision(Message, kw_only=True):
     trajectory_id: str
     grant_id: str
     replica: Name
-    verdict: Literal["accepted", "rejected-stale", "rejected-invalid"]
+    verdict: Verdict
     reason: str = ""
     head_version: Version
     oldest_version: Version | None = None
@@ -298,11 +323,83 @@ class DeadLetter(Message, kw_only=True):
     run: Name
     service: Name
     subject: str
-    reason: Literal["decode", "schema-version", "validation", "too-large", "handler"]
+    reason: DeadLetterReason
     error: str
     raw: bytes
     """the original bytes (base64 in JSON), truncated to 64 KiB"""
     received_at: UnixTime
+
+
+# --- the fleet's runs (request/reply, and the run table) ------------------------------------
+
+RunStateName = Literal["active", "stopping", "stopped", "finished"]
+
+
+class RunSubmit(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.submit`: add a run to a running fleet."""
+
+    fleet: Name
+    run: Name
+    config: dict[str, Any]
+    """the run file as written: lorabus config keys a run may set (`services.fleet.runconfig`),
+    laid over the fleet's config and validated by the registry with the config loader's rules"""
+
+
+class RunStop(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.stop`: stop granting work to a run, let its grants finish,
+    keep its published versions and exports."""
+
+    fleet: Name
+    run: Name
+    reason: str = ""
+
+
+class RunList(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.list`: ask for the fleet's runs."""
+
+    fleet: Name
+
+
+class RunInfo(Struct, kw_only=True):
+    """One run as `lorabus run list` shows it."""
+
+    run: Name
+    lora_name: Name
+    state: RunStateName
+    share: Annotated[float, Meta(gt=0)]
+    lora_rank: PosInt
+    total_train_steps: PosInt
+    head_version: Version | None = None
+    running: NonNegInt = 0
+    """grants issued and not yet finished"""
+    accepted: NonNegInt = 0
+
+
+class RunReply(Message, kw_only=True):
+    """The registry's answer to RunSubmit, RunStop and RunList. `problems` are the config
+    loader's `field: value, problem; fix` lines (or why the request was refused)."""
+
+    fleet: Name
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    runs: list[RunInfo] = field(default_factory=list)
+
+
+class RunRecord(Message, kw_only=True):
+    """One run in the fleet's run table (KV bucket `lorabus_<fleet>_runs`, key = run): what
+    every service of the fleet watches to start and stop serving the run. Only the registry
+    writes it."""
+
+    fleet: Name
+    run: Name
+    state: RunStateName
+    share: Annotated[float, Meta(gt=0)]
+    config: dict[str, Any]
+    """the run's whole validated config without the fleet's connection sections (bus, store,
+    metrics), which every service takes from its own config"""
+    submitted_at: UnixTime
+    changed_at: UnixTime
+    reason: str = ""
 
 
 TOP_LEVEL: tuple[type, ...] = (
@@ -320,6 +417,12 @@ TOP_LEVEL: tuple[type, ...] = (
     EvalResult,
     TrainerStep,
     DeadLetter,
+    FleetAdmissionRequest,
+    RunSubmit,
+    RunStop,
+    RunList,
+    RunReply,
+    RunRecord,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {"msgspec"}]

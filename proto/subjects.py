@@ -142,3 +142,19 @@ def dead_letter(run: str, service: str) -> str:
 
 def dead_letter_all(run: str) -> str:
     return f"{run_prefix(run)}.deadletter.*"
+
+
+# the fleet: runs submitted, listed and stopped at runtime, and admission for any of its runs.
+# `<fleet>` is the fleet's name (the `run` of the config `lorabus up` started it with); these
+# subjects are core request/reply, captured by no stream, and share no pattern with a run's.
+RUN_OPS = ("submit", "list", "stop")
+
+
+def run_control(fleet: str, op: str) -> str:
+    if op not in RUN_OPS:
+        raise SubjectError(f"op: {op!r} is not one of {RUN_OPS}")
+    return f"{PREFIX}.{token(fleet, 'fleet')}.fleet.run.{op}"
+
+
+def fleet_admission(fleet: str) -> str:
+    return f"{PREFIX}.{token(fleet, 'fleet')}.fleet.admission"

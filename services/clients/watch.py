@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from types import UnionType
 from typing import TYPE_CHECKING
 
 from proto import codec, subjects
@@ -22,7 +23,7 @@ PROG = "lorabus watch"
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
-_BY_FAMILY: dict[str, type] = {
+_BY_FAMILY: dict[str, type | UnionType] = {  # a Struct, or a tagged union of them
     "adapter": m.AdapterReady,
     "export": m.ExportDone,
     "eval": m.EvalResult,

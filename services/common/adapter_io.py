@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from proto.messages import LoraSpec
+from proto.messages import Dtype, LoraSpec
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -26,10 +25,10 @@ PEFT_PREFIX = "base_model.model."
 _ADAPTER_SEGMENT = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_(A|B)\.weight$")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[Dtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> Dtype:
     for name, value in DTYPES.items():
         if value == dtype:
             return name
@@ -77,10 +76,59 @@ def adapter_config(lora: LoraSpec) -> dict:
     }
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    """The safetensors header (length prefix included) and the tensors in file order: sorted
+    names, data packed without gaps, header padded with spaces to 8 bytes (the format's own
+    alignment). Written here rather than by `safetensors.torch.save` so the bytes can be
+    streamed into a file or a preallocated buffer with one copy per tensor (save: ~43 ms for
+    37 MB; this: one memcpy)."""
+    header: dict[str, dict] = {}
+    ordered, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        ordered.append(t)
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, ordered
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes, host side, without a copy when it already is contiguous on the CPU."""
+    flat = t.contiguous().cpu().reshape(-1).view(torch.uint8)
+    return flat.numpy().data
+
+
 def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """Serialize with sorted keys so the same weights always give the same sha256."""
-    ordered = {k: tensors[k].detach().contiguous().cpu() for k in sorted(tensors)}
-    return st_save(ordered)
+    head, ordered = _safetensors_layout(tensors)
+    return b"".join([head, *(_raw(t) for t in ordered)])
+
+
+def serialized_size(tensors: dict[str, torch.Tensor]) -> int:
+    """len(to_bytes(tensors)), from names, shapes and dtypes alone (no data is read)."""
+    head, ordered = _safetensors_layout(tensors)
+    return len(head) + sum(t.numel() * t.element_size() for t in ordered)
+
+
+def write_weights(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """`to_bytes(tensors)` written to `path` tensor by tensor (no whole-file buffer), atomically
+    (tmp + rename): a reader sees no file or the whole file."""
+    path = Path(path)
+    head, ordered = _safetensors_layout(tensors)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for t in ordered:
+            f.write(_raw(t))
+    os.replace(tmp, path)
 
 
 def from_bytes(data: bytes) -> dict[str, torch.Tensor]:
@@ -91,15 +139,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_peft_dir(directory: str | os.PathLike, weights: bytes, lora: LoraSpec) -> Path:
-    """Write a PEFT adapter directory; files appear atomically (tmp + rename)."""
+def write_peft_dir(directory: str | os.PathLike, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> Path:
+    """Write a PEFT adapter directory from serialized weights or from tensors (streamed, see
+    `write_weights`); files appear atomically (tmp + rename)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for name, data in (
-        (WEIGHTS_NAME, weights),
-        (CONFIG_NAME, json.dumps(adapter_config(lora), indent=2).encode()),
-    ):
-        tmp = directory / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, directory / name)
+    if isinstance(weights, dict):
+        write_weights(directory / WEIGHTS_NAME, weights)
+    else:
+        _write_atomically(directory / WEIGHTS_NAME, weights)
+    _write_atomically(directory / CONFIG_NAME, json.dumps(adapter_config(lora), indent=2).encode())
     return directory
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

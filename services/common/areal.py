@@ -24,7 +24,7 @@ import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -189,7 +189,8 @@ def translate(areal: dict[str, Any], *, count_rows: Callable[[dict[str, Any]], i
         t = Translation()
         t.problems.append(f"{key}: cannot resolve: {first}; references in an AReaL file name AReaL keys")
         return t
-    x = _Translator(src)
+    # a mapping in, a mapping out; OmegaConf types to_container for any container
+    x = _Translator(cast("dict[str, Any]", src))
     _top(x)
     _backends(x)
     _gconfig(x)
@@ -362,6 +363,7 @@ _SAMPLING_ONLY = "lorabus's rollout sends no such option to the engine"
 
 def _gconfig(x: _Translator) -> None:
     g = "gconfig"
+    default: Any  # the loops below go over AReaL's defaults, of mixed types
     for name, default in (
         ("n_samples", 1),
         ("max_new_tokens", 16384),
@@ -422,6 +424,7 @@ _NORM_WHY = "lorabus normalises rewards within each group or over the batch (act
 
 def _actor(x: _Translator) -> None:
     a = "actor"
+    default: Any  # the loops below go over AReaL's defaults, of mixed types
     x.to(f"{a}.path", "actor.path")
     x.to(f"{a}.dtype", "actor.dtype", default="bfloat16")
     x.only(f"{a}.init_from_scratch", False, "is not supported: LoRA trains on a pretrained base")
@@ -551,17 +554,8 @@ def _actor(x: _Translator) -> None:
     x.to(f"{a}.lora_alpha", "actor.lora_alpha", default=16)
     x.to(f"{a}.target_modules", "actor.target_modules", default=[])
     mode = x.get(f"{a}.weight_update_mode", "xccl")
-    if mode == "xccl":
-        x.to(
-            f"{a}.weight_update_mode",
-            "actor.weight_update_mode",
-            "disk",
-            default="xccl",
-            note="AReaL's xccl for LoRA goes through vLLM's private worker API; lorabus's "
-            "servers load each version from the adapter directory: same adapter, same versions",
-        )
-    elif mode == "disk":
-        x.to(f"{a}.weight_update_mode", "actor.weight_update_mode")
+    if mode in ("disk", "xccl"):
+        x.to(f"{a}.weight_update_mode", "actor.weight_update_mode", default="xccl")
     else:
         x.refuse(f"{a}.weight_update_mode", "is not supported; use disk or xccl")
     for name, default in (("enable_delta_weight_update", False),):

@@ -12,12 +12,13 @@ It is the only module that talks to nats-py: services call its methods, never `n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
 
 import msgspec
 import nats
@@ -37,7 +38,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from proto import codec, subjects
-from proto.messages import DeadLetter
+from proto.messages import DeadLetter, DeadLetterReason, RunList, RunRecord, RunReply, RunStop, RunSubmit
 from services.common import streams
 from services.common.config_schema import BusConfig
 
@@ -50,7 +51,7 @@ T = TypeVar("T")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 DEAD_LETTER_RAW_BYTES = 64 * 1024
-DEAD_LETTER_REASONS: tuple[str, ...] = get_args(get_type_hints(DeadLetter)["reason"])
+DEAD_LETTER_REASONS: tuple[str, ...] = get_args(DeadLetterReason)
 DEAD_LETTER_ERROR_CHARS = 2000
 RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
@@ -100,6 +101,10 @@ class BusError(RuntimeError):
 
 class SequenceMismatch(BusError):
     """A `publish_expect` found the stream past the expected sequence: someone else wrote."""
+
+
+DEAD_LETTER_ERRORS: tuple[type[BaseException], ...] = (BusError, *TRANSIENT_ERRORS)
+"""what `dead_letter` raises when it could not record the message"""
 
 
 class StoredMsg(msgspec.Struct, frozen=True):
@@ -163,6 +168,11 @@ class Bus:
         self.service = subjects.token(service, "service")
         self._consumers: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
+        # labelled once: `labels()` takes a lock and builds a key, per message on hot paths
+        self.published = MESSAGES.labels(self.service, "published")
+        self.consumed = MESSAGES.labels(self.service, "consumed")
+        self._view = False
+        """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
 
     # --- connection ---------------------------------------------------------------------
 
@@ -195,10 +205,11 @@ class Bus:
                 nc.connect(
                     servers=[cfg.url],
                     name=f"lorabus-{run}-{service}",
-                    connect_timeout=cfg.connect_timeout_s,
+                    # nats-py annotates both as int but hands them to asyncio timeouts as seconds
+                    connect_timeout=cfg.connect_timeout_s,  # type: ignore[arg-type]
                     allow_reconnect=True,
                     max_reconnect_attempts=cfg.max_reconnect_attempts,
-                    reconnect_time_wait=RECONNECT_WAIT_S,
+                    reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
@@ -224,6 +235,14 @@ class Bus:
     def is_closed(self) -> bool:
         return self.nc.is_closed
 
+    def for_run(self, run: str) -> Bus:
+        """This connection as seen by another run of the fleet: that run's subjects, streams
+        and dead letters, consumers and subscriptions of its own. Closing the view stops
+        those only; the connection belongs to the Bus it came from."""
+        view = Bus(self.nc, run, self.service)
+        view._view = True
+        return view
+
     async def close(self) -> None:
         """Stop consumers (un-acked messages are redelivered to the next owner of the
         durable), then drain: pending publishes are flushed, subscriptions finish."""
@@ -232,6 +251,12 @@ class Bus:
             task.cancel()
         # a consumer's last unsubscribe needs the server: never let a lost server hold close()
         await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S) if tasks else None
+        if self._view:
+            for sub in self._subs:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+            self._subs = []
+            return
         if self.nc.is_closed:
             return
         if not self.nc.is_connected:  # draining needs the server; don't wait for a reconnect
@@ -252,6 +277,7 @@ class Bus:
     async def ensure_streams(self) -> None:
         """Create every stream of the run, or update it to the current definition."""
         for config in streams.stream_configs(self.run):
+            assert config.name is not None  # stream_configs names every stream
             try:
                 await self.js.stream_info(config.name)
             except nats.js.errors.NotFoundError:
@@ -302,7 +328,7 @@ class Bus:
             remaining = deadline - time.monotonic()
             try:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
                 return ack.seq
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
@@ -317,14 +343,16 @@ class Bus:
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
         await self.nc.publish(subject, codec.encode(msg))
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
     async def send_raw(self, subject: str, data: bytes) -> None:
         """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
         await self.nc.publish(subject, data)
-        MESSAGES.labels(self.service, "published").inc()
+        self.published.inc()
 
-    async def dead_letter(self, subject: str, reason: str, error: str, raw: bytes, *, msg_id: str | None = None) -> int:
+    async def dead_letter(
+        self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
+    ) -> int:
         """Record a message this service could not use on `deadletter.<service>`."""
         if reason not in DEAD_LETTER_REASONS:
             raise BusError(f"dead_letter reason: {reason!r} is not one of {DEAD_LETTER_REASONS}")
@@ -348,8 +376,8 @@ class Bus:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
         reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
-        MESSAGES.labels(self.service, "published").inc()
-        MESSAGES.labels(self.service, "consumed").inc()
+        self.published.inc()
+        self.consumed.inc()
         return decode(reply.data, reply_type)
 
     async def serve(
@@ -365,7 +393,7 @@ class Bus:
         requester times out, which is the only signal a typed reply can carry."""
 
         async def on_request(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 request = decode(nats_msg.data, request_type)
             except codec.DecodeError as exc:
@@ -379,7 +407,7 @@ class Bus:
                 return
             if nats_msg.reply:
                 await nats_msg.respond(codec.encode(reply))
-                MESSAGES.labels(self.service, "published").inc()
+                self.published.inc()
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_request)
         self._subs.append(sub)
@@ -401,7 +429,7 @@ class Bus:
         `handler(msg, meta)`; undecodable messages are dead-lettered, handler errors logged."""
 
         async def on_msg(nats_msg: Msg) -> None:
-            MESSAGES.labels(self.service, "consumed").inc()
+            self.consumed.inc()
             try:
                 msg = decode(nats_msg.data, msg_type)
             except codec.DecodeError as exc:
@@ -561,6 +589,10 @@ class Bus:
             return None
         return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
 
+    @overload
+    async def last(self, stream: str, msg_type: type[T], subject: str | None = None) -> T | None: ...
+    @overload
+    async def last(self, stream: str, msg_type: Any, subject: str | None = None) -> Any: ...
     async def last(self, stream: str, msg_type: type[T] | Any, subject: str | None = None) -> T | None:
         """The newest message of the stream (on `subject`, if given), decoded; None if there is
         none; `codec.DecodeError` if it does not decode as `msg_type`."""
@@ -596,17 +628,84 @@ class Bus:
         futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
                    for subject, data, msg_id in msgs]  # fmt: skip
         acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
-        MESSAGES.labels(self.service, "published").inc(len(msgs))
+        self.published.inc(len(msgs))
         return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
 
-    async def dead_letter_quietly(self, subject: str, reason: str, error: str, raw: bytes) -> None:
+    async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""
         try:
             await self.dead_letter(subject, reason, error, raw)
-        except (BusError, *TRANSIENT_ERRORS) as exc:
+        except DEAD_LETTER_ERRORS as exc:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
 
+    # --- the fleet: its run table (KV, written by the registry alone) and run requests --------
 
+    async def run_records(self, fleet: str) -> dict[str, RunRecord]:
+        """Every run of `fleet` as the run table holds it now."""
+        kv = await self.key_value(streams.runs_bucket(fleet))
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await kv.get(key)
+                if entry.value:
+                    out[key] = decode(entry.value, RunRecord)
+        return out
+
+    async def put_run_record(self, record: RunRecord) -> int:
+        """Write one run's record (the registry's job); returns the bucket revision."""
+        kv = await self.key_value(streams.runs_bucket(record.fleet))
+        return await kv.put(subjects.token(record.run, "run"), codec.encode(record))
+
+    async def watch_run_records(self, fleet: str, handler: Callable[[RunRecord], Awaitable[None]]) -> asyncio.Task:
+        """`handler(record)` for every run of `fleet` now, then for every change, in order, in
+        a background task (cancel it to stop). A record that does not decode is logged and
+        skipped: the registry is the one writer, so it is a bug, not a message to retry."""
+        kv = await self.key_value(streams.runs_bucket(fleet))
+        watcher = await kv.watchall()
+
+        async def run() -> None:
+            try:
+                async for entry in watcher:
+                    if entry is None or not entry.value:  # end of the initial values; a delete
+                        continue
+                    try:
+                        record = decode(entry.value, RunRecord)
+                    except codec.DecodeError as exc:
+                        log.error("bus: run record %s of fleet %s does not decode: %s", entry.key, fleet, exc)
+                        continue
+                    await handler(record)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+        task = asyncio.create_task(run(), name=f"runs:{fleet}")
+        self._consumers.add(task)
+        task.add_done_callback(self._consumer_done)
+        return task
+
+    async def submit_run(self, fleet: str, run: str, config: dict[str, Any], *, timeout: float = 10.0) -> RunReply:
+        """Ask the fleet's registry to add a run (`lorabus run submit`)."""
+        request = RunSubmit(fleet=fleet, run=run, config=config)
+        return await self.request(subjects.run_control(fleet, "submit"), request, RunReply, timeout=timeout)
+
+    async def stop_run(self, fleet: str, run: str, reason: str = "", *, timeout: float = 10.0) -> RunReply:
+        """Ask the fleet's registry to stop a run (`lorabus run stop`)."""
+        request = RunStop(fleet=fleet, run=run, reason=reason)
+        return await self.request(subjects.run_control(fleet, "stop"), request, RunReply, timeout=timeout)
+
+    async def list_runs(self, fleet: str, *, timeout: float = 5.0) -> RunReply:
+        """The fleet's runs (`lorabus run list`)."""
+        return await self.request(subjects.run_control(fleet, "list"), RunList(fleet=fleet), RunReply, timeout=timeout)
+
+
+@overload
+def decode(data: bytes, msg_type: type[T]) -> T: ...
+@overload
+def decode(data: bytes, msg_type: Any) -> Any: ...
 def decode(data: bytes, msg_type: type[T] | Any) -> T:
     """`codec.decode`; a payload nested deeper than the decoder's stack is undecodable too
     (`DecodeError` "decode"), not a `RecursionError` escaping the consumer."""

@@ -21,7 +21,7 @@ import os
 import re
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import yaml
@@ -37,6 +37,9 @@ from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
 __all__ = [
     "ConfigError",
     "load_config",
+    "read_tree",
+    "parse_overrides",
+    "deep_merge",
     "config_from_dict",
     "backfill",
     "validate",
@@ -64,6 +67,11 @@ class ConfigError(ValueError):
 
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> LorabusConfig:
     """Read, resolve, back-fill and validate one config file; raises `ConfigError`."""
+    return config_from_dict(read_tree(path), overrides, source=os.fspath(path))
+
+
+def read_tree(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's mapping as written (nothing resolved or checked yet); raises `ConfigError`."""
     source = os.fspath(path)
     try:
         loaded = OmegaConf.load(source)
@@ -73,7 +81,7 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         raise ConfigError(f"is not valid YAML: {e}", source) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot be read: {_first_line(e)}", source) from None
-    tree = OmegaConf.to_container(loaded, resolve=False)
+    tree: object = OmegaConf.to_container(loaded, resolve=False)
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
@@ -82,7 +90,7 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
             "(experiment_name:, actor:, rollout:, ...)",
             source,
         )
-    return config_from_dict(tree, overrides, source=source)
+    return tree
 
 
 def config_from_dict(
@@ -105,9 +113,9 @@ def config_from_dict(
 
 
 def _native_config(tree: dict[str, Any], overrides: Iterable[str], source: str | None) -> LorabusConfig:
-    tree = _deep_merge(tree, _parse_overrides(overrides, source))
+    tree = deep_merge(tree, parse_overrides(overrides, source))
     defaults = msgspec.to_builtins(LorabusConfig())
-    tree = _deep_merge(defaults, tree)
+    tree = deep_merge(defaults, tree)
     # One pass: shape, type and rule problems are reported together. What one stage reports is
     # set back to its default before the next looks, so that a misspelt key or `actor: 5` is one
     # problem and not also a confusing interpolation or rule failure elsewhere.
@@ -155,7 +163,7 @@ def _known_only(tree: dict[str, Any], defaults: dict[str, Any], cls: type[msgspe
     return out
 
 
-def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, Any]:
+def parse_overrides(overrides: Iterable[str], source: str | None = None) -> dict[str, Any]:
     if isinstance(overrides, str):  # a lone "a=b" would otherwise iterate per character
         overrides = [overrides]
     out: dict[str, Any] = {}
@@ -166,22 +174,23 @@ def _parse_overrides(overrides: Iterable[str], source: str | None) -> dict[str, 
             problems.append(f"override {item!r} is not key=value; write e.g. rollout.replicas=3")
             continue
         try:
-            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+            # a dotlist makes a mapping; OmegaConf types to_container for any container
+            parsed = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
         except OmegaConfBaseException as e:
             problems.append(f"override {item!r} cannot be parsed: {_first_line(e)}")
             continue
-        out = _deep_merge(out, parsed)
+        out = deep_merge(out, parsed)
     if problems:
         raise ConfigError(problems, source)
     return out
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` wins; mappings merge key by key, anything else (lists too) replaces."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -189,7 +198,8 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(tree: dict[str, Any], source: str | None) -> dict[str, Any]:
     try:
-        return OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+        # a mapping in, a mapping out; OmegaConf types to_container for any container
+        return cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.create(tree), resolve=True))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(
@@ -235,6 +245,7 @@ _MAX_TYPE_PROBLEMS = 200
 
 def _explained_path(e: msgspec.ValidationError) -> list[str]:
     m = _MSGSPEC_AT.match(str(e))
+    assert m is not None  # every part of the pattern but `msg` is optional, and `msg` takes anything
     rel = (m.group("path") or "").lstrip(".") if m else ""
     # a bad list element resets the whole list: defaults have no element to take
     return _split_path(rel.split("[", 1)[0])
@@ -328,6 +339,7 @@ def _value_at(tree: Any, dotted: str) -> Any:
 
 def _explain(e: msgspec.ValidationError, tree: dict[str, Any], raw: dict[str, Any], prefix: str) -> str:
     m = _MSGSPEC_AT.match(str(e))
+    assert m is not None  # every part of the pattern but `msg` is optional, and `msg` takes anything
     msg, rel = m.group("msg"), (m.group("path") or "")
     rel = rel.lstrip(".")
     path = ".".join(p for p in (prefix, rel) if p).replace(".[", "[")
@@ -422,25 +434,20 @@ def check_lora_name(cfg: LorabusConfig) -> list[str]:
 
 
 def check_engine_matrix(cfg: LorabusConfig) -> list[str]:
-    backend, engine, mode = cfg.actor.backend, cfg.rollout.engine, cfg.actor.weight_update_mode
-    if mode != "xccl":
+    """XCCL works with every trainer backend and rollout engine: a vLLM/SGLang sidecar joins the
+    group, receives the version into memory and has its server load it from the adapter
+    directory (docs/xccl.md). What cannot work is an nccl group whose server sidecar has no GPU
+    to receive on."""
+    a, ro = cfg.actor, cfg.rollout
+    if a.weight_update_mode != "xccl" or ro.engine == "embedded":
         return []
-    why = None
-    if engine == "sglang":
-        why = (
-            "SGLang's distributed weight update (/update_weights_from_distributed) updates base "
-            "weights only and has no LoRA target"
-        )
-    elif engine == "vllm":
-        # AReaL reaches into vLLM's worker (LoRAModel.from_lora_tensors) for this; lorabus does
-        # not patch private APIs that change between vLLM releases
-        why = "stock vLLM has no public API to load a LoRA adapter from tensors, only from a directory"
-    if why is None:
-        return []
-    return [
-        f"actor.weight_update_mode: 'xccl' is not supported with actor.backend {backend} and "
-        f"rollout.engine {engine}: {why}; use weight_update_mode: disk"
-    ]
+    if a.xccl_backend == "nccl" and ro.device == "cpu":
+        return [
+            f"actor.xccl_backend: 'nccl' with rollout.engine {ro.engine} and rollout.device: cpu: "
+            "the sidecar receives an nccl broadcast into GPU memory; set rollout.device: auto "
+            "(or cuda), or actor.xccl_backend: gloo"
+        ]
+    return []
 
 
 def check_megatron(cfg: LorabusConfig) -> list[str]:
@@ -632,7 +639,7 @@ def _trained_hf_modules(actor: ActorConfig) -> list[str] | None:
     if lora_targets.problems(actor.target_modules, actor.backend):
         return None
     resolved = lora_targets.for_backend(actor.target_modules, actor.backend)
-    if resolved == ALL_LINEAR:
+    if isinstance(resolved, str):  # ALL_LINEAR
         return None
     return lora_targets.to_hf(resolved) if actor.backend == "megatron" else resolved
 
@@ -700,6 +707,18 @@ def check_schedule(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_fleet(cfg: LorabusConfig) -> list[str]:
+    f, out = cfg.fleet, []
+    if not f.share > 0:
+        out.append(f"fleet.share: {f.share} must be > 0 (a run's weight in the fleet's fair share; 1 is even)")
+    if f.max_runs < 1:
+        out.append(f"fleet.max_runs: {f.max_runs} must be >= 1 (runs served at once)")
+    mcr = f.max_concurrent_rollouts
+    if mcr is not None and mcr < 1:
+        out.append(f"fleet.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: each run's own bound only)")
+    return out
+
+
 RULES = (
     check_lora,
     check_lora_name,
@@ -712,6 +731,7 @@ RULES = (
     check_sglang_slots,
     check_run,
     check_schedule,
+    check_fleet,
 )
 
 

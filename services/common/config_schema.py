@@ -254,6 +254,18 @@ class ExporterConfig(Section):
     """`file:///dir` or `s3://bucket/prefix`; versions land in `<uri>/v<N>/`"""
 
 
+class FleetConfig(Section):
+    """Many runs on one fleet (docs/multi-run.md). `share` is a run's own; the rest is the fleet's."""
+
+    share: float = 1.0
+    """this run's weight in the fleet's fair share of rollout concurrency"""
+    max_runs: int = 8
+    """runs the fleet serves at once (active or stopping); a submit beyond it is refused"""
+    max_concurrent_rollouts: int | None = None
+    """groups in flight over all runs together; unset: each run's own max_concurrent_rollouts
+    is the only bound, and the share decides who gets a replica that asks for work"""
+
+
 class LorabusConfig(Section):
     experiment_name: str = "lorabus"
     trial_name: str = "trial0"
@@ -273,3 +285,4 @@ class LorabusConfig(Section):
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)

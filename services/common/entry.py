@@ -18,8 +18,9 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from services.common.bus import Bus
 from services.common.config import ConfigError, load_config
@@ -27,6 +28,7 @@ from services.common.config_schema import LorabusConfig
 from services.common.logs import setup_logging
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+T = TypeVar("T")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -60,6 +62,18 @@ def stop_event(stop: asyncio.Event | None = None) -> asyncio.Event:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, on uvloop where it is installed: a service that handles several
+    small messages per decision spends much of its CPU in the event loop, which uvloop
+    (libuv, Cython) runs in a fraction of asyncio's time."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 @asynccontextmanager

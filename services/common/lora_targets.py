@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Final, Literal, overload
 
 Backend = Literal["fsdp2", "megatron"]
 
-ALL_LINEAR = "all-linear"
+ALL_LINEAR: Final = "all-linear"
 """the config keyword for every linear layer but lm_head (peft's own spelling)"""
 MEGATRON_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron's linear layers of one decoder layer: what all-linear means to megatron-bridge"""

@@ -52,7 +52,8 @@ def load_base_model(path: str | Path, dtype: str = "float32", device: str = "cpu
         model = AutoModelForCausalLM.from_pretrained(_source(path), dtype=DTYPES[dtype])
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {str(path)!r}: could not be loaded ({exc})") from exc
-    return model.to(resolve_device(device))
+    # transformers wraps `to` with functools.wraps(nn.Module.to), which mypy reads as unbound
+    return model.to(resolve_device(device))  # type: ignore[arg-type]
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -82,4 +83,5 @@ def decode_completion(tok: PreTrainedTokenizerBase, ids: list[int]) -> str:
     dropped."""
     eos = set(eos_token_ids(tok))
     end = next((i for i, t in enumerate(ids) if t in eos), len(ids))
-    return tok.decode(list(ids[:end]), skip_special_tokens=True)
+    # one list of ids decodes to one str; transformers types decode for batches too
+    return tok.decode(list(ids[:end]), skip_special_tokens=True)  # type: ignore[return-value]

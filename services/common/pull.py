@@ -32,7 +32,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from proto import codec
-from services.common.bus import MESSAGES, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, BusError, MsgMeta, decode
+from proto.messages import DeadLetterReason
+from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Delivery(Generic[T]):
         """Restart the server's ack_wait clock: the message is still being worked on."""
         await _settle(self._raw.in_progress())
 
-    async def reject(self, reason: str, error: str) -> None:
+    async def reject(self, reason: DeadLetterReason, error: str) -> None:
         """Dead-letter and terminate; if the dead letter cannot be stored, nak instead."""
         await self._reader.reject(self._raw, self.meta, reason, error)
 
@@ -133,7 +134,8 @@ class Puller(Generic[T]):
                 pass
 
     async def _on_msg(self, msg: Msg) -> None:
-        status = msg.headers.get("Status") if msg.headers else None
+        headers = msg.headers or {}
+        status = headers.get("Status")
         if status is None:
             self._buf.append(msg)
             self._credit -= 1
@@ -145,7 +147,7 @@ class Puller(Generic[T]):
             if status not in _ENDS_QUIETLY:  # 409 max-ack-pending, deleted durable, 503, ...
                 self._refused = status
                 log.debug("bus: pull on %s/%s ended: %s %s", self.stream, self.durable, status,
-                          msg.headers.get("Description", ""))  # fmt: skip
+                          headers.get("Description", ""))  # fmt: skip
             if self.keep_open:
                 self._credit = 0
             elif msg.subject == self._current:  # a late status of an earlier fetch ends nothing
@@ -235,7 +237,7 @@ class Puller(Generic[T]):
                 await asyncio.sleep(IDLE_S)  # e.g. the durable was deleted: do not spin
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
-        MESSAGES.labels(self.bus.service, "consumed").inc()
+        self.bus.consumed.inc()
         info = raw.metadata
         meta = MsgMeta(
             subject=raw.subject,
@@ -250,12 +252,12 @@ class Puller(Generic[T]):
             return None
         return Delivery(msg, meta, raw, self)
 
-    async def reject(self, raw: Msg, meta: MsgMeta, reason: str, error: str) -> None:
+    async def reject(self, raw: Msg, meta: MsgMeta, reason: DeadLetterReason, error: str) -> None:
         # Derived from the stream position, so a redelivered poison message is recorded once.
         letter_id = f"{self.stream}:{meta.stream_seq}:{self.bus.service}"
         try:
             await self.bus.dead_letter(meta.subject, reason, error, raw.data, msg_id=letter_id)
-        except (BusError, *TRANSIENT_ERRORS) as exc:
+        except DEAD_LETTER_ERRORS as exc:
             # Never drop a message we could not record: let the server deliver it again.
             log.error("bus: could not dead-letter %s (%r); will retry", meta.subject, exc)
             await _settle(raw.nak(delay=1.0))

@@ -73,6 +73,11 @@ def ledger_bucket(run: str) -> str:
     return f"lorabus_{subjects.token(run, 'run')}_ledger"
 
 
+def runs_bucket(fleet: str) -> str:
+    """The fleet's run table: one `RunRecord` per run, key = run (JetStream KV)."""
+    return f"lorabus_{subjects.token(fleet, 'fleet')}_runs"
+
+
 # (stream, subject pattern, max_age, max_msgs_per_subject); -1 = unlimited.
 # Adapter events and exports are the run's history: services that start late replay them, so
 # they are kept for the run's lifetime. Heartbeats are chatter: keep the recent ones only.

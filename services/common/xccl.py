@@ -37,17 +37,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from proto.messages import TensorSpec
+from proto.messages import Dtype, TensorSpec, XcclBackend
+from services.common.adapter_io import DTYPES
 
 ALIGN = 16
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -62,7 +59,7 @@ class ManifestError(ValueError):
 class Entry:
     name: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: Dtype
     offset: int
     nbytes: int
 
@@ -237,7 +234,7 @@ def new_group(backend: str, store, prefix: str, rank: int, world_size: int, time
     raise ValueError(f"actor.xccl_backend: {backend!r} is not gloo or nccl")
 
 
-def resolve_backend(configured: str, device: torch.device) -> str:
+def resolve_backend(configured: Literal["auto", "gloo", "nccl"], device: torch.device) -> XcclBackend:
     if configured == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     return configured

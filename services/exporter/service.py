@@ -16,10 +16,11 @@ import time
 
 from proto import subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
-from services.common import streams, xccl
+from services.common import durable, streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
+from services.common.pull import Puller
 from services.common.store import store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
@@ -106,9 +107,7 @@ class Exporter:
         with _stage("fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
-            data = xccl.fetch_when_stored(
-                lambda: store.get_bytes(payload.uri, sha256=payload.sha256, size=payload.bytes), what=payload.uri
-            )
+            data = xccl.fetch_when_stored(lambda: durable.read(store, payload), what=payload.uri)
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 
@@ -139,14 +138,14 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         await bus.ensure_streams()
         exporter = Exporter(cfg, bus)
         # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
-        reader = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
+        reader: Puller[AdapterReady] = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
         consumer = bus.dispatch(reader, exporter.handle)
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
-        if consumer.done() and not consumer.cancelled() and consumer.exception():
-            raise consumer.exception()
+        if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
+            raise exc
         async with exporter.busy:  # let a running export finish (and ack) before closing
             await bus.close()
     finally:

@@ -14,15 +14,17 @@ log = logging.getLogger("services.registry")
 PROG = "lorabus registry"
 
 
-async def serve(cfg: LorabusConfig) -> int:
+async def serve(cfg: LorabusConfig, raw: dict) -> int:
+    """`raw`: the config file's tree as written, the base of every run submitted to the fleet."""
     from services.common.metrics import start_metrics_server
-    from services.registry.policy import PolicyConfig
-    from services.registry.service import LedgerConflict, RegistryService
+    from services.fleet.registry import FleetRegistry
+    from services.registry.service import LedgerConflict
 
-    policy_cfg = PolicyConfig.from_config(cfg)
     port = start_metrics_server(cfg.metrics)
     async with entry.connected(cfg, "registry") as bus:
-        service = RegistryService(bus, policy_cfg)
+        # a fleet with the config's run as its first run: that run's registry is the one a
+        # single-run deployment has always had, other runs join it at runtime
+        service = FleetRegistry(bus, cfg, raw)
         await service.start()
         stop = entry.stop_event()
         log.info("registry: serving run %s (metrics on :%d)", cfg.run, port)
@@ -53,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cfg = entry.start(args, PROG, service="registry")
+    from services.fleet.runconfig import fleet_tree
+
     try:
-        return asyncio.run(serve(cfg))
+        return entry.run(serve(cfg, fleet_tree(args.config, args.overrides)))
     except (BusError, ValueError) as exc:
         log.error("registry: %s", exc)
         return 1

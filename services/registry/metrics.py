@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 HEAD_VERSION = Gauge("lorabus_registry_head_version", "Latest adapter version published (H)")
@@ -29,6 +31,12 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 LEDGER_WRITES = Counter("lorabus_registry_ledger_writes_total", "Ledger snapshots written to the KV bucket")
+
+
+@functools.cache
+def verdict_count(verdict: str):
+    """TRAJECTORIES' child for a verdict, labelled once (a decision counts on the hot path)."""
+    return TRAJECTORIES.labels(verdict)
 
 
 def observe_ledger(ledger) -> None:

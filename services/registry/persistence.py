@@ -266,10 +266,10 @@ class Journal:
                     if batch.ops:
                         await self._store(batch.ops)
                 except BaseException as exc:
-                    self.fatal = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                    fatal = self.fatal = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
                     if batch.done is not None and not batch.done.done():
-                        batch.done.set_exception(self.fatal)
-                    self._fail_pending()
+                        batch.done.set_exception(fatal)
+                    self._fail_pending(fatal)
                     if not isinstance(exc, Exception):
                         raise
                     return
@@ -280,10 +280,10 @@ class Journal:
         finally:
             self._writer = None
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, fatal: BaseException) -> None:
         batch, self._batch = self._batch, _Batch()
         if batch.done is not None and not batch.done.done():
-            batch.done.set_exception(self.fatal)
+            batch.done.set_exception(fatal)
 
     async def _store(self, ops: list[Op]) -> None:
         self.revision += 1

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import msgspec
 from msgspec import Struct, field
@@ -47,12 +48,11 @@ from proto.messages import (
     RolloutReport,
     Trajectory,
     TrajectoryDecision,
+    Verdict,
 )
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
     from services.common.config_schema import LorabusConfig
-
-Verdict = Literal["accepted", "rejected-stale", "rejected-invalid"]
 
 # Reason codes (the part of a reason before ": "); metrics are labelled with these.
 DENY_NO_ADAPTER = "no-adapter"
@@ -147,7 +147,7 @@ class ReplicaState(Struct, kw_only=True):
 class SeenDecision(Struct, array_like=True):
     """A compact first decision (the ledger keeps up to `seen_limit` of these)."""
 
-    verdict: str
+    verdict: Verdict
     reason: str
     grant_id: str
     replica: str
@@ -325,7 +325,7 @@ def choose_version(ledger: Ledger, request: AdmissionRequest, cfg: PolicyConfig)
     """
     if ledger.head is None:
         return None
-    loaded = request.loaded_versions
+    loaded: Collection[int] = request.loaded_versions
     if not loaded:
         state = ledger.replicas.get(request.replica)
         loaded = state.loaded if state is not None else ()
@@ -436,10 +436,12 @@ def expire(ledger: Ledger, now: float) -> list[str]:
 def seen_decision(ledger: Ledger, trajectory_id: str) -> TrajectoryDecision | None:
     """The first decision about `trajectory_id`, if it is still remembered."""
     s = ledger.seen.get(trajectory_id)
-    if s is None:
-        return None
+    return None if s is None else _as_decision(ledger.run, trajectory_id, s)
+
+
+def _as_decision(run: str, trajectory_id: str, s: SeenDecision) -> TrajectoryDecision:
     return TrajectoryDecision(
-        run=ledger.run,
+        run=run,
         trajectory_id=trajectory_id,
         grant_id=s.grant_id,
         replica=s.replica,
@@ -458,9 +460,12 @@ def _bad_values(t: Trajectory) -> str | None:
     for i, c in enumerate(t.completions):
         if not math.isfinite(c.reward):
             return f"completions[{i}].reward: {c.reward} is not finite"
-        for j, lp in enumerate(c.logprobs):
-            if not (lp <= 0.0):  # also catches NaN
-                return f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability (must be <= 0 and not NaN)"
+        # C-speed screen first (a NaN or +inf anywhere makes the sum NaN or +inf, a positive
+        # value makes the max positive); the per-token loop only runs to name the culprit
+        if c.logprobs and (max(c.logprobs) > 0.0 or not sum(c.logprobs) <= 0.0):
+            for j, lp in enumerate(c.logprobs):
+                if not (lp <= 0.0):  # also catches NaN
+                    return f"completions[{i}].logprobs[{j}]: {lp} is not a log-probability (must be <= 0 and not NaN)"
     return None
 
 
@@ -546,10 +551,10 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
         code = code_of(reason)
         verdict = "rejected-stale" if code == REJECT_STALE else "rejected-invalid"
         ledger.rejected[code] = ledger.rejected.get(code, 0) + 1
-    ledger.seen[t.trajectory_id] = SeenDecision(verdict, reason, t.grant_id, t.replica, head, oldest, now)
+    seen = ledger.seen[t.trajectory_id] = SeenDecision(verdict, reason, t.grant_id, t.replica, head, oldest, now)
     while len(ledger.seen) > cfg.seen_limit:
         del ledger.seen[next(iter(ledger.seen))]
-    return seen_decision(ledger, t.trajectory_id)
+    return _as_decision(ledger.run, t.trajectory_id, seen)
 
 
 def new_ledger(run: str) -> Ledger:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from proto.messages import EngineKind
 from services.common import entry
 from services.common.config_schema import LorabusConfig
 
@@ -29,16 +30,17 @@ def build_engine(name: str, cfg):
 
 
 def fetcher(cfg):
+    from services.common import durable
     from services.common.store import store_for_uri
 
     def fetch(ev) -> bytes:
         obj = ev.object_payload()
-        return store_for_uri(obj.uri, cfg.store).get_bytes(obj.uri, sha256=obj.sha256, size=obj.bytes)
+        return durable.read(store_for_uri(obj.uri, cfg.store), obj)
 
     return fetch
 
 
-async def serve(cfg: LorabusConfig, replica: str, engine_name: str) -> int:
+async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> int:
     from services.common import models
     from services.common.data import load_prompts
     from services.common.metrics import start_metrics_server

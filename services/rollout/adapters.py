@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from proto import codec, subjects
-from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded
+from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, LoadedVia
 from services.common import streams, xccl
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.pull import Puller
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
@@ -82,12 +83,14 @@ class AdapterFollower:
     def _make_receiver(self) -> None:
         if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
             return
-        if self.engine_name != "embedded":
-            log.info("rollout %s: engine %s takes adapters from the object copy only", self.replica, self.engine_name)
-            return
         from services.rollout.xccl_receiver import XcclReceiver
 
-        device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        if self.engine_name == "embedded":
+            device = getattr(getattr(self.engine, "model", None), "device", "cpu")
+        else:  # a server's sidecar: an nccl group needs a GPU to stage on, gloo stages in host memory
+            from services.common.models import resolve_device
+
+            device = resolve_device(self.cfg.rollout.device)
         self.xccl = XcclReceiver(self.replica, device=device, timeout_s=self.cfg.actor.xccl_timeout_s)
 
     async def start(self) -> asyncio.Task:
@@ -104,7 +107,7 @@ class AdapterFollower:
                 await self.on_adapter(head)
             except Exception:  # reported already; the consumer below delivers it again
                 log.exception("rollout %s: initial load of v%d failed", self.replica, head.version)
-        reader = await self.bus.pull(consumer, AdapterReady, batch=1)
+        reader: Puller[AdapterReady] = await self.bus.pull(consumer, AdapterReady, batch=1)
         return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
 
     async def close(self) -> None:
@@ -157,11 +160,12 @@ class AdapterFollower:
         return True
 
     async def _load_with_retries(self, ev: AdapterReady) -> None:
-        if self.xccl is not None and ev.xccl_payload() is not None:
-            self.xccl.observe(ev.xccl_payload(), ev.version)
+        payload = ev.xccl_payload()
+        if self.xccl is not None and payload is not None:
+            self.xccl.observe(payload, ev.version)
         for attempt in range(1, self.load_attempts + 1):
             t0 = time.time()
-            via = "object"
+            via: LoadedVia = "object"
             try:
                 await self._make_room()
                 if attempt == 1 and await self._load_xccl(ev):
@@ -204,7 +208,8 @@ class AdapterFollower:
             log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, via, now - t0)
             metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
-            metrics.LOADED_VERSION.labels(self.replica).set(self.book.head())
+            if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
+                metrics.LOADED_VERSION.labels(self.replica).set(head)
             await self._report(
                 "loaded",
                 AdapterLoaded(
@@ -263,7 +268,9 @@ class AdapterFollower:
             return []
         # _collecting: no unload of a version while we decide whether to bring it back
         async with self._restoring, self._collecting:
-            admissible = set(self.book.loaded()) | ({self._loading} - {None})
+            admissible = set(self.book.loaded())
+            if self._loading is not None:
+                admissible.add(self._loading)
             restored: list[int] = []
             try:
                 restored = list(await reload_missing(sorted(admissible)))

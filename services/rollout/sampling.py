@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from proto.messages import FinishReason
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
 
@@ -54,7 +56,7 @@ class Row:
 class RowOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
 
 
 def mix32(x: int) -> int:
@@ -111,7 +113,7 @@ def sample(
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
+def _cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use what this one takes."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
@@ -129,7 +131,7 @@ class DecodeGraphs:
     go first). `capture=False` runs the same static steps eagerly (CPU; tests of this path).
     """
 
-    def __init__(self, model: torch.nn.Module, *, capture: bool, max_states: int = 4, length_multiple: int = 64):
+    def __init__(self, model: PreTrainedModel, *, capture: bool, max_states: int = 4, length_multiple: int = 64):
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"static decoding: {reason}")
@@ -155,7 +157,7 @@ class DecodeGraphs:
         del self._idle[: max(0, len(self._idle) - self.max_states)]
 
 
-def static_unsupported(model: torch.nn.Module) -> str | None:
+def static_unsupported(model: PreTrainedModel) -> str | None:
     """Why the static path cannot run this model, or None. It passes its own 4D additive
     mask, which transformers uses as is for full attention under sdpa/eager only."""
     cfg = model.config
@@ -169,7 +171,7 @@ def static_unsupported(model: torch.nn.Module) -> str | None:
 
 
 class _State:
-    def __init__(self, model: torch.nn.Module, batch: int, length: int):
+    def __init__(self, model: PreTrainedModel, batch: int, length: int):
         device = next(model.parameters()).device
         self.key = (batch, length)
         self.cache = StaticCache(config=model.config, max_cache_len=length)
@@ -183,8 +185,11 @@ class _State:
         """Empty the cache in place (its tensors keep their addresses for the graphs); stale
         keys and values stay, masked out."""
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.zero_()
+            # a StaticLayer's (static_unsupported admits full attention only); not named, as
+            # transformers < 4.56 has no cache layers and does not reach here
+            length = getattr(layer, "cumulative_length", None)
+            if getattr(layer, "is_initialized", False) and length is not None:
+                length.zero_()
 
 
 def _forward(model, cache_arg: dict, extra: dict, **inputs) -> torch.Tensor:
@@ -194,7 +199,7 @@ def _forward(model, cache_arg: dict, extra: dict, **inputs) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     rows: Sequence[Row],
     *,
     pad_id: int = 0,
@@ -283,7 +288,7 @@ class _Dynamic:
 
     def __init__(self, model, cache_arg: dict, extra: dict, mask: torch.Tensor):
         self.model, self.cache_arg, self.extra, self.attn = model, cache_arg, extra, mask
-        self.pos: torch.Tensor | None = None
+        self.pos: torch.Tensor  # set by prefill, which comes first
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.pos = positions[:, -1:]

@@ -31,6 +31,7 @@ from proto.messages import (
     AdmissionReply,
     AdmissionRequest,
     Completion,
+    EngineKind,
     ReplicaHeartbeat,
     Trajectory,
 )
@@ -72,7 +73,7 @@ class RolloutService:
         decode_text: Callable[[list[int]], str],
         reward_fn: Callable[[str, str, str], float],
         prompts: list[Prompt],
-        engine_name: str = "embedded",
+        engine_name: EngineKind = "embedded",
         load_attempts: int = 4,
         retry_base_s: float = 0.5,
         admission_timeout_s: float = 2.0,

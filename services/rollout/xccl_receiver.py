@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from proto.messages import XcclPayload
 from services.common import xccl
@@ -76,7 +77,7 @@ class XcclReceiver:
         self.digest = ""
         self._sets: list[list[torch.Tensor]] = []
         self._staged: dict[int, Staged] = {}
-        self._pg = None
+        self._pg: dist.ProcessGroup | None = None
         self.sessions = 0
         self.joined: tuple[str, int] | None = None
         """the trainer handle this replica last registered with"""
@@ -141,7 +142,7 @@ class XcclReceiver:
             with self._cond:
                 while self._target is None and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed or self._target is None:  # the wait ends with a target, or closed
                     return
                 target = self._target
             try:
@@ -192,22 +193,23 @@ class XcclReceiver:
             # the group gets a store connection of its own: a gloo rank blocks on the store it
             # was built with (connection setup), and our key waits must not queue behind it
             pg_store = xccl.connect_store(*target, self.timeout_s)
-            self._pg = xccl.new_group(plan_doc["backend"], pg_store, f"g{epoch}/pg", rank, world, self.timeout_s)
+            self._pg = pg = xccl.new_group(plan_doc["backend"], pg_store, f"g{epoch}/pg", rank, world, self.timeout_s)
+            group: str = members["group"]
             with self._cond:
-                self.group = members["group"]
+                self.group = group
                 self._cond.notify_all()
             log.info("xccl %s: in group %s as rank %d of %d", self.replica, self.group, rank, world)
             header = torch.zeros(xccl.HEADER_LEN, dtype=torch.int64, device=self.staging_device)
             while True:
                 self._check(target)
-                xccl.set_timeout(self._pg, IDLE_TIMEOUT_S)
-                self._pg.broadcast(header, 0).wait()
+                xccl.set_timeout(pg, IDLE_TIMEOUT_S)
+                pg.broadcast(header, 0).wait()
                 kind, value, digest = xccl.read_header(header)
                 if kind == "end":
                     log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, value)
                     break
-                xccl.set_timeout(self._pg, self.timeout_s)
-                self._receive(value, digest, rank, world)
+                xccl.set_timeout(pg, self.timeout_s)
+                self._receive(pg, group, value, digest, rank, world)
             box, self._pg = [self._pg], None
             xccl.abort_group(box)
             with self._cond:
@@ -242,12 +244,14 @@ class XcclReceiver:
                     return self._staged.pop(v).buffers
         return xccl.alloc_buckets(self.plan, self.staging_device)  # unreachable while loads are serial
 
-    def _receive(self, version: int, digest: tuple[int, int], rank: int, world: int) -> None:
+    def _receive(
+        self, pg: dist.ProcessGroup, group: str, version: int, digest: tuple[int, int], rank: int, world: int
+    ) -> None:
         t0 = time.perf_counter()
         buffers = self._free_set()
         wait = xccl.timeout(self.timeout_s)
         for buf in buffers:
-            self._pg.broadcast(buf, 0).wait(wait)
+            pg.broadcast(buf, 0).wait(wait)
         if self.staging_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         # a header of another layout than our plan: receive its bytes (the collective must
@@ -256,10 +260,10 @@ class XcclReceiver:
         flag_device = self.staging_device
         flags = torch.zeros(world, dtype=torch.int64, device=flag_device)
         flags[rank] = 1 if ok else 0
-        self._pg.allreduce(flags).wait(wait)
+        pg.allreduce(flags).wait(wait)
         if ok and int(flags[0]) == 1:
             with self._cond:
-                self._staged[version] = Staged(version, self.group, self.digest, buffers)
+                self._staged[version] = Staged(version, group, self.digest, buffers)
                 self._cond.notify_all()
         self.last_receive_s = time.perf_counter() - t0
 

@@ -28,11 +28,23 @@ def lora_config(actor: ActorConfig) -> LoraConfig:
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=actor.lora_rank,
-        lora_alpha=actor.lora_alpha,
+        # peft annotates lora_alpha as int but only divides it by r: a float alpha is kept exactly
+        lora_alpha=actor.lora_alpha,  # type: ignore[arg-type]
         target_modules=for_backend(actor.target_modules, "fsdp2"),
         lora_dropout=0.0,
         bias="none",
     )
+
+
+def add_lora(model: PeftModel, actor: ActorConfig, adapter: str) -> None:
+    """Add one more adapter named `adapter` to a wrapped model (another run of a fleet: its
+    own rank, alpha and targets); its B is zero and its tensors fp32 masters, as wrap_lora's.
+    Seed torch's RNG first for a reproducible A."""
+    try:
+        model.add_adapter(adapter, lora_config(actor))
+    except ValueError as exc:
+        raise ValueError(f"actor.target_modules: {actor.target_modules} did not match the model ({exc})") from exc
+    upcast([p for _, p in lora_parameters(model, adapter)])
 
 
 def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
@@ -56,42 +68,54 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else t
 
 
-def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every LoRA A/B weight, in a fixed (module) order."""
+def lora_parameters(model: nn.Module, adapter: str | None = None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every LoRA A/B weight (of the named peft adapter only, when the
+    model carries several: one per run of a fleet), in a fixed (module) order."""
     out = []
+    marks = (".lora_A.", ".lora_B.") if adapter is None else (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
     for name, p in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if any(mark in name for mark in marks):
             out.append((name, p))
     if not out:
         raise ValueError("model has no LoRA parameters; wrap it with wrap_lora first")
     return out
 
 
-def adapter_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def adapter_state(
+    model: nn.Module, dtype: torch.dtype | None = None, adapter: str | None = None
+) -> dict[str, torch.Tensor]:
     """Only the LoRA tensors, full (gathered under FSDP2) and on CPU, under PEFT-standard keys
     (`base_model.model.<module>.lora_A.weight`, no adapter-name segment). Never the base.
     `dtype`: cast to it (once, before the copy to CPU); None keeps the fp32 masters."""
     state: dict[str, torch.Tensor] = {}
-    for name, p in lora_parameters(model):
+    for name, p in lora_parameters(model, adapter):
         full = _full(p.detach())
         cast = full.to(dtype) if dtype is not None else full
         state[standardize_key(name)] = cast.cpu() if cast is not full else full.cpu().clone()
     return state
 
 
-def wrapped_module_names(model: nn.Module) -> list[str]:
-    """Leaf names of the modules that carry LoRA (e.g. q_proj, down_proj), sorted."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoraLayer)})
+def wrapped_module_names(model: nn.Module, adapter: str | None = None) -> list[str]:
+    """Leaf names of the modules that carry LoRA (that adapter's, if named), sorted."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, LoraLayer) and (adapter is None or adapter in m.lora_A)
+        }
+    )
 
 
-def lora_spec(model: nn.Module, actor: ActorConfig, base_model: str | None = None) -> LoraSpec:
+def lora_spec(
+    model: nn.Module, actor: ActorConfig, base_model: str | None = None, adapter: str | None = None
+) -> LoraSpec:
     """What a receiver needs to rebuild the adapter: rank, alpha, the modules actually wrapped
     (all-linear resolved to names), dtype (the serving dtype `actor.dtype` the adapter is
     published in, not the fp32 masters') and base model id."""
     return LoraSpec(
         rank=actor.lora_rank,
         alpha=float(actor.lora_alpha),
-        target_modules=wrapped_module_names(model),
+        target_modules=wrapped_module_names(model, adapter),
         dtype=dtype_name(DTYPES[actor.dtype]),
         base_model=base_model if base_model is not None else actor.path,
     )

@@ -5,16 +5,20 @@ stream whether `adapter.v<N>.ready` is already there: a retry or a restarted tra
 therefore never announce one version twice, even after JetStream's dedup window.
 
 Order (`deliver`):
-- object path: upload, then the event (it never names an object that is not stored).
-- XCCL with members: broadcast, and beside it the sha256 of the bytes and a small
-  `announced` marker under the version's key; then the event (the members hold the version
-  already, the event carries the object's uri/bytes/sha256); then the upload, in the
-  background (`sender.durable`). Readers of the object tolerate it appearing up to an upload
-  time after the event (`xccl.fetch_when_stored`). The marker keeps the store the ledger of
-  taken version numbers (`parse_adapter_version` counts it), so a trainer dying inside the
-  upload window resumes above N instead of re-using N for other weights; if it resumes at N
-  with the same bytes (its checkpoint), `publish_adapter` uploads the missing object.
-  The next version's `deliver` waits for this upload and raises its failure.
+- object path: serialise, upload, then the event (it never names an object that is not
+  stored; it carries the sha256).
+- XCCL with members: the broadcast, and beside it the `announced` marker (content `pending`)
+  that takes the version's number; then at once the event (the members hold the version, the
+  event names the object's uri and size but no sha256); only then, in a background thread
+  (`sender.durable`), the copy is serialised from the very buckets that were broadcast,
+  hashed, uploaded, and the marker sealed with its sha256 (`services.common.durable`: readers
+  wait for the sealed marker and verify against it, so a late joiner still gets a verified
+  object). Nothing is serialised or hashed before the event. The marker keeps the store the
+  ledger of taken version numbers (`parse_adapter_version` counts it), so a trainer dying
+  inside the upload window resumes above N instead of re-using N for other weights; if it
+  resumes at N (its checkpoint of N, the same weights), `publish_adapter` stores the missing
+  object and seals the marker. The next version's `deliver` waits for this upload (the
+  buckets it reads are the next broadcast's) and raises its failure.
 - XCCL with nobody in the group (v0, after a failure): upload first, as the object path.
 """
 
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +36,8 @@ from typing import TYPE_CHECKING
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
-from services.common import adapter_io, streams
+from services.common import adapter_io, durable, streams
+from services.common.durable import ANNOUNCED_NAME, adapter_key, announced_key
 from services.common.store import ObjectRef, ObjectStore
 
 if TYPE_CHECKING:
@@ -40,19 +47,11 @@ if TYPE_CHECKING:
     from services.trainer.xccl_sender import XcclSender
 
 log = logging.getLogger(__name__)
-ANNOUNCED_NAME = "announced.sha256"
-
-
-def adapter_key(run: str, version: int) -> str:
-    return f"{run}/adapters/v{version}/{adapter_io.WEIGHTS_NAME}"
+__all__ = ["adapter_key", "announced_key", "deliver", "parse_adapter_version", "publish_adapter"]
 
 
 def adapter_msg_id(version: int) -> str:
     return f"adapter-v{version}"
-
-
-def announced_key(run: str, version: int) -> str:
-    return f"{run}/adapters/v{version}/{ANNOUNCED_NAME}"
 
 
 def parse_adapter_version(run: str, key: str) -> int | None:
@@ -120,24 +119,43 @@ def _checked_put(store: ObjectStore, key: str, weights: bytes, sha256: str) -> O
     return ref
 
 
-def _claim(store: ObjectStore, run: str, version: int, key: str, weights: bytes) -> ObjectRef:
-    """The object's reference before it is stored, and the marker that takes its number."""
-    sha = adapter_io.sha256(weights)
-    store.put_bytes(announced_key(run, version), sha.encode())
-    return ObjectRef(uri=store.uri_for(key), bytes=len(weights), sha256=sha)
+def _claim(store: ObjectStore, run: str, version: int) -> None:
+    """Take the version's number before its event: the marker, not yet holding a sha256."""
+    store.put_bytes(announced_key(run, version), durable.PENDING)
 
 
-def _upload_in_background(store: ObjectStore, key: str, weights: bytes, sha256: str) -> concurrent.futures.Future:
+def _seal(store: ObjectStore, run: str, version: int, sha256: str) -> None:
+    store.put_bytes(announced_key(run, version), sha256.encode())
+
+
+def _store_and_seal(store: ObjectStore, run: str, version: int, weights: bytes) -> ObjectRef:
+    ref = _checked_put(store, adapter_key(run, version), weights, adapter_io.sha256(weights))
+    _seal(store, run, version, ref.sha256)
+    return ref
+
+
+def _store_in_background(
+    store: ObjectStore, run: str, version: int, tensors: dict[str, torch.Tensor], size: int
+) -> concurrent.futures.Future:
+    """Serialise, hash, upload and seal `tensors` in a thread; the future holds the ref."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    key = adapter_key(run, version)
 
-    def run() -> None:
+    def run_() -> None:
+        # behind the hot path, not in its way: the replicas' swap and the next step may share
+        # these cores (Linux: a thread's own nice value)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
-            fut.set_result(_checked_put(store, key, weights, sha256))
+            weights = adapter_io.to_bytes(tensors)
+            if len(weights) != size:
+                raise RuntimeError(f"{key}: serialised to {len(weights)} bytes, the event announced {size}")
+            fut.set_result(_store_and_seal(store, run, version, weights))
         except BaseException as exc:  # surfaced at the next version / close
             log.error("durable copy %s failed: %r", key, exc)
             fut.set_exception(exc)
 
-    threading.Thread(target=run, name=f"upload-{key}", daemon=False).start()
+    threading.Thread(target=run_, name=f"durable-{key}", daemon=False).start()
     return fut
 
 
@@ -146,58 +164,78 @@ async def deliver(
     *,
     run: str,
     version: int,
-    weights: bytes,
+    tensors: dict[str, torch.Tensor],
     publish: Callable[[list[Payload]], Awaitable[None]],
     sender: XcclSender | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
+    weights: bytes | None = None,
 ) -> list[Payload]:
-    """Store and broadcast `weights`/`tensors` as `version` and call `publish(payloads)` (an
-    async callable that sends the event) at the earliest moment the order in the module
-    docstring allows; returns the payloads."""
+    """Store and/or broadcast `tensors` as `version` and call `publish(payloads)` (an async
+    callable that sends the event) at the earliest moment the order in the module docstring
+    allows; returns the payloads. `weights`: the serialised tensors when the caller has them
+    already (a resumed checkpoint)."""
     key = adapter_key(run, version)
+
+    async def serialised() -> bytes:
+        return weights if weights is not None else await asyncio.to_thread(adapter_io.to_bytes, tensors)
+
     if sender is None:
-        ref = await asyncio.to_thread(_checked_put, store, key, weights, adapter_io.sha256(weights))
+        data = await serialised()
+        ref = await asyncio.to_thread(_checked_put, store, key, data, adapter_io.sha256(data))
         payloads = build_payloads(ref)
         await publish(payloads)
         return payloads
-    if tensors is None:
-        raise ValueError(f"v{version}: tensors: None with an XCCL sender; pass the adapter's tensors to broadcast")
     previous, sender.durable = sender.durable, None
     if previous is not None:  # one upload in flight at most; its failure stops the trainer
         await asyncio.wrap_future(previous)
-    ref, xp = await asyncio.gather(
-        asyncio.to_thread(_claim, store, run, version, key, weights),
+    _, xp = await asyncio.gather(
+        asyncio.to_thread(_claim, store, run, version),
         asyncio.to_thread(sender.send, version, tensors),
     )
-    payloads = build_payloads(ref, xp)
     if not xp.ranks:  # nobody holds it yet: everyone reads the object, so store it first
-        await asyncio.to_thread(_checked_put, store, key, weights, ref.sha256)
+        ref = await asyncio.to_thread(_store_and_seal, store, run, version, await serialised())
+        payloads = build_payloads(ref, xp)
         await publish(payloads)
         return payloads
+    size = adapter_io.serialized_size(tensors)
+    payloads = [ObjectPayload(uri=store.uri_for(key), bytes=size), xp]
     await publish(payloads)
-    sender.durable = _upload_in_background(store, key, weights, ref.sha256)
+    # the buckets hold exactly what was broadcast and stay untouched until the next send,
+    # which waits for this future
+    sender.durable = _store_in_background(store, run, version, sender.last_sent(), size)
     return payloads
 
 
-async def _repair(store: ObjectStore, event: AdapterReady | None, run: str, version: int, weights: bytes) -> None:
-    """A version announced before its upload finished (XCCL) by a trainer that then died:
-    store the object now when these are the announced bytes."""
+async def _repair(
+    store: ObjectStore,
+    event: AdapterReady | None,
+    run: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    weights: bytes | None,
+) -> None:
+    """A version announced before its durable copy was sealed (XCCL) by a trainer that then
+    died: store the object and seal the marker now, when these are the announced weights."""
     obj = event.object_payload() if event is not None else None
-    key = adapter_key(run, version)
-    if obj is None or await asyncio.to_thread(store.exists, key):
+    if obj is None:
         return
-    sha = adapter_io.sha256(weights)
-    if sha != obj.sha256:
+    announced = obj.sha256 or await asyncio.to_thread(durable.stored_digest, store, obj.uri)
+    if announced is not None and await asyncio.to_thread(store.exists, adapter_key(run, version)):
+        return
+    data = weights if weights is not None else await asyncio.to_thread(adapter_io.to_bytes, tensors)
+    sha = adapter_io.sha256(data)
+    if announced is not None and sha != announced:
         log.error(
             "v%d was announced with sha256 %s but never stored, and the weights at hand "
             "are %s: readers of v%d cannot get its object copy",
             version,
-            obj.sha256[:12],
+            announced[:12],
             sha[:12],
             version,
         )
         return
-    await asyncio.to_thread(_checked_put, store, key, weights, sha)
+    # announced is None: the event went out before hashing; the weights at hand are the
+    # checkpoint of this very version (`resume_plan` re-announces N only from N's checkpoint)
+    await asyncio.to_thread(_store_and_seal, store, run, version, data)
     log.info("v%d: stored the object copy its event named (the announcing trainer died first)", version)
 
 
@@ -208,18 +246,18 @@ async def publish_adapter(
     run: str,
     lora_name: str,
     version: int,
-    weights: bytes,
+    tensors: dict[str, torch.Tensor],
     lora: LoraSpec,
     trainer_step: int,
     sender: XcclSender | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
+    weights: bytes | None = None,
 ) -> AdapterReady | None:
-    """Store `weights` as version `version` and announce it (see `deliver` for the order);
-    returns the event, or None when this version had been announced already (then only a
-    missing object copy of the same bytes is stored)."""
+    """Store and/or broadcast `tensors` as version `version` and announce it (see `deliver`
+    for the order); returns the event, or None when this version had been announced already
+    (then only a missing object copy of the same weights is stored)."""
     found, previous = await published_event(bus, run, version)
     if found:
-        await _repair(store, previous, run, version, weights)
+        await _repair(store, previous, run, version, tensors, weights)
         return None
     sent: list[AdapterReady] = []
 
@@ -230,5 +268,5 @@ async def publish_adapter(
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(version))
         sent.append(event)
 
-    await deliver(store, run=run, version=version, weights=weights, publish=publish, sender=sender, tensors=tensors)
+    await deliver(store, run=run, version=version, tensors=tensors, publish=publish, sender=sender, weights=weights)
     return sent[0]

@@ -3,12 +3,16 @@
 Rank 0 alone talks to NATS and the object store; under torchrun the other ranks follow its
 broadcasts (`ranks.py`). Per step:
 
-    pull B accepted groups -> train_step -> gather adapter -> checkpoint (if due)
-      -> upload + announce v<N+1> -> TrainerStep -> ack the B messages
+    pull B accepted groups -> train_step -> gather adapter -> announce v<N+1> (upload, or
+      broadcast with the upload behind it) -> checkpoint (if due) -> TrainerStep -> ack the B
+      messages
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
-the restarted trainer: accepted trajectories are never lost. The checkpoint comes before the
-announcement, so with `checkpoint_every: 1` every announced version can be restored exactly.
+the restarted trainer: accepted trajectories are never lost. The announcement comes before the
+checkpoint (under XCCL nothing may be serialised before the event, and a checkpoint would be):
+a crash between the two resumes from the previous checkpoint as a new version above N (the
+store holds N), and the redelivered batch is trained again; no version number ever names two
+adapters, and the cost of that crash is one step of compute.
 """
 
 from __future__ import annotations
@@ -85,11 +89,14 @@ class AcceptedQueue:
 
     async def next_batch(self, size: int, stop: asyncio.Event) -> list[Trajectory] | None:
         """Block until `size` usable groups are held (None if `stop` is set first)."""
+        if self.reader is None:
+            raise RuntimeError("AcceptedQueue: the reader opens in open(); call it first")
+        reader = self.reader
         groups: list[Trajectory] = []
         while len(groups) < size:
             if stop.is_set():
                 return None
-            for d in await self.reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+            for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
                 if d.msg.trajectory_id in self.skip_ids:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
@@ -185,19 +192,22 @@ class Rank0:
     sender: XcclSender | None
     """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
 
-    async def announce(self, version: int, weights: bytes, tensors: dict[str, torch.Tensor]) -> AdapterReady | None:
-        """Store (or broadcast) and announce `version`; None when it was announced already."""
+    async def announce(
+        self, version: int, tensors: dict[str, torch.Tensor], *, weights: bytes | None = None
+    ) -> AdapterReady | None:
+        """Store (or broadcast) and announce `version`; None when it was announced already.
+        `weights`: its serialised form when at hand (else serialised where `deliver` says)."""
         return await publish_adapter(
             self.bus,
             self.store,
             run=self.cfg.run,
             lora_name=self.cfg.gconfig.lora_name,
             version=version,
-            weights=weights,
+            tensors=tensors,
             lora=self.engine.lora_spec(),
             trainer_step=self.engine.step,
             sender=self.sender,
-            tensors=tensors,
+            weights=weights,
         )
 
 
@@ -237,8 +247,8 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     """Rank 0's loop: announce `start`, then one step per batch until `total_train_steps` or
     `ctx.stop`; returns the last published version."""
     cfg, engine, bus, followers = ctx.cfg, ctx.engine, ctx.bus, ctx.followers
-    run, version = cfg.run, start.version
-    event = await ctx.announce(version, start.weights, start.tensors)
+    version = start.version
+    event = await ctx.announce(version, start.tensors, weights=start.weights)
     log.info("v%d %s", version, "announced" if event else "was already announced")
     metrics.VERSION.set(version)
 
@@ -250,61 +260,71 @@ async def serve(ctx: Rank0, start: Resume) -> int:
             groups = await followers.heartbeat_while(queue.next_batch(cfg.rollout.consumer_batch_size, ctx.stop))
             if groups is None:
                 break
-            step_index = engine.step
-            work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
-            await asyncio.to_thread(followers.send, work)
-            stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
-            version += 1
-            t0 = time.perf_counter()
-            weights = adapter_io.to_bytes(adapter)
-            ids = [g.trajectory_id for g in groups]
-            if optim is not None:  # gathered by run_step because this step is checkpoint_due
-                await asyncio.to_thread(
-                    checkpoint.save,
-                    cfg.actor.checkpoint_dir,
-                    checkpoint.Checkpoint(
-                        step=engine.step,
-                        version=version,
-                        adapter_bytes=weights,
-                        optimizer=optim,
-                        rng=checkpoint.rng_state(),
-                        trained_ids=ids,
-                    ),
-                )
-            await ctx.announce(version, weights, adapter)
-            metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
-            await bus.publish(
-                subjects.trainer_step(run),
-                TrainerStep(
-                    run=run,
-                    step=step_index,
-                    version=version,
-                    loss=stats.loss,
-                    reward_mean=stats.reward_mean,
-                    groups=stats.groups,
-                    tokens=stats.tokens,
-                    step_seconds=stats.step_seconds,
-                    mean_staleness=stats.mean_staleness,
-                    finished_at=time.time(),
-                ),
-                msg_id=f"trainer-step-{step_index}",
-            )
-            await queue.ack_held()
-            record(stats, version)
-            log.info(
-                "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
-                step_index,
-                version,
-                stats.loss,
-                stats.reward_mean,
-                stats.tokens,
-                stats.step_seconds,
-            )
+            version = await step(ctx, queue, groups, version)
     finally:
         keep_alive.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keep_alive
         await queue.close()
+    return version
+
+
+async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int) -> int:
+    """One step of `ctx`'s run on `groups` (held by `queue`), in the order the module docstring
+    gives; returns the version it published. A fleet's trainer calls it for each run's steps."""
+    cfg, engine, bus, followers, run = ctx.cfg, ctx.engine, ctx.bus, ctx.followers, ctx.cfg.run
+    step_index = engine.step
+    work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
+    await asyncio.to_thread(followers.send, work)
+    stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
+    version += 1
+    t0 = time.perf_counter()
+    ids = [g.trajectory_id for g in groups]
+    # announced before the checkpoint: under XCCL nothing is serialised before the event. A
+    # crash between the two resumes from an older checkpoint above N (the store has N's
+    # marker), so N never names two adapters.
+    await ctx.announce(version, adapter)
+    metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
+    if optim is not None:  # gathered by run_step because this step is checkpoint_due
+        await asyncio.to_thread(
+            checkpoint.save,
+            cfg.actor.checkpoint_dir,
+            checkpoint.Checkpoint(
+                step=engine.step,
+                version=version,
+                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
+                optimizer=optim,
+                rng=checkpoint.rng_state(),
+                trained_ids=ids,
+            ),
+        )
+    await bus.publish(
+        subjects.trainer_step(run),
+        TrainerStep(
+            run=run,
+            step=step_index,
+            version=version,
+            loss=stats.loss,
+            reward_mean=stats.reward_mean,
+            groups=stats.groups,
+            tokens=stats.tokens,
+            step_seconds=stats.step_seconds,
+            mean_staleness=stats.mean_staleness,
+            finished_at=time.time(),
+        ),
+        msg_id=f"trainer-step-{step_index}",
+    )
+    await queue.ack_held()
+    record(stats, version)
+    log.info(
+        "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
+        step_index,
+        version,
+        stats.loss,
+        stats.reward_mean,
+        stats.tokens,
+        stats.step_seconds,
+    )
     return version
 
 
@@ -355,7 +375,12 @@ async def run_rank0(
             if ckpt is not None:
                 log.info("resuming from %s step %d (v%d)", cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
             async with sender_for(cfg, engine) as sender:
-                return await serve(Rank0(cfg, engine, bus, store, stop, followers, sender), start)
+                ctx = Rank0(cfg, engine, bus, store, stop, followers, sender)
+                from services.trainer import runs  # the fleet: other runs join this model
+
+                if runs.serves_fleet(engine):
+                    return await runs.serve_fleet(ctx, start, store)
+                return await serve(ctx, start)
         finally:  # before the bus drains: the followers need not wait for it
             await asyncio.to_thread(followers.stop)
     finally:

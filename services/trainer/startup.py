@@ -13,6 +13,8 @@ construction. Buffers that are not in the state dict (rotary `inv_freq`) are bro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,8 +22,11 @@ from torch import nn
 from services.common.adapter_io import DTYPES
 from services.common.config_schema import ActorConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def load_base(actor: ActorConfig, device: torch.device, rank: int, world_size: int) -> nn.Module:
+
+def load_base(actor: ActorConfig, device: torch.device, rank: int, world_size: int) -> PreTrainedModel:
     """The base model in `actor.dtype`: on `device` for one process; under torchrun real
     weights on rank 0's CPU and an empty (meta) skeleton on the other ranks."""
     from services.common.models import load_base_model
@@ -53,13 +58,14 @@ def receive_weights(model: nn.Module, state: dict[str, torch.Tensor], device: to
 
     if on_meta(model):
         model.to_empty(device=device)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # torch types the state as an invariant dict of its ValueType union; a dict of tensors is one
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # type: ignore[arg-type]
     with torch.no_grad():
         for _, buf in model.named_buffers():
             dist.broadcast(buf, src=0)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each decoder layer in the backward pass (non-reentrant, as AReaL does).
 
     Non-reentrant checkpointing needs no input that requires grad, so peft's usual

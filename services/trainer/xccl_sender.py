@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.messages import TensorSpec, XcclPayload
+from proto.messages import TensorSpec, XcclBackend, XcclPayload
 from services.common import xccl
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class XcclSender:
         *,
         address: str,
         port: int,
-        backend: str,
+        backend: XcclBackend,
         bucket_bytes: int,
         timeout_s: float,
         device: torch.device | str = "cpu",
@@ -196,6 +196,12 @@ class XcclSender:
             self._drop_group()
             self.members = {}
             return self.handle(manifest, {})
+
+    def last_sent(self) -> dict[str, torch.Tensor]:
+        """The last version as broadcast: views into the send buckets, valid until the next
+        `send` packs over them (publish.deliver serialises the durable copy from these and
+        waits for it before the next send)."""
+        return xccl.unpack(self.plan, self.buffers)
 
     def _flag_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")

@@ -7,11 +7,16 @@ evaluated, zero stale trajectories accepted, every accepted trajectory trained o
 The behaviour logprobs come from vLLM (`--logprobs-mode processed_logprobs`), the importance
 weights of the loss from the trainer's own forward: a mismatch would show as masked tokens and
 no gain.
+
+With `actor.weight_update_mode=xccl` the sidecar joins the trainer's broadcast group and has the
+server load each version from the broadcast (docs/xccl.md): the same bar, and most versions must
+have arrived that way, so the gain is not the object path's doing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -23,11 +28,12 @@ VLLM_VENV = ROOT / ".cache" / "vllm-venv"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
-def test_up_with_vllm_server_improves_heldout_score(tmp_path):
+@pytest.mark.parametrize("mode", ["disk", "xccl"])
+def test_up_with_vllm_server_improves_heldout_score(tmp_path, mode):
     if not (VLLM_VENV / ".installed").exists():
         pytest.skip(f"{VLLM_VENV}/.installed missing: build the vLLM CPU venv with `make vllm-env`")
     run_dir = tmp_path / "run"
-    summary = run_up("examples/tiny_vllm.yaml", run_dir, STEPS)
+    summary = run_up("examples/tiny_vllm.yaml", run_dir, STEPS, f"actor.weight_update_mode={mode}")
     check_learned(summary, STEPS)
     # the rollouts really went through the server: its log has the runtime loads
     log = (run_dir / "vllm-0.log").read_text(errors="replace")
@@ -35,3 +41,8 @@ def test_up_with_vllm_server_improves_heldout_score(tmp_path):
     # one /v1/completions request per group (n = 8 completions each)
     assert log.count('"POST /v1/completions HTTP/1.1" 200') >= summary["trajectories"]["accepted"]
     assert json.loads((run_dir / "pids.json").read_text()).keys() >= {"vllm-0", "rollout-0"}
+    via = dict(re.findall(r"loaded \S+-v(\d+) via (xccl|object)", (run_dir / "rollout-0.log").read_text()))
+    if mode == "xccl":  # v0 precedes the join; every later version came by broadcast
+        assert via["0"] == "object" and sum(v == "xccl" for v in via.values()) >= STEPS - 2, via
+    else:
+        assert set(via.values()) == {"object"}, via

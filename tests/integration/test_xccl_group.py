@@ -303,15 +303,17 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_versi
     assert replica.event(3, p3) == {"version": 3, "via": "xccl", "sha": digest(v3)}
 
 
-def test_deliver_announces_after_the_broadcast_and_stores_the_object_behind_the_event(tmp_path):
-    """publish.deliver's order: nobody in the group -> object stored before the event; members
-    -> event once they hold it, carrying the object's sha256, with the `announced` marker
-    already taking the number and the object following in the background."""
+def test_deliver_announces_right_after_the_broadcast_and_seals_the_verified_copy_behind_it(tmp_path):
+    """publish.deliver's order: nobody in the group -> object stored (and marker sealed) before
+    the event, which carries the sha256; members -> the event once they hold it, with the
+    `announced` marker pending and nothing serialised yet (no sha256 in the event); the copy
+    then lands in the background, serialised from the broadcast buckets, and readers verify it
+    against the sealed marker."""
     import asyncio
 
-    from services.common import adapter_io
+    from services.common import adapter_io, durable
     from services.common.config_schema import StoreConfig
-    from services.common.store import open_store
+    from services.common.store import ObjectNotFound, open_store
     from services.rollout.xccl_receiver import XcclReceiver
     from services.trainer import publish as pub
 
@@ -320,50 +322,69 @@ def test_deliver_announces_after_the_broadcast_and_stores_the_object_behind_the_
     rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
     seen: list[tuple] = []
 
-    def deliver(version: int):
-        tensors = adapter(version)
-        weights = adapter_io.to_bytes(tensors)
-
+    def deliver(version: int, tensors: dict[str, torch.Tensor]):
         async def publish(payloads):
-            seen.append(
-                (
-                    version,
-                    payloads,
-                    store.exists(pub.adapter_key("run", version)),
-                    store.exists(pub.announced_key("run", version)),
-                )
-            )
+            marker = store.get_bytes(store.uri_for(pub.announced_key("run", version)))
+            seen.append((version, payloads, store.exists(pub.adapter_key("run", version)), marker))
 
-        asyncio.run(
-            pub.deliver(
-                store, run="run", version=version, weights=weights, publish=publish, sender=sender, tensors=tensors
-            )
-        )
-        return weights
+        asyncio.run(pub.deliver(store, run="run", version=version, tensors=tensors, publish=publish, sender=sender))
 
     try:
-        w0 = deliver(0)
-        v, payloads, stored, announced = seen[-1]
-        assert payloads[1].ranks == {} and stored and announced  # the object path's order
+        deliver(0, adapter(0))
+        v, payloads, stored, marker = seen[-1]
+        w0 = adapter_io.to_bytes(adapter(0))
+        assert payloads[1].ranks == {} and stored and marker == adapter_io.sha256(w0).encode()
+        assert payloads[0].sha256 == adapter_io.sha256(w0)  # the object path's order
         rx.observe(payloads[1], 0)
         wait_joins(sender, 1)
-        w1 = deliver(1)
-        v, payloads, stored, announced = seen[-1]
+        v1 = adapter(1)
+        deliver(1, v1)
+        for t in v1.values():  # the trainer trains on right after the event: the copy must not care
+            t.zero_()
+        v, payloads, stored, marker = seen[-1]
         obj, xp = payloads
-        assert xp.ranks == {"r0": 1} and announced
-        assert obj.sha256 == adapter_io.sha256(w1) and obj.bytes == len(w1)
+        w1 = adapter_io.to_bytes(adapter(1))
+        assert xp.ranks == {"r0": 1} and marker == durable.PENDING and not stored
+        assert obj.sha256 is None and obj.bytes == len(w1)
         assert obj.uri == store.uri_for(pub.adapter_key("run", 1))
         got = rx.take(1, xp)
         assert got is not None and digest(got) == digest(adapter(1))
         rx.release(1)
-        sender.durable.result(timeout=10)  # the background upload lands, verified
-        assert store.get_bytes(obj.uri, sha256=obj.sha256) == w1
-        assert w0 != w1
+        sender.durable.result(timeout=10)  # the background copy lands, sealed
+        assert durable.stored_digest(store, obj.uri) == adapter_io.sha256(w1)
+        assert durable.read(store, obj) == w1
+        # a reader that finds the marker pending waits; one that finds other bytes fails
+        store.put_bytes(pub.announced_key("run", 1), durable.PENDING)
+        with pytest.raises(ObjectNotFound):
+            durable.read(store, obj)
+        store.put_bytes(pub.announced_key("run", 1), adapter_io.sha256(w0).encode())
+        with pytest.raises(Exception, match="sha256 mismatch"):
+            durable.read(store, obj)
         # the marker counts as a taken number for a resuming trainer
         assert pub.parse_adapter_version("run", pub.announced_key("run", 7)) == 7
     finally:
         sender.close()
         rx.close()
+
+
+def test_a_resumed_trainer_stores_and_seals_a_copy_its_predecessor_announced_but_never_stored(tmp_path):
+    import asyncio
+
+    from proto.messages import AdapterReady, LoraSpec, ObjectPayload
+    from services.common import adapter_io, durable
+    from services.common.config_schema import StoreConfig
+    from services.common.store import open_store
+    from services.trainer import publish as pub
+
+    store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
+    tensors = adapter(3)
+    w = adapter_io.to_bytes(tensors)
+    store.put_bytes(pub.announced_key("run", 3), durable.PENDING)  # died inside the upload window
+    obj = ObjectPayload(uri=store.uri_for(pub.adapter_key("run", 3)), bytes=len(w))
+    lora = LoraSpec(rank=RANK, alpha=16.0, target_modules=["l"], base_model="m")
+    ev = AdapterReady(run="run", lora_name="l", version=3, trainer_step=3, created_at=1.0, lora=lora, payloads=[obj])
+    asyncio.run(pub._repair(store, ev, "run", 3, tensors, None))
+    assert durable.read(store, obj) == w
 
 
 if __name__ == "__main__":

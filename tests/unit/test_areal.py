@@ -111,7 +111,7 @@ def test_megatron_vllm_example_shape(gsm8k):
     ) == ("megatron-bridge", 1, 1, 1)
     assert a.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert (a.lora_rank, a.lora_alpha, a.optimizer.lr, a.optimizer.weight_decay) == (16, 16, 3e-5, 0.003)
-    assert a.weight_update_mode == "disk"  # AReaL's xccl, reported as such
+    assert a.weight_update_mode == "xccl"  # kept: the vLLM sidecar joins the broadcast group
     assert (cfg.rollout.engine, cfg.rollout.replicas) == ("vllm", 4)
     v = cfg.vllm
     assert (v.model, v.dtype, v.max_model_len, v.enable_lora, v.max_lora_rank, v.max_loras) == (

@@ -53,3 +53,19 @@ def test_stop_event_is_set_by_sigint_and_sigterm(sig):
         return stop.is_set()
 
     assert asyncio.run(main())
+
+
+def test_run_uses_uvloop_where_installed_and_stops_on_a_signal():
+    async def main() -> str:
+        stop = entry.stop_event()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(stop.wait(), 5)
+        return type(asyncio.get_running_loop()).__module__
+
+    loop_module = entry.run(main())
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        assert loop_module.startswith("asyncio")
+    else:
+        assert loop_module.startswith("uvloop")

@@ -462,3 +462,21 @@ TestRegistryMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+@pytest.mark.parametrize(
+    "logprobs,culprit",
+    [
+        ([-0.5] * 50 + [float("nan")] + [-0.5] * 5, "logprobs[50]: nan"),
+        ([-0.5, float("-inf"), 0.0, float("inf")], "logprobs[3]: inf"),
+        ([float("-inf"), float("inf"), -1.0], "logprobs[1]: inf"),
+        ([-1.0] * 9 + [1e-9], "logprobs[9]: 1e-09"),
+        ([float("-inf"), 0.0, -3.0], None),  # -inf and 0 are log-probabilities
+    ],
+)
+def test_bad_values_names_the_first_bad_token_of_a_long_completion(logprobs, culprit):
+    t = traj("g", [0] * len(logprobs))
+    c = t.completions[0]
+    t.completions[0] = Completion(token_ids=c.token_ids, logprobs=logprobs, versions=c.versions, reward=1.0)
+    found = p._bad_values(t)
+    assert (found is None) if culprit is None else (culprit in found)

@@ -135,6 +135,7 @@ EXAMPLE_ARGS = {
     "replica": "rollout-1",
     "evaluator": "heldout",
     "service": "registry",
+    "fleet": "demo-trial0",
 }
 
 
@@ -208,8 +209,9 @@ def test_every_channel_address_is_a_subject_builder():
             if set(params) - set(sig):
                 continue
             kwargs = {p: EXAMPLE_ARGS[p] for p in params}
-            if "kind" in sig:
-                kwargs["kind"] = address.rsplit(".", 1)[1]
+            for fixed in ("kind", "op"):  # a family per value: the channel's last token
+                if fixed in sig:
+                    kwargs[fixed] = address.rsplit(".", 1)[1]
             if set(sig) != set(kwargs):
                 continue
             try:

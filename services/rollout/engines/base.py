@@ -6,12 +6,12 @@ engine only holds named versions and generates with the one it is told to use.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
 import msgspec
 from torch import Tensor
 
-from proto.messages import LoraSpec
+from proto.messages import FinishReason, LoraSpec
 
 
 class GenRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,7 +49,7 @@ class GenResult(msgspec.Struct, frozen=True, kw_only=True):
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
 
 
 class Engine(Protocol):

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import PreTrainedModel
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
@@ -38,7 +39,7 @@ class EmbeddedEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         eos_ids: Sequence[int],
         pad_id: int,

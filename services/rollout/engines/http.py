@@ -185,20 +185,21 @@ class AdapterDirs:
         return str(PurePosixPath(self.server_root) / self.name(version))
 
     def write(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> str:
-        """Write version N's directory and return the path the server reads. A directory that
-        already holds different weights is an error: a name is never reused for other weights
-        (vLLM keys its prefix cache by name and path)."""
-        data = weights if isinstance(weights, (bytes, bytearray)) else adapter_io.to_bytes(weights)
+        """Write version N's directory and return the path the server reads. Tensors (an XCCL
+        broadcast) are streamed into the file, bytes (the object copy) written as they are.
+        A directory that already holds different weights is an error: a name is never reused
+        for other weights (vLLM keys its prefix cache by name and path)."""
         target = self.local(version)
         existing = target / adapter_io.WEIGHTS_NAME
         if existing.exists():
+            data = weights if isinstance(weights, (bytes, bytearray)) else adapter_io.to_bytes(weights)
             if _sha256_file(existing) != adapter_io.sha256(bytes(data)):
                 raise AdapterError(
                     f"v{version}: {target} already holds different weights under the name "
                     f"{self.name(version)!r}; a version name is never reused for other weights "
                     "(publish a new version, or clear rollout.adapter_dir of an old run)"
                 )
-        adapter_io.write_peft_dir(target, bytes(data), lora)
+        adapter_io.write_peft_dir(target, weights if isinstance(weights, dict) else bytes(weights), lora)
         return self.server(version)
 
     def remove(self, version: int) -> None:

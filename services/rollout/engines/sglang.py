@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from proto.messages import FinishReason
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.engines.http import (
     AdapterError,
@@ -27,7 +28,7 @@ from services.rollout.engines.http import (
     VersionNotLoaded,
 )
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _NOT_LOADED = "not loaded"
 
 
@@ -146,7 +147,7 @@ def parse_generate(answer, n: int, url: str) -> list[GenResult]:
         finish = meta.get("finish_reason") or {}
         kind = finish.get("type") if isinstance(finish, dict) else finish
         results.append(
-            GenResult(token_ids=ids, logprobs=[float(t[0]) for t in lps], finish_reason=_FINISH.get(kind, "abort"))
+            GenResult(token_ids=ids, logprobs=[float(t[0]) for t in lps], finish_reason=_FINISH.get(str(kind), "abort"))
         )
     return results
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from proto.messages import FinishReason
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.engines.http import (
     AdapterError,
@@ -33,7 +34,7 @@ from services.rollout.engines.http import (
 )
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VllmEngine(ServerEngine):

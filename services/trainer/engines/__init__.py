@@ -3,13 +3,16 @@ the `TrainEngine` contract (`base.py`)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from services.common.config_schema import LorabusConfig
 from services.trainer.engines.base import TrainEngine
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def make_engine(cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0) -> TrainEngine:
+
+def make_engine(cfg: LorabusConfig, base: PreTrainedModel | None = None, *, pad_id: int = 0) -> TrainEngine:
     """The engine for `actor.backend`; `base` overrides loading `actor.path` (tests, benchmarks)."""
     if cfg.actor.backend == "fsdp2":
         from services.trainer.engines.fsdp2 import FSDP2Engine

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,16 +21,20 @@ from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
 from services.trainer import batching, precision, startup
 from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, resolve_device
-from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
+from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, wrap_lora
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.schedule import make_scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a (peft-wrapped) HF causal LM: FSDP2's sharding units."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # peft's
+    inner = get_base_model() if get_base_model is not None else model
     layers = getattr(getattr(inner, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
@@ -45,10 +49,14 @@ def _scalar(t: torch.Tensor) -> float:
     return float(full() if full is not None else t)
 
 
+_SHARED = ("device", "rank", "world_size", "pad_id", "dtype", "vocab_size", "model")
+"""what sibling engines (one per run of a fleet) share: the one base model and its placement"""
+
+
 class FSDP2Engine:
     """Owns the model, optimizer and the step counter; knows nothing about the bus."""
 
-    def __init__(self, cfg: LorabusConfig, base: nn.Module | None = None, *, pad_id: int = 0):
+    def __init__(self, cfg: LorabusConfig, base: PreTrainedModel | None = None, *, pad_id: int = 0):
         self.cfg = cfg
         self.actor = cfg.actor
         self.device = resolve_device(self.actor.device)
@@ -67,12 +75,21 @@ class FSDP2Engine:
         if base is None:
             base = startup.load_base(self.actor, self.device, self.rank, self.world_size)
         if not from_rank0:
-            base = base.to(device=self.device, dtype=self.dtype)
+            # transformers wraps `to` with functools.wraps(nn.Module.to), which mypy reads as unbound
+            base = base.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         base.config.use_cache = False
         if self.actor.gradient_checkpointing:
             startup.enable_gradient_checkpointing(base)
-        self.vocab_size = base.get_input_embeddings().num_embeddings
+        embeddings = base.get_input_embeddings()
+        if not isinstance(embeddings, nn.Embedding):
+            raise ValueError(
+                f"{type(base).__name__}: input embeddings are a {type(embeddings).__name__}, not an "
+                "nn.Embedding; the fsdp2 engine supports HF decoder-only models (Llama/Qwen/Mistral layout)"
+            )
+        self.vocab_size = embeddings.num_embeddings
         self.model = wrap_lora(base, self.actor)  # LoRA parameters: fp32 masters
+        self.adapter = "default"
+        """the peft adapter this engine trains (a fleet's other runs are siblings: `sibling`)"""
         self.lora = lora_spec(self.model, self.actor)
         if self.world_size > 1:
             state = startup.full_state(self.model, self.rank) if from_rank0 else None
@@ -81,10 +98,46 @@ class FSDP2Engine:
                 startup.receive_weights(self.model, state, self.device)
                 del state  # rank 0's full copy: only its shard stays
         self.model.train()
-        self.params = [p for _, p in lora_parameters(self.model)]
-        self.optimizer = make_optimizer(self.params, cfg)
-        self.scheduler = make_scheduler(self.optimizer, self.actor.optimizer, cfg.total_train_steps)
+        self._train_state()
+
+    def _train_state(self) -> None:
+        self.params = [p for _, p in lora_parameters(self.model, self.adapter)]
+        self.optimizer = make_optimizer(self.params, self.cfg)
+        self.scheduler = make_scheduler(self.optimizer, self.actor.optimizer, self.cfg.total_train_steps)
         self.step = 0
+
+    def sibling(self, cfg: LorabusConfig, adapter: str) -> FSDP2Engine:
+        """An engine for another run on this engine's model: a new peft adapter `adapter` (the
+        run's own rank, alpha and targets) with its own optimizer, schedule and step counter,
+        and no second copy of the base. One process only: FSDP2 shards are not re-cut."""
+        if self.world_size > 1:
+            raise ValueError(
+                f"actor.nproc_per_node: {self.world_size}; a fleet of several runs trains in one "
+                "trainer process (nproc_per_node: 1)"
+            )
+        if adapter in self.model.peft_config:
+            raise ValueError(f"adapter: {adapter!r} is already on the model; one adapter per run")
+        other = object.__new__(FSDP2Engine)
+        other.__dict__.update({k: self.__dict__[k] for k in _SHARED})
+        other.cfg, other.actor, other.adapter = cfg, cfg.actor, adapter
+        other.temperature = 1.0 if cfg.gconfig.greedy else cfg.gconfig.temperature
+        torch.manual_seed(cfg.actor.seed)
+        add_lora(self.model, cfg.actor, adapter)
+        other.lora = lora_spec(self.model, cfg.actor, adapter=adapter)
+        other._train_state()
+        return other
+
+    def drop(self) -> None:
+        """Take this engine's adapter off the shared model (a sibling whose run ended)."""
+        if self.adapter == "default":
+            raise ValueError("adapter: the model's first adapter stays; drop siblings only")
+        self.model.delete_adapter(self.adapter)
+        self.params, self.optimizer = [], None  # type: ignore[assignment]
+
+    def _activate(self) -> None:
+        # peft runs (and trains) only the active adapter; with one adapter it always is
+        if len(self.model.peft_config) > 1 and self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -119,6 +172,7 @@ class FSDP2Engine:
         with no grad, then `ppo_n_minibatches` optimiser updates. `head_version` is the
         version being trained (for staleness = head_version - token version)."""
         t0 = time.perf_counter()
+        self._activate()
         ppo = self.actor.ppo
         samples = batching.to_samples(groups, ppo)
         if not samples:
@@ -165,7 +219,7 @@ class FSDP2Engine:
                 stats = stats + mb_stats
             grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping))
             self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]  # the LR this step ran with
+        lr = float(self.scheduler.get_last_lr()[0])  # the LR this step ran with
         self.scheduler.step()
         self.step += 1
 
@@ -195,7 +249,7 @@ class FSDP2Engine:
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The full adapter on CPU in the serving dtype (`lora_spec().dtype`), cast once from
         the fp32 masters (a collective under FSDP2: call on every rank)."""
-        return adapter_state(self.model, self.dtype)
+        return adapter_state(self.model, self.dtype, self.adapter)
 
     def lora_spec(self) -> LoraSpec:
         return self.lora
@@ -204,13 +258,13 @@ class FSDP2Engine:
         """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        state = get_optimizer_state_dict(
+        state: dict[str, Any] = get_optimizer_state_dict(
             self.model,
             self.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
         if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
-            masters = adapter_state(self.model)  # a collective too
+            masters = adapter_state(self.model, adapter=self.adapter)  # a collective too
             if self.rank == 0:
                 state[precision.MASTERS_KEY] = masters
         return state
@@ -228,7 +282,7 @@ class FSDP2Engine:
 
         optimizer = dict(optimizer or {})
         adapter = optimizer.pop(precision.MASTERS_KEY, None) or adapter
-        names = {standardize_key(name): name for name, _ in lora_parameters(self.model)}
+        names = {standardize_key(name): name for name, _ in lora_parameters(self.model, self.adapter)}
         missing = sorted(set(names) - set(adapter))
         unexpected = sorted(set(adapter) - set(names))
         if missing or unexpected:

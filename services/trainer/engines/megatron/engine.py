@@ -203,7 +203,7 @@ class MegatronEngine:
             temperature=self.temperature,
             grad_clip=self.actor.optimizer.gradient_clipping,
             step_index=self.step,
-            lr=self.scheduler.get_last_lr()[0],
+            lr=float(self.scheduler.get_last_lr()[0]),
             cross_entropy=tensor_parallel.vocab_parallel_cross_entropy,
         )
         self.scheduler.step()

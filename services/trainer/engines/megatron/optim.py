@@ -78,7 +78,8 @@ class MasterAdapterOptimizer:
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             for m in self.masters:
-                m.grad.mul_(coef)
+                if m.grad is not None:
+                    m.grad.mul_(coef)
         if math.isfinite(norm):
             self.optimizer.step()
         with torch.no_grad():

@@ -1,0 +1,216 @@
+"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, two ways.
+
+One call corrects a *group* of sibling linear layers that read the same input (q/k/v, or
+gate/up), whose outputs sit side by side in one `y [rows, N]`:
+- `a [G * S * r, in]`: member g's slots (S of rank r) stacked, members one after another;
+- `bt [S * r, N]`: column n holds the slots' pre-scaled B^T of the member that owns column n;
+- `segs`: member g owns columns segs[g]:segs[g+1];
+- `cols [batch, S * r]`: the sign mask (+1 on a row's slot, -1 on the head's, 0 elsewhere),
+  one row per batch row; x and y have `rows_per_mask` rows (positions) per batch row.
+
+`correct_reference_` is plain torch (CPU, tests, and where Triton is missing): one shrink
+matmul for the whole group, one mask multiply, one expand per member. `correct_kernel_` is two
+Triton kernels for the whole group whatever G is: a split-K shrink that writes masked partial
+sums, then an expand that sums them and adds t @ Bt into y. The kernels skip blocks of 16 rows
+that are all on the head and load only the A rows of slots that a block uses, so their cost
+follows the rows to correct rather than the batch. Neither path reads the mask on the host, so
+both can be captured in a CUDA graph. Each is also split in its two phases (`shrink_*`,
+`expand_*`): the shrink reads x only, so a captured graph runs it on a side stream beside the
+layer's own matmul (`lora_slots.SlotGroup`). On the H200 the two give the same decode speed in
+graphs (benchmarks/results/embedded_engine_h200.json); eager forwards use the reference, since
+a Triton launch costs ~20 us of Python.
+
+Invariant: the two functions compute the same sum (to the rounding of the model's dtype);
+tests/unit/test_lora_kernels.py checks the kernel against the reference under Triton's
+interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton: the reference path only
+    triton = None
+
+BLOCK_M = 16
+"""rows per program: the skip unit (tl.dot needs at least 16)"""
+BLOCK_N = 128
+BLOCK_K = 64
+K_CHUNK = 1024
+"""input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
+
+
+def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `correct_kernel_` runs here: Triton on a CUDA device in half precision, or
+    Triton's interpreter (TRITON_INTERPRET=1, tests on CPU)."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def correct_reference_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    segs: Sequence[int],
+    cols: torch.Tensor,
+    rows_per_mask: int,
+) -> None:
+    """y [rows, N] += the group's correction, in place (plain torch)."""
+    expand_reference_(y, shrink_reference(x, a, cols, rows_per_mask), bt, segs)
+
+
+def shrink_reference(x: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, rows_per_mask: int) -> torch.Tensor:
+    """The masked shrink t = (x @ A^T) * C, [rows, G * S * r] (it reads x only, so it can run
+    beside the layer's own matmul)."""
+    sr = cols.shape[1]
+    t = x @ a.T
+    t.view(cols.shape[0], rows_per_mask, -1, sr).mul_(cols[:, None, None, :])
+    return t
+
+
+def expand_reference_(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int]) -> None:
+    """y += t @ Bt, member by member."""
+    sr = bt.shape[0]
+    for g in range(len(segs) - 1):
+        lo, hi = segs[g], segs[g + 1]
+        y[:, lo:hi].addmm_(t[:, g * sr : (g + 1) * sr], bt[:, lo:hi])
+
+
+def correct_kernel_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    segs: torch.Tensor,
+    cols: torch.Tensor,
+    rows_per_mask: int,
+) -> None:
+    """Same as `correct_reference_`, as two Triton kernels; `segs` is an int32 tensor on the
+    device (read by the kernel, so the call stays capturable)."""
+    expand_kernel_(y, shrink_kernel(x, a, cols, rows_per_mask, segs.shape[0] - 1), bt, segs, cols, rows_per_mask)
+
+
+def shrink_kernel(
+    x: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, rows_per_mask: int, groups: int
+) -> torch.Tensor:
+    """The masked shrink as split-K partial sums [splits, rows, G * SR_PAD] (fp32)."""
+    assert triton is not None
+    rows, k = x.shape
+    sr = cols.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    sr_pad = max(16, triton.next_power_of_2(sr))
+    splits = triton.cdiv(k, K_CHUNK)
+    partial = torch.empty(splits, rows, groups * sr_pad, dtype=torch.float32, device=x.device)
+    _shrink[(triton.cdiv(rows, BLOCK_M), groups, splits)](
+        x, a, cols, partial, rows, k, rows_per_mask, x.stride(0), a.stride(0),
+        SR=sr, SR_PAD=sr_pad, BM=BLOCK_M, BK=BLOCK_K, K_CHUNK=K_CHUNK,
+    )  # fmt: skip
+    return partial
+
+
+def expand_kernel_(
+    y: torch.Tensor, partial: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
+) -> None:
+    """y += (sum of the partials) @ Bt, every member in one kernel."""
+    assert triton is not None
+    splits, rows, width = partial.shape
+    n, groups, sr = y.shape[1], segs.shape[0] - 1, cols.shape[1]
+    _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+        y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
+        G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
+    )  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mask_block(c_ptr, rows, row_in, rows_per_mask, SR: tl.constexpr, SR_PAD: tl.constexpr):
+        """The block's signs [BM, SR_PAD] and which rows / slot columns are in use."""
+        cols = tl.arange(0, SR_PAD)
+        c = tl.load(
+            c_ptr + (rows // rows_per_mask)[:, None] * SR + cols[None, :],
+            mask=row_in[:, None] & (cols < SR)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        on = (c != 0).to(tl.int32)
+        return c, tl.max(on, axis=1) > 0, tl.max(on, axis=0) > 0
+
+    @triton.jit
+    def _shrink(
+        x_ptr, a_ptr, c_ptr, p_ptr, M, K, rows_per_mask, stride_x, stride_a,
+        SR: tl.constexpr, SR_PAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, K_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_in = rows < M
+        c, row_on, col_on = _mask_block(c_ptr, rows, row_in, rows_per_mask, SR, SR_PAD)
+        if tl.max(row_on.to(tl.int32), axis=0) > 0:
+            cols = tl.arange(0, SR_PAD)
+            acc = tl.zeros((BM, SR_PAD), dtype=tl.float32)
+            for kk in range(0, K_CHUNK, BK):
+                ks = split * K_CHUNK + kk + tl.arange(0, BK)
+                k_in = ks < K
+                xt = tl.load(
+                    x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_on[:, None] & k_in[None, :], other=0.0
+                )
+                # rows of slots no row of the block uses are never read
+                at = tl.load(
+                    a_ptr + (g * SR + cols)[None, :] * stride_a + ks[:, None],
+                    mask=col_on[None, :] & k_in[:, None],
+                    other=0.0,
+                )
+                acc += tl.dot(xt, at)
+            width = tl.num_programs(1) * SR_PAD
+            tl.store(
+                p_ptr + (split * M + rows)[:, None] * width + (g * SR_PAD + cols)[None, :],
+                acc * c,
+                mask=row_in[:, None],
+            )
+
+    @triton.jit
+    def _expand(
+        y_ptr, p_ptr, c_ptr, bt_ptr, seg_ptr, M, N, rows_per_mask, stride_y, stride_bt, splits,
+        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_in = rows < M
+        c, row_on, col_on = _mask_block(c_ptr, rows, row_in, rows_per_mask, SR, SR_PAD)
+        if tl.max(row_on.to(tl.int32), axis=0) > 0:
+            cols = tl.arange(0, SR_PAD)
+            ns = pid_n * BN + tl.arange(0, BN)
+            n_in = ns < N
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for g in tl.static_range(G):
+                lo = tl.load(seg_ptr + g)
+                hi = tl.load(seg_ptr + g + 1)
+                if (pid_n * BN < hi) & (pid_n * BN + BN > lo):  # this tile has columns of member g
+                    t = tl.zeros((BM, SR_PAD), dtype=tl.float32)
+                    for s in range(splits):
+                        t += tl.load(
+                            p_ptr + (s * M + rows)[:, None] * (G * SR_PAD) + (g * SR_PAD + cols)[None, :],
+                            mask=row_on[:, None],
+                            other=0.0,
+                        )
+                    mine = n_in & (ns >= lo) & (ns < hi)
+                    b = tl.load(
+                        bt_ptr + cols[:, None] * stride_bt + ns[None, :],
+                        mask=col_on[:, None] & mine[None, :],
+                        other=0.0,
+                    )
+                    acc += tl.dot(t.to(b.dtype), b)
+            where = y_ptr + rows[:, None] * stride_y + ns[None, :]
+            inside = row_on[:, None] & n_in[None, :]
+            y = tl.load(where, mask=inside, other=0.0)
+            tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=inside)

@@ -1,0 +1,118 @@
+"""The Triton correction kernel against the torch reference, on CPU under Triton's interpreter.
+
+Triton decides when it is imported whether it interprets, so the checks run in a child process
+started with TRITON_INTERPRET=1. On a GPU the same source compiles;
+benchmarks/embedded_engine.py compares its outputs with the reference path there."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kernel_matches_the_reference_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [sys.executable, "-c", "from tests.unit.test_lora_kernels import interpreted; interpreted()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "checked" in run.stdout
+
+
+def interpreted() -> None:
+    from services.rollout import lora_kernels
+
+    assert lora_kernels.kernel_available(torch.device("cpu"), torch.float32)
+    checks = 0
+    # members' widths, slots, rank, in_features (above K_CHUNK: several split-K programs),
+    # rows per mask row (prefill positions), and which rows are corrected
+    for widths, slots, rank, k, per_row, head in [
+        ([40, 16, 16], 3, 4, 1100, 2, 2),  # q/k/v-like, padded slot width (12 -> 16)
+        ([72, 72], 4, 4, 64, 1, 0),  # gate/up-like
+        ([24], 2, 8, 40, 3, None),  # alone; no head merged: rows add their own version only
+    ]:
+        g = torch.Generator().manual_seed(len(widths))
+        batch = 37  # three blocks of 16 rows, the first all on the head, the last partial
+        segs = [0]
+        for w in widths:
+            segs.append(segs[-1] + w)
+        x = torch.randn(batch * per_row, k, generator=g)
+        a = torch.randn(len(widths) * slots * rank, k, generator=g) / k**0.5
+        bt = torch.randn(slots * rank, segs[-1], generator=g)
+        signs = torch.zeros(batch, slots)
+        for row in range(16, batch):
+            if row % 4:  # some rows of the corrected blocks stay on the head
+                own = row % slots
+                signs[row, own] = 1.0
+                if head is not None and own != head:
+                    signs[row, head] = -1.0
+        cols = signs.repeat_interleave(rank, dim=1)
+        y = torch.randn(batch * per_row, segs[-1], generator=g)
+        want, got = y.clone(), y.clone()
+        lora_kernels.correct_reference_(want, x, a, bt, segs, cols, per_row)
+        lora_kernels.correct_kernel_(got, x, a, bt, torch.tensor(segs, dtype=torch.int32), cols, per_row)
+        assert (want - y).abs().max() > 0.1  # the correction is not nothing
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got[: 16 * per_row], y[: 16 * per_row])  # rows on the head untouched
+        checks += 1
+    # a whole model: kernel and reference paths give the same logits for a mixed batch
+    from services.rollout.lora_slots import LoraSlots
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    models = {}
+    for kernel in (True, False):
+        model = tiny_qwen2(0)
+        adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
+        slots = LoraSlots.install(model, adapters[0], slots=3, kernel=kernel)
+        for v in range(3):
+            slots.load(v, adapters[v], 2.0)
+        slots.set_head(2)
+        models[kernel] = (model, slots)
+    ids = torch.randint(0, 97, (20, 5), generator=torch.Generator().manual_seed(5))
+    mix = [0] * 5 + [1] * 5 + [2] * 10
+    logits = {}
+    for kernel, (model, slots) in models.items():
+        with torch.no_grad(), slots.route(mix):
+            logits[kernel] = model(input_ids=ids).logits
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    checks += 1
+    print(f"checked {checks}")
+
+
+def test_siblings_share_one_matmul_and_a_lone_call_recomputes():
+    """q/k/v read one input: the first call computes the group, the others take their columns;
+    a member called with another tensor gets its own correct output."""
+    from services.rollout.lora_slots import LoraSlots, SlotGroup
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    model = tiny_qwen2(0)
+    pristine = copy.deepcopy(model)
+    slots = LoraSlots.install(model, random_lora(model, 1, 4, 0.2), slots=2, kernel=False)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group
+    assert attn.o_proj.group is not attn.q_proj.group
+    assert len(slots.groups) == 2 * 4  # per layer: qkv, o, gate/up, down
+    calls = []
+    forward = SlotGroup._forward
+    group = attn.q_proj.group
+    group._forward = lambda x: calls.append(x) or forward(group, x)  # type: ignore[method-assign]
+    x = torch.randn(3, 1, 32)
+    with torch.no_grad():
+        got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.k_proj(x.clone())]
+        ref = pristine.model.layers[0].self_attn
+        want = [ref.q_proj(x), ref.k_proj(x), ref.v_proj(x), ref.k_proj(x)]
+    assert len(calls) == 2  # once for q/k/v, once for the lone k
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
