@@ -45,15 +45,20 @@ def read_env_file(path: Path = ENV_EXAMPLE) -> dict[str, str]:
 def compose(
     *args: str, env_file: Path = ENV_EXAMPLE, file: Path = COMPOSE_FILE, profiles: tuple[str, ...] | None = None
 ) -> subprocess.CompletedProcess:
-    cmd = [*compose_command(), "-f", str(file), "--project-directory", str(DEPLOY), "--env-file", str(env_file)]
+    """The project directory is the file's own (deploy/, or deploy/roles/ for a role file)."""
+    cmd = [*compose_command(), "-f", str(file), "--project-directory", str(file.parent), "--env-file", str(env_file)]
     for profile in profiles or ():
         cmd += ["--profile", profile]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, env=clean_env(), timeout=60)
 
 
-def rendered(profiles: tuple[str, ...] = ("vllm", "sglang", "tools", "eval"), file: Path = COMPOSE_FILE) -> dict:
+def rendered(
+    profiles: tuple[str, ...] = ("vllm", "sglang", "tools", "eval"),
+    file: Path = COMPOSE_FILE,
+    env_file: Path = ENV_EXAMPLE,
+) -> dict:
     """The fully resolved project (`config --format json`) with every profile on."""
-    result = compose("config", "--format", "json", profiles=profiles, file=file)
+    result = compose("config", "--format", "json", profiles=profiles, file=file, env_file=env_file)
     if result.returncode != 0:
         raise AssertionError(f"compose config failed:\n{result.stderr}")
     return json.loads(result.stdout)

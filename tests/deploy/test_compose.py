@@ -350,3 +350,28 @@ def test_localimages_builds_each_image_of_the_cpu_file_once(cpu_project):
     assert len(images) == len(set(images))
     assert set(images) == {svc["image"] for svc in services.values() if "build" in svc}
     assert len(set(images)) == 5  # lorabus-cpu, lorabus-slim, nats, seaweedfs, prometheus
+
+
+@pytest.mark.parametrize("base", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
+def test_role_files_split_either_file_by_host(tmp_path, base):
+    """Each role takes its services from the single-host file named by LORABUS_ROLES_BASE; the
+    services wait only for services of their own host, and those off the control host find
+    NATS and S3 at LORABUS_CONTROL_HOST."""
+    env = tmp_path / ".env"
+    env.write_text(ENV_EXAMPLE.read_text() + f"\nLORABUS_ROLES_BASE=../{base.name}\nLORABUS_CONTROL_HOST=ctl.example\n")
+    single = rendered(ALL_PROFILES if base == COMPOSE_FILE else (), file=base)["services"]
+    roles = {}
+    for role, profiles in (("control", ()), ("trainer", ("eval",)), ("rollout", ("vllm", "sglang", "cpu"))):
+        roles[role] = rendered(profiles, file=ROLES / f"{role}.yml", env_file=env)["services"]
+    assert set(roles["control"]) == {"nats", "s3", "registry", "exporter", "prometheus"}
+    assert set(roles["trainer"]) == {"trainer", "evaluator"}
+    assert {"rollout-vllm-0", "rollout-sglang-0", "rollout-cpu-0", "rollout-cpu-1"} <= set(roles["rollout"])
+    for role, services in roles.items():
+        for name, svc in services.items():
+            assert set(svc.get("depends_on") or {}) <= set(services), f"{role}/{name} waits for another host"
+            if name in single:  # the role's service is the single-host file's, command and image
+                assert svc.get("command") == single[name].get("command"), f"{role}/{name}"
+            env_vars = svc.get("environment") or {}
+            if role != "control" and "LORABUS_NATS_URL" in env_vars:
+                assert env_vars["LORABUS_NATS_URL"] == "nats://ctl.example:4222", f"{role}/{name}"
+                assert env_vars["LORABUS_S3_ENDPOINT"] == "ctl.example:9000", f"{role}/{name}"
