@@ -25,7 +25,7 @@ ROLES = DEPLOY / "roles"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 
 sys.path.insert(0, str(DEPLOY))
-from localimages import compose_command  # noqa: E402  (deploy/ is scripts, not a package)
+from localimages import compose_command  # type: ignore[import-not-found, unused-ignore]  # noqa: E402  (deploy/ holds scripts)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

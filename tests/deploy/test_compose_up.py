@@ -26,15 +26,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import httpx
 import pytest
-from minio import Minio
 
-from services.common.config import load_config
 from services.local.launcher import Progress, follow
 from services.local.ports import free_ports
-from tests.deploy.compose import CPU_COMPOSE_FILE, DEPLOY, Project, env_file_with_fresh_secrets
-from tests.fixtures.waiting import wait_until
+from tests.deploy.compose import CPU_COMPOSE_FILE, Project, env_file_with_fresh_secrets
+from tests.deploy.deployment import exported_versions, operator_config, scraped, wait_for_end, wait_for_scrape
 
 STEPS = 10
 MARGIN = 0.03
@@ -51,66 +48,6 @@ SCRAPED = {
 pytestmark = [pytest.mark.timeout(1800)]
 
 
-def operator_config(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, bus_host: str = "127.0.0.1"):
-    """The run's config as the operator sees it from the host."""
-    monkeypatch.setenv("NATS_OPERATOR_PASSWORD", env["NATS_OPERATOR_PASSWORD"])
-    return load_config(
-        DEPLOY / "lorabus.cpu.yaml",
-        overrides=[
-            f"bus.url=nats://{bus_host}:{env['NATS_PORT']}",
-            "bus.user=operator",
-            "bus.password_env=NATS_OPERATOR_PASSWORD",
-            "bus.connect_timeout_s=30",
-            f"total_train_steps={env['LORABUS_CPU_TOTAL_STEPS']}",
-            f"trial_name={env['LORABUS_TRIAL']}",
-        ],
-    )
-
-
-def exported_versions(env: dict[str, str], run: str, s3_host: str = "127.0.0.1") -> dict[int, set[str]]:
-    """version -> file names under the bucket's export/<run>/v<N>/, read from S3 itself."""
-    client = Minio(
-        f"{s3_host}:{env['S3_PORT']}",
-        access_key=env["MINIO_ROOT_USER"],
-        secret_key=env["MINIO_ROOT_PASSWORD"],
-        secure=False,
-    )
-    found: dict[int, set[str]] = {}
-    for obj in client.list_objects(env["MINIO_BUCKET"], prefix=f"export/{run}/", recursive=True):
-        version, _, name = obj.object_name.removeprefix(f"export/{run}/").partition("/")
-        if version.startswith("v") and version[1:].isdigit():
-            found.setdefault(int(version[1:]), set()).add(name)
-    return found
-
-
-def scraped(prometheus_url: str) -> set[str]:
-    """`host:port` of every target of job `lorabus` that Prometheus scraped successfully at least
-    once (the trainer's is gone once it has finished)."""
-    query = 'max_over_time(up{job="lorabus"}[1h])'
-    result = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": query}, timeout=10).json()
-    return {r["metric"]["instance"] for r in result["data"]["result"] if r["value"][1] == "1"}
-
-
-async def wait_for_end(project: Project, progress: Progress, steps: int, timeout_s: float, evaluated: bool) -> dict:
-    """Until the trainer's container has exited and the last version is exported (and
-    evaluated); returns the trainer's container state."""
-
-    async def done() -> dict | None:
-        trainer = (await asyncio.to_thread(project.containers)).get("trainer", {})
-        if trainer.get("State") != "exited":
-            return None
-        if trainer.get("ExitCode") != 0:
-            raise AssertionError(f"trainer exited {trainer.get('ExitCode')}:\n{project.logs('trainer')}")
-        if steps in progress.exported and (not evaluated or steps in progress.evals):
-            return trainer
-        return None
-
-    def what() -> str:
-        return f"the run to finish ({progress.line()}); logs:\n{project.logs(tail=15)}"
-
-    return await wait_until(done, timeout_s, what, interval=3.0)
-
-
 async def test_cpu_profile_runs_the_tiny_task_end_to_end(tmp_path, monkeypatch, cpu_images):
     nats_port, s3_port, prometheus_port = free_ports(3)
     env = env_file_with_fresh_secrets(
@@ -123,12 +60,18 @@ async def test_cpu_profile_runs_the_tiny_task_end_to_end(tmp_path, monkeypatch, 
     )
     project = Project(f"lorabus-cpu-{uuid.uuid4().hex[:8]}", [CPU_COMPOSE_FILE], tmp_path / ".env")
     cfg = operator_config(env, monkeypatch)
+    prometheus = f"http://127.0.0.1:{prometheus_port}"
     progress = Progress()
     buses = []
     try:
         # NATS first, so that the operator sees every event from v0 on
         await asyncio.to_thread(project.up, "nats")
         buses = await follow(cfg, progress)
+        # the rollouts last: until they deliver, the trainer waits at v0, so Prometheus sees it
+        # before it finishes (on a quiet machine ten steps take seconds)
+        others = [s for s in SCRAPED if not s.startswith("rollout-")] + ["prometheus"]
+        await asyncio.to_thread(project.up, *others, wait=False)
+        await wait_for_scrape(prometheus, {f"{s}:{SCRAPED[s]}" for s in others if s in SCRAPED})
         await asyncio.to_thread(project.up, wait=False)
         await wait_for_end(project, progress, STEPS, 1200, evaluated=True)
         print(progress.line())
@@ -150,7 +93,7 @@ async def test_cpu_profile_runs_the_tiny_task_end_to_end(tmp_path, monkeypatch, 
         assert {"cpu-0", "cpu-1"} <= set(progress.loaded), progress.loaded
 
         wanted = {f"{service}:{port}" for service, port in SCRAPED.items()}
-        assert wanted <= scraped(f"http://127.0.0.1:{prometheus_port}"), "Prometheus did not scrape them all"
+        assert wanted <= scraped(prometheus), "Prometheus did not scrape them all"
     finally:
         for bus in buses:
             await bus.close()

@@ -29,7 +29,7 @@ import pytest
 from services.local.launcher import Progress, follow
 from services.local.ports import free_ports
 from tests.deploy.compose import ROLES, Project, env_file_with_fresh_secrets
-from tests.deploy.test_compose_up import exported_versions, operator_config, scraped, wait_for_end
+from tests.deploy.deployment import exported_versions, operator_config, scraped, wait_for_end, wait_for_scrape
 
 STEPS = 8
 # the workers' metrics ports (trainer, rollout-cpu-0, rollout-cpu-1), published on the "LAN"
@@ -110,6 +110,11 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
     try:
         await asyncio.to_thread(control.up)
         buses = await follow(cfg, progress)
+        # the trainer first: until the rollouts deliver it waits at v0, so the control host's
+        # Prometheus sees it before it finishes
+        prometheus = f"http://127.0.0.1:{prometheus_port}"
+        await asyncio.to_thread(workers.up, "trainer", wait=False)
+        await wait_for_scrape(prometheus, {f"{lan}:{WORKER_METRICS[0]}"})
         await asyncio.to_thread(workers.up, wait=False)
 
         control_nets, worker_nets = networks_of(control), networks_of(workers)
@@ -131,7 +136,7 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
         assert progress.verdicts.get("accepted", 0) >= STEPS * cfg.rollout.consumer_batch_size
 
         wanted = {f"{lan}:{port}" for port in WORKER_METRICS} | {"registry:9101", "exporter:9103"}
-        got = scraped(f"http://127.0.0.1:{prometheus_port}")
+        got = scraped(prometheus)
         assert wanted <= got, f"the control host's Prometheus did not scrape {sorted(wanted - got)}"
     finally:
         for bus in buses:
