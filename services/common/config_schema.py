@@ -254,6 +254,29 @@ class ExporterConfig(Section):
     """`file:///dir` or `s3://bucket/prefix`; versions land in `<uri>/v<N>/`"""
 
 
+class EvaluatorConfig(Section):
+    """The held-out evaluator that `lorabus up` starts (`lorabus evaluate`)."""
+
+    device: str = "auto"
+    """where the base model runs: auto (cuda when present, else cpu), cpu or cuda[:N]"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: rollout.dtype"""
+    batch_size: int = 64
+    """prompts per greedy `generate` call"""
+    max_prompts: int | None = None
+    """score on the first N held-out prompts of valid_dataset (null: all of them)"""
+    versions: Literal["every", "every_nth", "newest"] = "every"
+    """which exported versions to score: every one; every `nth` (v0, vN, v2N, ..., and the
+    last); or, when it falls behind, only the newest exported so far (the last always)"""
+    nth: int = 5
+    """versions: every_nth: score versions that are multiples of this"""
+    score: str = "services.clients.evaluate:heldout_reward"
+    """the scoring hook, `package.module:function` taking (model, tokenizer, prompts, cfg)"""
+    max_wait_s: float = 120.0
+    """`lorabus up`: once training has ended and the last version is exported, wait at most this
+    long for scores still missing, then stop with the scores it has"""
+
+
 class FleetConfig(Section):
     """Many runs on one fleet (docs/multi-run.md). `share` is a run's own; the rest is the fleet's."""
 
@@ -285,4 +308,5 @@ class LorabusConfig(Section):
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)

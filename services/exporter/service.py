@@ -14,14 +14,14 @@ import contextlib
 import logging
 import time
 
-from proto import subjects
+from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
 from services.common import durable, streams, xccl
 from services.common.bus import Bus, MsgMeta
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
-from services.common.store import store_for_uri
+from services.common.store import ObjectCorrupt, ObjectNotFound, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
     FILES,
@@ -79,7 +79,15 @@ class Exporter:
             log.error("v%d: no object payload (xccl only); not exported", event.version)
             return
         started = time.perf_counter()
-        files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
+        try:
+            files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
+        except (ObjectNotFound, ObjectCorrupt) as exc:
+            # reading again gives the same answer: record it and go on with the next version
+            letter_id = f"{meta.subject}:{meta.stream_seq}:{SERVICE}"
+            error = f"v{event.version} not exported: {exc}"
+            await self.bus.dead_letter(meta.subject, "handler", error, codec.encode(event), msg_id=letter_id)
+            log.error("v%d: not exported: %s", event.version, exc)
+            return
         with _stage("write"):
             wrote = await asyncio.to_thread(self._write_if_changed, event.version, files)
         done = ExportDone(
@@ -107,7 +115,9 @@ class Exporter:
         with _stage("fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
-            data = xccl.fetch_when_stored(lambda: durable.read(store, payload), what=payload.uri)
+            data = xccl.fetch_when_stored(
+                lambda: durable.read(store, payload), what=payload.uri, within_s=xccl.upload_wait_s(event)
+            )
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 

@@ -180,7 +180,7 @@ class RegistryService:
             await self._refuse(meta, applied.error, event)
 
     async def _on_report(self, report: RolloutReport, meta: MsgMeta) -> None:
-        applied = self.journal.apply(ReportOp(report))
+        applied = self.journal.apply(ReportOp(report, self.clock()))
         if applied.changed:
             await self._commit()
             metrics.observe_ledger(self.ledger)
@@ -301,10 +301,13 @@ class RegistryService:
         period = min(1.0, self.cfg.lease_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            if not any(g.expires_at <= self.clock() for g in self.ledger.grants.values()):
+            now = self.clock()
+            if not any(g.expires_at <= now for g in self.ledger.grants.values()) and not policy.silent_grants(
+                self.ledger, now, self.cfg
+            ):
                 continue  # nothing to journal: skip the op (the common case)
-            gone = self.journal.apply(ExpireOp(self.clock()))
-            log.info("registry: %d grant(s) expired: %s", len(gone), ", ".join(gone[:5]))
+            gone = self.journal.apply(ExpireOp(now))
+            log.info("registry: %d grant(s) expired or held by silent replicas: %s", len(gone), ", ".join(gone[:5]))
             try:
                 await self._commit()
             except Exception:

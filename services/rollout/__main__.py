@@ -51,6 +51,12 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> in
     log.info("rollout %s: metrics on port %d", replica, port)
     tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
     engine = build_engine(engine_name, cfg)
+    stager = None
+    if engine_name == "embedded":
+        from services.common.store import store_for_uri
+        from services.rollout.load_path import Stager
+
+        stager = Stager(engine, lambda uri: store_for_uri(uri, cfg.store))
     async with entry.connected(cfg, f"rollout-{replica}"[:64]) as bus:
         service = RolloutService(
             cfg,
@@ -64,6 +70,7 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> in
             prompts=load_prompts(cfg.train_dataset),
             engine_name=engine_name,
             admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
+            stager=stager,
         )
         try:
             await service.run(entry.stop_event())

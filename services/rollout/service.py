@@ -45,6 +45,7 @@ from services.rollout.engines.http import VersionNotLoaded
 from services.rollout.sampling import mix32
 
 if TYPE_CHECKING:
+    from services.rollout.load_path import Stager
     from services.rollout.xccl_receiver import XcclReceiver
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class RolloutService:
         retry_base_s: float = 0.5,
         admission_timeout_s: float = 2.0,
         xccl: XcclReceiver | None = None,
+        stager: Stager | None = None,
     ):
         self.cfg, self.run_id, self.replica = cfg, cfg.run, subjects.token(replica, "replica")
         self.engine, self.bus = engine, bus
@@ -85,7 +87,7 @@ class RolloutService:
         self.engine_name = engine_name
         self.adapters = AdapterFollower(
             cfg, self.replica, engine, bus, keep=cfg.rollout.keep_versions, fetch=fetch, engine_name=engine_name,
-            load_attempts=load_attempts, retry_base_s=retry_base_s, xccl=xccl,
+            load_attempts=load_attempts, retry_base_s=retry_base_s, xccl=xccl, stager=stager,
         )  # fmt: skip
         self.book = self.adapters.book
         """pinned by the work loop for the versions its grants name"""
@@ -186,6 +188,7 @@ class RolloutService:
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
         g = self.cfg.gconfig
         started = time.time()
+        since = time.monotonic()
         metrics.IN_FLIGHT.labels(self.replica).set(len(grants))
         work = []
         for grant in grants:
@@ -228,6 +231,12 @@ class RolloutService:
             # their leases expire at the registry; the work loop asks for new grants
             log.warning("rollout %s: grants on v%d dropped: %r", self.replica, version, exc)
         work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
+        if not await self.adapters.trusted(since):
+            # a version served meanwhile failed its sha256 check: nothing of this batch may be
+            # accepted; the grants' leases expire at the registry
+            log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
+            metrics.IN_FLIGHT.labels(self.replica).set(0)
+            return []
         finished = time.time()
         metrics.IN_FLIGHT.labels(self.replica).set(0)
         trajectories, tokens = [], 0
