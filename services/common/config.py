@@ -743,6 +743,16 @@ def check_fleet(cfg: LorabusConfig) -> list[str]:
     mcr = f.max_concurrent_rollouts
     if mcr is not None and mcr < 1:
         out.append(f"fleet.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: each run's own bound only)")
+    if f.lora_slots is not None and f.lora_slots < cfg.rollout.keep_versions + 1:
+        out.append(
+            f"fleet.lora_slots: {f.lora_slots} is below rollout.keep_versions + 1 = "
+            f"{cfg.rollout.keep_versions + 1}, what this run alone needs (or unset it)"
+        )
+    if f.max_lora_rank is not None and f.max_lora_rank < cfg.actor.lora_rank:
+        out.append(
+            f"fleet.max_lora_rank: {f.max_lora_rank} is below actor.lora_rank {cfg.actor.lora_rank}; "
+            f"the rollout slots could not hold the adapter (set it >= {cfg.actor.lora_rank}, or unset it)"
+        )
     return out
 
 

@@ -287,6 +287,14 @@ class FleetConfig(Section):
     max_concurrent_rollouts: int | None = None
     """groups in flight over all runs together; unset: each run's own max_concurrent_rollouts
     is the only bound, and the share decides who gets a replica that asks for work"""
+    lora_slots: int | None = None
+    """adapter versions an embedded rollout engine holds over all runs (each run needs its
+    rollout.keep_versions + 1); unset: room for this config's own run only. vLLM and SGLang
+    servers count theirs in vllm.max_cpu_loras and sglang.max_loaded_loras"""
+    max_lora_rank: int | None = None
+    """the largest rank a run of this fleet may have on an embedded rollout engine (its slots
+    have this rank; a run of lower rank is zero-padded, which changes no output); unset: this
+    config's actor.lora_rank. vLLM and SGLang servers: vllm/sglang.max_lora_rank"""
 
 
 class LorabusConfig(Section):

@@ -1,5 +1,5 @@
 """The exporter service: every `adapter.v<N>.ready` becomes `<exporter.uri>/v<N>/`, announced
-by `export.v<N>.done`.
+by `export.v<N>.done`; in a fleet, for every run of the run table (`services.exporter.fleet`).
 
 It reads the ADAPTERS stream through its own durable consumer (`exporter`), so it exports
 every version even when it starts late or restarts. A redelivered event is harmless: the
@@ -142,6 +142,8 @@ class Exporter:
 
 
 async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
+    from services.exporter.fleet import FleetExports  # it builds on Exporter: imported here, no cycle
+
     """Serve until `stop` is set (or the consumer dies, which is raised)."""
     bus = await Bus.connect(cfg.bus, run=cfg.run, service=SERVICE)
     try:
@@ -151,11 +153,17 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         reader: Puller[AdapterReady] = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
         consumer = bus.dispatch(reader, exporter.handle)
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
+        others = FleetExports(cfg, bus)
+        try:
+            await bus.watch_run_records(cfg.run, others.on_record)  # a task of the bus: close() ends it
+        except Exception as refused:  # e.g. a bus user without rights on the run table
+            log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, refused, cfg.run)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
             raise exc
+        await others.close()
         async with exporter.busy:  # let a running export finish (and ack) before closing
             await bus.close()
     finally:

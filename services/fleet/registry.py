@@ -46,7 +46,7 @@ from proto.messages import (
 from services.common.bus import Bus, decode
 from services.common.config import ConfigError
 from services.common.config_schema import LorabusConfig
-from services.fleet import metrics, runconfig, runs, share
+from services.fleet import capacity, metrics, runconfig, runs, share
 from services.registry import policy
 from services.registry.persistence import AdmitOp
 from services.registry.policy import PolicyConfig
@@ -177,6 +177,8 @@ class FleetRegistry:
             problems += runs.admit_problems(cfg, self.records, self.cfg.fleet.max_runs)
             if cfg.run not in self.records:
                 problems += runconfig.conflicts(cfg, [self.configs[r] for r in self.records])
+                live = [self.configs[r] for r, rec in self.records.items() if rec.state in runs.LIVE]
+                problems += capacity.problems(self.cfg, cfg, live)
             if problems:
                 return self._reply(False, problems)
             record = runs.new_record(self.fleet, cfg, runconfig.stored(cfg), self.clock())

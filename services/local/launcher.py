@@ -42,7 +42,7 @@ from services.common.config_schema import LorabusConfig
 from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.ports import free_port
-from services.local.summary import EvalWait, Progress, print_summary, read_run, summary, training_done
+from services.local.summary import Progress, print_summary, read_run, summary, training_done
 from services.local.supervision import Restarts, describe_exit
 
 if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
@@ -213,6 +213,25 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
     await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)
     await bus.subscribe(subjects.decision_all(run), m.TrajectoryDecision, on_decision)
     await bus.subscribe(subjects.rollout_report_all(run), m.RolloutReport, on_report)
+
+    async def on_run(record: m.RunRecord) -> None:
+        if record.run == run or record.run in progress.others:
+            return
+        other = progress.others[record.run] = {"head": -1, "exported": -1}
+
+        async def on_other_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
+            other["head"] = max(other["head"], msg.version)
+
+        async def on_other_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
+            other["exported"] = max(other["exported"], msg.version)
+
+        await bus.subscribe(subjects.adapter_ready_all(record.run), m.AdapterReady, on_other_ready)
+        await bus.subscribe(subjects.export_done_all(record.run), m.ExportDone, on_other_export)
+
+    try:
+        await bus.watch_run_records(run, on_run)
+    except Exception as exc:  # a bus user without rights on the run table: the own run only
+        print(f"lorabus up: not following the fleet's other runs ({exc!r})", flush=True)
     return bus
 
 
@@ -232,7 +251,8 @@ class Outcome(Enum):
     """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
 
     FINISHED = auto()
-    """the last version is exported (and evaluated, with the evaluator)"""
+    """the last version is exported (and scored, or the bounded wait for its scores is over),
+    and so is every submitted run's last version"""
     INTERRUPTED = auto()
     """SIGINT or SIGTERM: the operator stopped the run"""
     SERVERS_UNHEALTHY = auto()
@@ -393,7 +413,7 @@ async def supervise(
             except Exception as exc:  # the server is being restarted: read again next time
                 print(f"lorabus up: cannot read the run's streams yet ({type(exc).__name__})", flush=True)
             else:
-                if training_done(cfg, record, progress, args.evaluate, now):
+                if progress.others_exported() and training_done(cfg, record, progress, args.evaluate, now):
                     return Outcome.FINISHED, ""
                 if record.head >= final_version:
                     finished.add("trainer")
@@ -416,7 +436,7 @@ async def report(
     run_dir: Path,
     elapsed: float,
     restarts: dict[str, int],
-    eval_wait: EvalWait | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Read the run back from its streams, print the summary and write summary.json."""
     try:
@@ -425,7 +445,8 @@ async def report(
         print(f"lorabus up: no summary: the run's streams cannot be read ({type(exc).__name__}: {exc})",
               file=sys.stderr)  # fmt: skip
         return
-    result = summary(cfg, record, run_dir, elapsed, eval_wait)
+    result = summary(cfg, record, run_dir, elapsed, progress.eval_wait if progress else None)
+    result["other_runs"] = dict(sorted(progress.others.items())) if progress else {}
     result["restarts"] = restarts
     result["accepted_unconsumed"] = await accepted_unconsumed(bus, cfg.run)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -509,7 +530,7 @@ async def deploy(
         print(progress.line(), flush=True)
         stop_children(children)
     exit_code, message = exit_status(outcome, detail, run_dir, args.timeout)
-    await report(cfg, bus, run_dir, time.monotonic() - progress.started, dep.restarts.counts(), progress.eval_wait)
+    await report(cfg, bus, run_dir, time.monotonic() - progress.started, dep.restarts.counts(), progress)
     if message is not None:
         print(f"lorabus up: {message}", file=sys.stderr)
     return exit_code

@@ -35,6 +35,12 @@ class Progress:
     loaded: dict[str, int] = field(default_factory=dict)
     eval_wait: EvalWait | None = None
     """set once the last version is exported while scores are missing"""
+    others: dict[str, dict[str, int]] = field(default_factory=dict)
+    """runs submitted to the fleet: run -> newest version announced (head) and exported"""
+
+    def others_exported(self) -> bool:
+        """Every submitted run's newest version is exported (its last, once the trainer is gone)."""
+        return all(o["exported"] >= o["head"] for o in self.others.values())
 
     def line(self) -> str:
         last = self.last_step

@@ -61,6 +61,11 @@ def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Pr
         epoch += 1
 
 
+def no_grant_wait(reply: AdmissionDeny | None) -> float:
+    """Seconds to wait before asking again after a deny, or no answer (None)."""
+    return 0.5 if reply is None else reply.retry_after_s  # None: no registry answering yet
+
+
 class RolloutService:
     def __init__(
         self,
@@ -148,42 +153,51 @@ class RolloutService:
             wait_s = 0.0
             for _ in range(self.cfg.rollout.batch_groups):
                 reply = await self.admit()
-                if reply is None:
-                    wait_s = 0.5  # no registry answering yet
+                wait_s = self.take(reply, grants) if isinstance(reply, AdmissionGrant) else no_grant_wait(reply)
+                if wait_s:
                     break
-                if isinstance(reply, AdmissionDeny):
-                    wait_s = reply.retry_after_s
-                    break
-                if reply.version not in self.adapters.loaded():
-                    log.warning(
-                        "rollout %s: grant %s names v%d, not loaded here (%s); dropped",
-                        self.replica,
-                        reply.grant_id,
-                        reply.version,
-                        self.adapters.loaded(),
-                    )
-                    wait_s = 0.2
-                    break
-                self.book.pin(reply.version)
-                grants.append(reply)
             if grants:
-                try:
-                    await self.generate(grants)
-                except Exception:
-                    # the grants' leases expire at the registry; keep serving
-                    log.exception("rollout %s: batch of %d grants failed", self.replica, len(grants))
-                    wait_s = 1.0
-                finally:
-                    async with changed:
-                        for g in grants:
-                            self.book.unpin(g.version)
-                        changed.notify_all()
-                    await self.adapters.collect()
+                wait_s = await self.serve(grants) or wait_s
             if wait_s:
                 try:
                     await asyncio.wait_for(stop.wait(), wait_s)
                 except TimeoutError:
                     pass
+
+    def take(self, reply: AdmissionGrant, grants: list[AdmissionGrant]) -> float:
+        """Add a grant to `grants`, its version pinned; returns the wait before asking again
+        (0: ask on; a version not loaded here ends the batch)."""
+        if reply.version not in self.adapters.loaded():
+            log.warning(
+                "rollout %s: grant %s names %s v%d, not loaded here (%s); dropped",
+                self.replica,
+                reply.grant_id,
+                self.run_id,
+                reply.version,
+                self.adapters.loaded(),
+            )
+            return 0.2
+        self.book.pin(reply.version)
+        grants.append(reply)
+        return 0.0
+
+    async def serve(self, grants: list[AdmissionGrant]) -> float:
+        """Generate and publish the grants `take` pinned, then unpin them; returns the wait
+        before asking again."""
+        changed, wait_s = self.adapters.changed, 0.0
+        try:
+            await self.generate(grants)
+        except Exception:
+            # the grants' leases expire at the registry; keep serving
+            log.exception("rollout %s: batch of %d grants failed", self.replica, len(grants))
+            wait_s = 1.0
+        finally:
+            async with changed:
+                for g in grants:
+                    self.book.unpin(g.version)
+                changed.notify_all()
+            await self.adapters.collect()
+        return wait_s
 
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
         g = self.cfg.gconfig
@@ -274,13 +288,16 @@ class RolloutService:
         return trajectories
 
     # --- all together ---
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, *, work: bool = True) -> None:
+        """Serve until `stop`. `work=False`: adapters and heartbeat only, for a replica that
+        asks for work for all its runs at once (`services.rollout.fleet`)."""
         consumer = await self.adapters.start()
         tasks = [
             asyncio.create_task(self.heartbeat_loop(stop), name="heartbeat"),
-            asyncio.create_task(self.work_loop(stop), name="work"),
             asyncio.create_task(self.adapters.watch_engine_loop(stop), name="watch-engine"),
         ]
+        if work:
+            tasks.append(asyncio.create_task(self.work_loop(stop), name="work"))
         try:
             await stop.wait()
         finally:

@@ -266,7 +266,7 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     version = start.version
     event = await ctx.announce(version, start.tensors, weights=start.weights)
     log.info("v%d %s", version, "announced" if event else "was already announced")
-    metrics.VERSION.set(version)
+    metrics.VERSION.labels(cfg.run).set(version)
 
     queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
     await queue.open()
@@ -302,7 +302,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     # marker), so N never names two adapters.
     await ctx.announce(version, adapter)
     announced = time.perf_counter()
-    metrics.PUBLISH_SECONDS.observe(announced - t0)
+    metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
     if optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(
             checkpoint.save,
@@ -340,7 +340,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         (time.perf_counter() - announced) * 1e3,
     )
     await queue.ack_held()
-    record(stats, version)
+    record(stats, version, run)
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
         step_index,
@@ -353,13 +353,13 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     return version
 
 
-def record(stats: StepStats, version: int) -> None:
-    metrics.STEP_SECONDS.observe(stats.step_seconds)
-    metrics.TOKENS_PER_SECOND.set(stats.tokens / max(stats.step_seconds, 1e-9))
-    metrics.VERSION.set(version)
-    metrics.LOSS.set(stats.loss)
-    metrics.REWARD_MEAN.set(stats.reward_mean)
-    metrics.STEPS.inc()
+def record(stats: StepStats, version: int, run: str) -> None:
+    metrics.STEP_SECONDS.labels(run).observe(stats.step_seconds)
+    metrics.TOKENS_PER_SECOND.labels(run).set(stats.tokens / max(stats.step_seconds, 1e-9))
+    metrics.VERSION.labels(run).set(version)
+    metrics.LOSS.labels(run).set(stats.loss)
+    metrics.REWARD_MEAN.labels(run).set(stats.reward_mean)
+    metrics.STEPS.labels(run).inc()
 
 
 def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:

@@ -211,6 +211,22 @@ async def test_trainer_publishes_adapter_event_to_jetstream(server, passwords, r
         await trainer.close()
 
 
+async def test_trainer_and_exporter_follow_the_run_table(server, passwords, run, registry):
+    await streams_ready(server, passwords, run, registry)
+    for user in ("trainer", "exporter"):
+        bus = await connect(server, passwords, user, run, user)
+        try:
+            records: list[m.RunRecord] = []
+
+            async def on_record(record: m.RunRecord, into: list = records) -> None:
+                into.append(record)
+
+            await bus.watch_run_records(run, on_record)
+            await wait_until(lambda: [r.run for r in records] == [run], what=f"the {user} to read the run table")
+        finally:
+            await bus.close()
+
+
 async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
     nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
@@ -248,6 +264,21 @@ async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admissi
             timeout=10.0,
         )
         assert reply.request_id == "r1"
+        # a fleet replica asks the fleet and follows its run table (written by the registry)
+        fleet_reply = await bus.request(
+            subjects.fleet_admission(run),
+            m.FleetAdmissionRequest(fleet=run, replica=ROLLOUT, request_id="f1", loaded={run: [0]}),
+            m.AdmissionReply,
+            timeout=10.0,
+        )
+        assert fleet_reply.request_id == "f1"
+        records: list[m.RunRecord] = []
+
+        async def on_record(record: m.RunRecord) -> None:
+            records.append(record)
+
+        await bus.watch_run_records(run, on_record)
+        await wait_until(lambda: [r.run for r in records] == [run], what="the rollout to read the run table")
         # the durable adapter consumer a rollout runs: create, fetch, ack
         seen: list[int] = []
 
