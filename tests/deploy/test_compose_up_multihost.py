@@ -26,10 +26,17 @@ import uuid
 
 import pytest
 
-from services.local.launcher import Progress, follow
 from services.local.ports import free_ports
 from tests.deploy.compose import ROLES, Project, env_file_with_fresh_secrets
-from tests.deploy.deployment import exported_versions, operator_config, scraped, wait_for_end, wait_for_scrape
+from tests.deploy.deployment import (
+    exported_versions,
+    observe,
+    operator_config,
+    scraped,
+    tear_down,
+    wait_for_end,
+    wait_for_scrape,
+)
 
 STEPS = 8
 # the workers' metrics ports (trainer, rollout-cpu-0, rollout-cpu-1), published on the "LAN"
@@ -105,11 +112,10 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
         profiles=("cpu",),
     )
     cfg = operator_config(env, monkeypatch, bus_host=lan)
-    progress = Progress()
-    buses = []
+    bus = None
     try:
         await asyncio.to_thread(control.up)
-        buses = await follow(cfg, progress)
+        bus, seen = await observe(cfg)
         # the trainer first: until the rollouts deliver it waits at v0, so the control host's
         # Prometheus sees it before it finishes
         prometheus = f"http://127.0.0.1:{prometheus_port}"
@@ -126,25 +132,18 @@ async def test_roles_run_one_job_over_two_projects(tmp_path, monkeypatch, cpu_im
         )
         assert resolve.returncode != 0, "a worker resolved the control project's `nats`"
 
-        await wait_for_end(workers, progress, STEPS, 900, evaluated=False)
-        print(progress.line())
+        await wait_for_end(workers, seen, STEPS, 900, evaluated=False)
+        print(seen.line())
         exported = await asyncio.to_thread(exported_versions, env, cfg.run, lan)
         assert all(
             {"adapter_config.json", "adapter_model.safetensors"} <= exported.get(v, set()) for v in range(STEPS + 1)
         ), exported
-        assert {"cpu-0", "cpu-1"} <= set(progress.loaded), progress.loaded
-        assert progress.verdicts.get("accepted", 0) >= STEPS * cfg.rollout.consumer_batch_size
+        assert {"cpu-0", "cpu-1"} <= set(seen.loaded), seen.loaded
+        assert seen.verdicts.get("accepted", 0) >= STEPS * cfg.rollout.consumer_batch_size
 
         wanted = {f"{lan}:{port}" for port in WORKER_METRICS} | {"registry:9101", "exporter:9103"}
         got = scraped(prometheus)
         assert wanted <= got, f"the control host's Prometheus did not scrape {sorted(wanted - got)}"
     finally:
-        for bus in buses:
-            await bus.close()
-        downs = {}
-        for project in (workers, control):  # each goes down whatever happened to the other
-            (tmp_path / f"{project.name}.log").write_text(project.logs(tail=400))
-            downs[project.name] = await asyncio.to_thread(project.down)
-    for project in (workers, control):
-        left = project.leftovers()
-        assert left == {"containers": [], "volumes": [], "networks": []}, downs[project.name].stderr[-3000:]
+        left = await tear_down(bus, [workers, control], tmp_path)
+    assert not left, f"`down -v` left {left}"
