@@ -49,7 +49,7 @@ test: install vllm-env prometheus docker-engine
 	$(BIN)/python -m pytest -q
 
 # the deploy tier only: compose files, NATS permissions, Prometheus, and `docker compose up`
-# for real (a fresh machine builds the images first: about 5 minutes on 2 cores)
+# for real (a fresh machine builds the images first: 2-9 minutes on 2 cores, by load)
 test-deploy: install prometheus docker-engine
 	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
