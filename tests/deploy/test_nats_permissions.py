@@ -587,3 +587,20 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
             )
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("user", ["trainer", "exporter", "rollout-vllm-0", "rollout-cpu-1"])
+async def test_services_read_the_newest_stored_event(server, passwords, run, registry, user):
+    """`Bus.last` (is v<N> announced or exported yet; which adapter is the head) is a direct
+    message get: the trainer, the exporter and every replica need it (found by bringing
+    docker-compose.cpu.yml up: the trainer could not announce v0 without it)."""
+    await streams_ready(server, passwords, run, registry)
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    reader = await connect(server, passwords, user, run, user)
+    try:
+        await trainer.publish(subjects.adapter_ready(run, 7), adapter_event(run, 7), msg_id=f"{run}-v7")
+        newest = await reader.last(streams.ADAPTERS(run), m.AdapterReady, subjects.adapter_ready(run, 7))
+        assert newest is not None and newest.version == 7
+    finally:
+        await reader.close()
+        await trainer.close()
