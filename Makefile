@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .cache/vllm-venv
 CONFIG ?= examples/tiny.yaml
 
-.PHONY: install up test test-fast lint vllm-env prometheus schemas bench
+.PHONY: install up test test-fast test-deploy lint vllm-env prometheus docker-engine schemas bench
 
 install: $(VENV)/.installed
 
@@ -38,8 +38,20 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
-test: install vllm-env prometheus
+# tests/deploy brings docker-compose.cpu.yml and the role files up on a real engine: Debian's
+# docker.io (the tests start dockerd as root when none runs) and mmdebstrap, which makes the
+# images' Debian base where Docker Hub cannot be reached (deploy/localimages.py)
+docker-engine:
+	@command -v dockerd >/dev/null && command -v mmdebstrap >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io mmdebstrap >/dev/null)
+
+test: install vllm-env prometheus docker-engine
 	$(BIN)/python -m pytest -q
+
+# the deploy tier only: compose files, NATS permissions, Prometheus, and `docker compose up`
+# for real (a fresh machine builds the images first: 2-9 minutes on 2 cores, by load)
+test-deploy: install prometheus docker-engine
+	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
 # the unit tier only (tests/unit: no servers, no deployments); under two minutes on 2 cores
 test-fast: install

@@ -124,7 +124,7 @@ def evaluate(model, tok, prompts: list[Prompt], *, sample: bool, samples: int, s
         by_len.setdefault(len(encode_prompt(tok, p.text)), []).append(p)
     correct = formatted = total = 0
     for group in by_len.values():
-        ids = torch.tensor([encode_prompt(tok, p.text) for p in group])
+        ids = torch.tensor([encode_prompt(tok, p.text) for p in group], device=model.device)
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),

@@ -1,7 +1,7 @@
 """Shared fixtures (a real nats-server, a real S3 server) and the test tiers.
 
-A test's tier is the folder it lives in: `unit`, `integration`, `deploy` or `e2e`, each a marker
-(`pytest -m unit` is `make test-fast`). Deploy and e2e tests are also `slow`. A test file placed
+A test's tier is the folder it lives in: `unit`, `integration`, `deploy`, `e2e` or `chaos`, each a
+marker (`pytest -m unit` is `make test-fast`). Deploy, e2e and chaos tests are also `slow`. A test file placed
 directly under tests/ would get no tier, so none is.
 """
 
@@ -15,8 +15,8 @@ from tests.fixtures.nats import *  # noqa: F403
 from tests.fixtures.s3 import *  # noqa: F403
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "integration", "deploy", "e2e")
-SLOW_TIERS = ("deploy", "e2e")
+TIERS = ("unit", "integration", "deploy", "e2e", "chaos")
+SLOW_TIERS = ("deploy", "e2e", "chaos")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

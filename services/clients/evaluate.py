@@ -1,10 +1,13 @@
-"""`lorabus evaluate`: score every exported version, as an outside user would.
+"""`lorabus evaluate`: score exported versions, as an outside user would.
 
 It is not part of the training loop: it only reads `export.v<N>.done` events, loads the PEFT
 directory with plain `peft.PeftModel.from_pretrained` on the base model, runs a scoring hook and
-publishes an `EvalResult`. The default hook is greedy held-out accuracy on `valid_dataset` with
-the configured reward function; `--score pkg.mod:fn` plugs in another (`fn(model, tokenizer,
-prompts, cfg) -> (metric_name, score)`).
+publishes an `EvalResult`. The `evaluator` config section says where the base model runs
+(device, dtype), how many held-out prompts and how many per batch, and which versions to score
+(`services.clients.eval_policy`: every one, every Nth, or the newest when it falls behind; the
+last version always). The default hook is greedy held-out accuracy on `valid_dataset` with the
+configured reward function; `evaluator.score` or `--score pkg.mod:fn` plugs in another
+(`fn(model, tokenizer, prompts, cfg) -> (metric_name, score)`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def heldout_reward(model, tokenizer, prompts, cfg: LorabusConfig) -> tuple[str, 
     from services.common.rewards import load_reward_fn
 
     reward_fn = load_reward_fn(cfg.valid_dataset.reward_fn or cfg.train_dataset.reward_fn)
-    texts = greedy_completions(model, tokenizer, [p.text for p in prompts], cfg.gconfig.max_new_tokens)
+    texts = greedy_completions(
+        model, tokenizer, [p.text for p in prompts], cfg.gconfig.max_new_tokens, cfg.evaluator.batch_size
+    )
     rewards = [reward_fn(p.text, t, p.answer) for p, t in zip(prompts, texts)]
     return "heldout_reward", sum(rewards) / max(len(rewards), 1)
 
@@ -83,10 +88,20 @@ class Evaluator:
 
         self.cfg = cfg
         self.hook = hook
+        e = cfg.evaluator
         self.tokenizer = load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
-        self.base = load_base_model(cfg.actor.path, cfg.actor.dtype, "cpu")
+        dtype = cfg.rollout.dtype if e.dtype == "auto" else e.dtype
+        self.base = load_base_model(cfg.actor.path, dtype, e.device)
         self.base.eval()
-        self.prompts = load_prompts(cfg.valid_dataset)
+        self.prompts = load_prompts(cfg.valid_dataset)[: e.max_prompts]
+        log.info(
+            "base model on %s in %s; %d held-out prompts, batches of %d; scoring %s",
+            self.base.device,
+            dtype,
+            len(self.prompts),
+            e.batch_size,
+            e.versions if e.versions != "every_nth" else f"every {e.nth}th version",
+        )
 
     def score(self, directory: Path) -> tuple[str, float]:
         from peft import PeftModel
@@ -121,7 +136,7 @@ def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path
 
 
 async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
-    from services.clients import metrics
+    from services.clients import eval_policy, metrics
     from services.common import streams
     from services.common.metrics import start_metrics_server
     from services.exporter.peft_dir import version_uri
@@ -134,11 +149,31 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
     stop = entry.stop_event()
     async with entry.connected(cfg, evaluator_name) as bus:
 
+        async def newest_exported(version: int) -> int:
+            if cfg.evaluator.versions != "newest":
+                return version  # the other policies do not look ahead
+            last: m.ExportDone | None = await bus.last(streams.EXPORTS(cfg.run), m.ExportDone)
+            if last is None or not own_export(last):  # a stranger's "export" decides nothing
+                return version
+            return max(version, last.version)
+
+        def own_export(event: m.ExportDone) -> bool:
+            return event.run == cfg.run and event.uri.rstrip("/") == version_uri(cfg.exporter.uri, event.version)
+
         async def on_export(event: m.ExportDone, _meta) -> None:
             from services.common.bus import Refused
 
-            if event.run != cfg.run or event.uri.rstrip("/") != version_uri(cfg.exporter.uri, event.version):
+            if not own_export(event):
                 raise Refused(f"export v{event.version}: {event.uri} is not the run's export of it")
+            newest = await newest_exported(event.version)
+            if not eval_policy.should_score(cfg.evaluator, event.version, newest, cfg.total_train_steps):
+                log.info(
+                    "v%d skipped (evaluator.versions %s; newest exported v%d)",
+                    event.version,
+                    cfg.evaluator.versions,
+                    newest,
+                )
+                return
             directory = local_dir(event.uri, cfg, event.version, scratch)
             started = time.monotonic()
             metric, score = await asyncio.to_thread(evaluator.score, directory)
@@ -161,7 +196,13 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
             )
 
         await bus.consume(
-            streams.EXPORTS(cfg.run), f"eval-{evaluator_name}", m.ExportDone, on_export, batch=1, ack_wait_s=300
+            streams.EXPORTS(cfg.run),
+            f"eval-{evaluator_name}",
+            m.ExportDone,
+            on_export,
+            batch=1,
+            # kept alive while scoring: a killed evaluator's version comes back this soon
+            ack_wait_s=streams.ACK_WAIT_S,
         )
         await stop.wait()
     return 0
@@ -169,14 +210,12 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = entry.parser(PROG, __doc__.splitlines()[0])
-    p.add_argument(
-        "--score", default="services.clients.evaluate:heldout_reward", help="scoring hook, package.module:function"
-    )
+    p.add_argument("--score", help="scoring hook, package.module:function (default: evaluator.score)")
     p.add_argument("--name", default="heldout", help="evaluator id in the eval subject")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     cfg = entry.start(args, PROG, service=args.name)
-    return asyncio.run(run(cfg, args.score, subjects.token(args.name, "--name")))
+    return asyncio.run(run(cfg, args.score or cfg.evaluator.score, subjects.token(args.name, "--name")))
 
 
 if __name__ == "__main__":

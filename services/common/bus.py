@@ -520,8 +520,8 @@ class Bus:
                 f"consume {c.durable}: existing durable on {c.stream} has an incompatible config "
                 f"({exc.description}); pick a new durable name or delete the old one"
             ) from exc
-        reader = Puller(self, self.nc, c.stream, c.durable, msg_type, batch=batch,
-                        max_deliver=c.max_deliver, retry_delay_s=retry_delay_s, keep_open=keep_open)  # fmt: skip
+        reader = Puller(self, self.nc, c.stream, c.durable, msg_type, batch=batch, max_deliver=c.max_deliver,
+                        retry_delay_s=retry_delay_s, keep_open=keep_open, ack_wait_s=c.ack_wait_s)  # fmt: skip
         await reader.start()
         return reader
 
@@ -562,13 +562,19 @@ class Bus:
             try:
                 while True:
                     try:
-                        deliveries = await reader.burst()
+                        burst = await reader.burst()
                     except Exception:  # a consumer never dies while its service lives
                         log.exception("bus: pull on %s/%s failed; pulling again", reader.stream, reader.durable)
                         await asyncio.sleep(CONSUMER_PAUSE_S)
                         continue
-                    for delivery in deliveries:
-                        await _handle(delivery)
+                    # what waits its turn, and what is being handled, stays ours while this
+                    # process lives; a dead one's comes back after ack_wait, which can be short
+                    alive = asyncio.create_task(reader.keep_alive(burst))
+                    try:
+                        for delivery in burst:
+                            await _handle(delivery)
+                    finally:
+                        alive.cancel()
             finally:
                 await reader.stop()
 
@@ -635,6 +641,42 @@ class Bus:
         except nats.js.errors.NotFoundError:
             return None
         return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
+
+    async def read_all(self, stream: str, msg_type: type[T] | Any, *, batch: int = 256) -> list[T]:
+        """Every message of `stream` that decodes as `msg_type`, in stream order ([] when the
+        stream does not exist). An ephemeral consumer without acks reads it in batches, so a
+        reader (the launcher's summary) sees what is stored, not what it happened to receive."""
+        try:
+            info = await self.js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return []
+        if not info.state.messages:
+            return []
+        last = info.state.last_seq
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0, mem_storage=True
+        )
+        sub = await self.js.pull_subscribe((info.config.subjects or [">"])[0], stream=stream, config=config)
+        out: list[T] = []
+        try:
+            seq = 0
+            while seq < last:
+                try:
+                    msgs = await sub.fetch(batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    break  # what is left was removed meanwhile (limits): nothing more to read
+                for raw in msgs:
+                    seq = raw.metadata.sequence.stream
+                    try:
+                        out.append(decode(raw.data, msg_type))
+                    except codec.DecodeError:
+                        continue  # a reader of history skips what the consumers dead-lettered
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the ephemeral consumer goes after inactive_threshold anyway
+                pass
+        return out
 
     @overload
     async def last(self, stream: str, msg_type: type[T], subject: str | None = None) -> T | None: ...

@@ -707,6 +707,33 @@ def check_schedule(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def check_evaluator(cfg: LorabusConfig) -> list[str]:
+    e, out = cfg.evaluator, []
+    if not _DEVICE.match(e.device):
+        out.append(f"evaluator.device: {e.device!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if e.batch_size < 1:
+        out.append(f"evaluator.batch_size: {e.batch_size} must be >= 1 (prompts per generate call)")
+    if e.max_prompts is not None and e.max_prompts < 1:
+        out.append(f"evaluator.max_prompts: {e.max_prompts} must be >= 1 (or null: every held-out prompt)")
+    if e.nth < 1:
+        out.append(f"evaluator.nth: {e.nth} must be >= 1 (versions: every_nth scores multiples of it)")
+    if not e.max_wait_s >= 0:
+        out.append(
+            f"evaluator.max_wait_s: {e.max_wait_s} must be >= 0 (seconds `lorabus up` waits for "
+            "missing scores once training has ended)"
+        )
+    module, sep, attr = e.score.partition(":")
+    if not sep or not module or not attr:
+        out.append(f"evaluator.score: {e.score!r} is not package.module:function; e.g. {_DEFAULT_SCORE}")
+    return out
+
+
+_DEFAULT_SCORE = "services.clients.evaluate:heldout_reward"
+
+
 def check_fleet(cfg: LorabusConfig) -> list[str]:
     f, out = cfg.fleet, []
     if not f.share > 0:
@@ -716,6 +743,16 @@ def check_fleet(cfg: LorabusConfig) -> list[str]:
     mcr = f.max_concurrent_rollouts
     if mcr is not None and mcr < 1:
         out.append(f"fleet.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: each run's own bound only)")
+    if f.lora_slots is not None and f.lora_slots < cfg.rollout.keep_versions + 1:
+        out.append(
+            f"fleet.lora_slots: {f.lora_slots} is below rollout.keep_versions + 1 = "
+            f"{cfg.rollout.keep_versions + 1}, what this run alone needs (or unset it)"
+        )
+    if f.max_lora_rank is not None and f.max_lora_rank < cfg.actor.lora_rank:
+        out.append(
+            f"fleet.max_lora_rank: {f.max_lora_rank} is below actor.lora_rank {cfg.actor.lora_rank}; "
+            f"the rollout slots could not hold the adapter (set it >= {cfg.actor.lora_rank}, or unset it)"
+        )
     return out
 
 
@@ -731,6 +768,7 @@ RULES = (
     check_sglang_slots,
     check_run,
     check_schedule,
+    check_evaluator,
     check_fleet,
 )
 

@@ -257,6 +257,29 @@ class ExporterConfig(Section):
     """`file:///dir` or `s3://bucket/prefix`; versions land in `<uri>/v<N>/`"""
 
 
+class EvaluatorConfig(Section):
+    """The held-out evaluator that `lorabus up` starts (`lorabus evaluate`)."""
+
+    device: str = "auto"
+    """where the base model runs: auto (cuda when present, else cpu), cpu or cuda[:N]"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: rollout.dtype"""
+    batch_size: int = 64
+    """prompts per greedy `generate` call"""
+    max_prompts: int | None = None
+    """score on the first N held-out prompts of valid_dataset (null: all of them)"""
+    versions: Literal["every", "every_nth", "newest"] = "every"
+    """which exported versions to score: every one; every `nth` (v0, vN, v2N, ..., and the
+    last); or, when it falls behind, only the newest exported so far (the last always)"""
+    nth: int = 5
+    """versions: every_nth: score versions that are multiples of this"""
+    score: str = "services.clients.evaluate:heldout_reward"
+    """the scoring hook, `package.module:function` taking (model, tokenizer, prompts, cfg)"""
+    max_wait_s: float = 120.0
+    """`lorabus up`: once training has ended and the last version is exported, wait at most this
+    long for scores still missing, then stop with the scores it has"""
+
+
 class FleetConfig(Section):
     """Many runs on one fleet (docs/multi-run.md). `share` is a run's own; the rest is the fleet's."""
 
@@ -267,6 +290,14 @@ class FleetConfig(Section):
     max_concurrent_rollouts: int | None = None
     """groups in flight over all runs together; unset: each run's own max_concurrent_rollouts
     is the only bound, and the share decides who gets a replica that asks for work"""
+    lora_slots: int | None = None
+    """adapter versions an embedded rollout engine holds over all runs (each run needs its
+    rollout.keep_versions + 1); unset: room for this config's own run only. vLLM and SGLang
+    servers count theirs in vllm.max_cpu_loras and sglang.max_loaded_loras"""
+    max_lora_rank: int | None = None
+    """the largest rank a run of this fleet may have on an embedded rollout engine (its slots
+    have this rank; a run of lower rank is zero-padded, which changes no output); unset: this
+    config's actor.lora_rank. vLLM and SGLang servers: vllm/sglang.max_lora_rank"""
 
 
 class LorabusConfig(Section):
@@ -288,4 +319,5 @@ class LorabusConfig(Section):
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)

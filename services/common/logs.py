@@ -1,12 +1,13 @@
-"""One logging setup for every service: one line per record, tagged with the service name,
-so the interleaved output of `lorabus up` stays readable."""
+"""One logging setup for every service: one line per record, tagged with the service name and
+stamped to the millisecond, so the interleaved output of `lorabus up` stays readable and the
+logs of different processes can be lined up (an adapter load takes milliseconds)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-FORMAT = "%(asctime)s %(levelname)s {service} %(name)s: %(message)s"
+FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s {service} %(name)s: %(message)s"
 
 
 def setup_logging(service: str, level: str | int = "INFO", file: str | None = None) -> None:

@@ -1,6 +1,8 @@
 """Durable pull consumers read in bursts, with the one delivery policy every service follows.
 
-A `Puller` hands out decoded `Delivery`s. What does not decode (bad JSON, wrong schema, too
+A `Puller` hands out decoded `Delivery`s; `keep_alive` keeps those being worked on from
+redelivery, so a consumer's ack_wait is the time a dead reader's messages take to come back,
+not a bound on how long a handler may run. What does not decode (bad JSON, wrong schema, too
 large, nested too deep) never reaches the caller: it is dead-lettered and terminated here. A
 caller settles each delivery with `ack()`, `nak(delay)`, `in_progress()`, `reject(reason,
 error)` (dead-letter + terminate) or `retry(error)` (nak with backoff, dead-letter on the
@@ -53,10 +55,12 @@ _ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end
 class Delivery(Generic[T]):
     """One decoded message of a durable consumer, to be settled exactly once."""
 
-    __slots__ = ("msg", "meta", "_raw", "_reader")
+    __slots__ = ("msg", "meta", "settled", "_raw", "_reader")
 
     def __init__(self, msg: T, meta: MsgMeta, raw: Msg, reader: Puller[T]):
         self.msg, self.meta, self._raw, self._reader = msg, meta, raw, reader
+        self.settled = False
+        """acked, nak'd or rejected: no longer this reader's to keep alive"""
 
     @property
     def data(self) -> bytes:
@@ -64,9 +68,11 @@ class Delivery(Generic[T]):
         return self._raw.data
 
     async def ack(self) -> None:
+        self.settled = True
         await _settle(self._raw.ack())
 
     async def nak(self, delay: float | None = None) -> None:
+        self.settled = True
         await _settle(self._raw.nak(delay=delay))
 
     async def in_progress(self) -> None:
@@ -75,6 +81,7 @@ class Delivery(Generic[T]):
 
     async def reject(self, reason: DeadLetterReason, error: str) -> None:
         """Dead-letter and terminate; if the dead letter cannot be stored, nak instead."""
+        self.settled = True
         await self._reader.reject(self._raw, self.meta, reason, error)
 
     async def retry(self, error: str) -> None:
@@ -100,11 +107,11 @@ async def _settle(ack: Awaitable[None]) -> None:
 class Puller(Generic[T]):
     """A durable pull consumer read in bursts (create with `Bus.pull`)."""
 
-    def __init__(self, bus: Bus, nc: Client, stream: str, durable: str, msg_type: type[T] | Any,
-                 *, batch: int, max_deliver: int, retry_delay_s: float, keep_open: bool):  # fmt: skip
+    def __init__(self, bus: Bus, nc: Client, stream: str, durable: str, msg_type: type[T] | Any, *, batch: int,
+                 max_deliver: int, retry_delay_s: float, keep_open: bool, ack_wait_s: float = 30.0):  # fmt: skip
         self.bus, self.stream, self.durable, self.msg_type = bus, stream, durable, msg_type
         self.batch, self.max_deliver, self.retry_delay_s = batch, max_deliver, retry_delay_s
-        self.keep_open = keep_open
+        self.keep_open, self.ack_wait_s = keep_open, ack_wait_s
         self._nc = nc
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
@@ -235,6 +242,16 @@ class Puller(Generic[T]):
             if not raw and self._refused is not None:
                 self._refused = None
                 await asyncio.sleep(IDLE_S)  # e.g. the durable was deleted: do not spin
+
+    async def keep_alive(self, deliveries: list[Delivery[T]]) -> None:
+        """Restart the ack_wait clock of every unsettled delivery, three times per ack_wait,
+        until cancelled: while this process lives its deliveries stay its own however long a
+        handler takes, so ack_wait only bounds how soon a dead reader's deliveries come back."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for d in deliveries:
+                if not d.settled:
+                    await d.in_progress()
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
         self.bus.consumed.inc()

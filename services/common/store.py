@@ -6,7 +6,9 @@ client). Everything is synchronous; async services call it with `asyncio.to_thre
 
 A writer gets back an `ObjectRef` (URI, size, sha256) and puts it into an event; a reader opens
 the store for that URI (`store_for_uri`) and reads it back with both checked, so a truncated or
-swapped object is an error instead of a silently wrong adapter. S3 credentials are read from
+swapped object is an error instead of a silently wrong adapter. The one exception is `read_into`,
+which fills a caller's buffer unhashed (in parallel chunks, for a replica's fast load path): its
+caller owns the sha256 check and must not use the bytes before it has passed. S3 credentials are read from
 environment variables named in the config and never appear in URIs, events, errors or logs.
 """
 
@@ -18,6 +20,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +31,9 @@ from services.common.config_schema import StoreConfig
 PART_SIZE = 16 * 1024 * 1024
 """S3 multipart part size; also the size above which `put_file` uploads in parts."""
 _CHUNK = 1024 * 1024
+_READ_PART = 8 * 1024 * 1024
+"""`LocalStore.read_into` reads parts of this size on several threads at once"""
+_READERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-read")
 _TMP_SUFFIX = ".lorabus-tmp"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -48,6 +54,12 @@ class ObjectNotFound(StoreError):
     """The object does not exist (a reader may retry: the writer may not have finished)."""
 
 
+class ObjectCorrupt(StoreError):
+    """The object's bytes are not the ones its event names (size or sha256), or more than the
+    config lets a reader read: reading it again gives the same, so a reader gives the version
+    up instead of retrying."""
+
+
 class OutsideStore(StoreError):
     """A URI outside the run's store: never read, and retrying cannot change that."""
 
@@ -62,6 +74,7 @@ class ObjectStore(Protocol):
     def get_file(
         self, uri: str, dest: str | os.PathLike, *, sha256: str | None = None, size: int | None = None
     ) -> ObjectRef: ...
+    def read_into(self, uri: str, out: memoryview) -> None: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def list(self, prefix: str = "") -> list[str]: ...
@@ -102,7 +115,7 @@ def _validate_prefix(prefix: str) -> str:
 
 def _check_size(uri: str, size: int | None, limit: int | None) -> None:
     if size is not None and limit is not None and size > limit:
-        raise StoreError(
+        raise ObjectCorrupt(
             f"{uri}: {size} bytes is over store.max_object_bytes ({limit}); raise it in the config "
             "if adapters really are this large"
         )
@@ -124,16 +137,16 @@ def _copy_verified(
     for chunk in chunks:
         n += len(chunk)
         if size is not None and n > size:
-            raise StoreError(f"{uri}: size mismatch: expected {size} bytes, got more")
+            raise ObjectCorrupt(f"{uri}: size mismatch: expected {size} bytes, got more")
         if limit is not None and n > limit:
-            raise StoreError(f"{uri}: larger than store.max_object_bytes ({limit}); not read further")
+            raise ObjectCorrupt(f"{uri}: larger than store.max_object_bytes ({limit}); not read further")
         digest.update(chunk)
         write(chunk)
     if size is not None and n != size:
-        raise StoreError(f"{uri}: size mismatch: expected {size} bytes, got {n}")
+        raise ObjectCorrupt(f"{uri}: size mismatch: expected {size} bytes, got {n}")
     actual = digest.hexdigest()
     if sha256 is not None and actual != sha256:
-        raise StoreError(f"{uri}: sha256 mismatch: expected {sha256}, got {actual}")
+        raise ObjectCorrupt(f"{uri}: sha256 mismatch: expected {sha256}, got {actual}")
     return n, actual
 
 
@@ -267,6 +280,35 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"{uri}: download to {dest} failed: {exc}") from exc
         return ObjectRef(uri=uri, bytes=n, sha256=sha)
+
+    def read_into(self, uri: str, out: memoryview) -> None:
+        """The object's bytes into `out`, which must be exactly its size; NOT verified (the
+        caller hashes them). Parts are read concurrently (`os.preadv` releases the GIL)."""
+        path = self._path(self.key_for(uri))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{uri}: no such object") from None
+        except OSError as exc:
+            raise StoreError(f"{uri}: read failed: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(out):
+                raise StoreError(f"{uri}: size mismatch: expected {len(out)} bytes, got {size}")
+
+            def read(start: int) -> None:
+                end = min(start + _READ_PART, size)
+                while start < end:
+                    n = os.preadv(fd, [out[start:end]], start)
+                    if n == 0:
+                        raise StoreError(f"{uri}: size mismatch: the object ended at byte {start} of {size}")
+                    start += n
+
+            list(_READERS.map(read, range(0, size, _READ_PART)))
+        except OSError as exc:
+            raise StoreError(f"{uri}: read failed: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -454,6 +496,24 @@ class S3Store:
         except OSError as exc:
             raise StoreError(f"{uri}: download to {dest} failed: {exc}") from exc
         return ObjectRef(uri=uri, bytes=n, sha256=sha)
+
+    def read_into(self, uri: str, out: memoryview) -> None:
+        """The object's bytes into `out`, which must be exactly its size; NOT verified (the
+        caller hashes them)."""
+        name = self._object_name(self.key_for(uri))
+        response = self._call(uri, self._client.get_object, self.bucket, name)
+        n = 0
+        try:
+            for chunk in response.stream(_CHUNK):
+                if n + len(chunk) > len(out):
+                    raise StoreError(f"{uri}: size mismatch: expected {len(out)} bytes, got more")
+                out[n : n + len(chunk)] = chunk
+                n += len(chunk)
+        finally:
+            response.close()
+            response.release_conn()
+        if n != len(out):
+            raise StoreError(f"{uri}: size mismatch: expected {len(out)} bytes, got {n}")
 
     def exists(self, key: str) -> bool:
         try:

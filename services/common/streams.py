@@ -138,19 +138,24 @@ class Consumer(msgspec.Struct, frozen=True):
     max_ack_pending: int
 
 
+ACK_WAIT_S = 10.0
+"""how soon the messages a dead reader held come back to its successor. Readers keep what they
+hold alive with in-progress acks (`Puller.keep_alive`, the trainer's held batch), so a handler
+may run for minutes (a large adapter to load or export); only a death lets the clock run out.
+At k = 0 nothing else can fill the gap, so this is how long a killed service stalls the run
+(it was 30 s for the trainer and registry, 120 s for rollouts and the exporter)."""
+
 # (durable, stream, filter, ack_wait_s, max_deliver, max_ack_pending); `rollout-` is one row
 # per replica (`rollout-<replica>`).
-# The trainer holds a batch un-acked until its step is published (kept alive with in-progress
-# acks) and never gives a trajectory up; the exporter's and the rollouts' handlers fetch and
-# load adapters, which may take minutes on a large MoE model, so a redelivery waits longer.
+# The trainer holds a batch un-acked until its step is published and never gives a trajectory up.
 _CONSUMERS: list[tuple[str, Callable[[str], str], Callable[[str], str] | None, float, int, int]] = [
-    ("trainer", ACCEPTED, None, 30.0, -1, 64),
-    ("exporter", ADAPTERS, subjects.adapter_ready_all, 120.0, 5, 1000),
-    ("registry-adapters", ADAPTERS, None, 30.0, 5, 1000),
-    ("registry-reports", REPORTS, None, 30.0, 5, 1000),
-    ("registry-exports", EXPORTS, None, 30.0, 5, 1000),
-    ("registry-trajectories", TRAJECTORIES, None, 30.0, 5, 1000),
-    ("rollout-", ADAPTERS, None, 120.0, 5, 1000),
+    ("trainer", ACCEPTED, None, ACK_WAIT_S, -1, 64),
+    ("exporter", ADAPTERS, subjects.adapter_ready_all, ACK_WAIT_S, 5, 1000),
+    ("registry-adapters", ADAPTERS, None, ACK_WAIT_S, 5, 1000),
+    ("registry-reports", REPORTS, None, ACK_WAIT_S, 5, 1000),
+    ("registry-exports", EXPORTS, None, ACK_WAIT_S, 5, 1000),
+    ("registry-trajectories", TRAJECTORIES, None, ACK_WAIT_S, 5, 1000),
+    ("rollout-", ADAPTERS, None, ACK_WAIT_S, 5, 1000),
 ]
 
 

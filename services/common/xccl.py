@@ -271,7 +271,18 @@ def abort_group(box: list, wait_s: float = 1.0) -> None:
     t.join(wait_s)
 
 
-def fetch_when_stored(get, *, what: str, within_s: float = 60.0, first_s: float = 0.05):
+UPLOAD_WAIT_S = 60.0
+"""how long a reader waits for the durable copy of an XCCL-broadcast version"""
+
+
+def upload_wait_s(event) -> float:
+    """How long the object of `event` (an AdapterReady) may lag its event: an upload time under
+    XCCL; none otherwise, since the trainer stores the object before it announces it, so a
+    missing one is gone (given up at once rather than blocking every version behind it)."""
+    return UPLOAD_WAIT_S if event.xccl_payload() is not None else 0.0
+
+
+def fetch_when_stored(get, *, what: str, within_s: float = UPLOAD_WAIT_S, first_s: float = 0.05):
     """`get()`, retried while it raises `ObjectNotFound`, with backoff, for at most `within_s`.
 
     Under XCCL the event of a broadcast version goes out before its durable copy has finished

@@ -1,5 +1,5 @@
 """The exporter service: every `adapter.v<N>.ready` becomes `<exporter.uri>/v<N>/`, announced
-by `export.v<N>.done`.
+by `export.v<N>.done`; in a fleet, for every run of the run table (`services.exporter.fleet`).
 
 It reads the ADAPTERS stream through its own durable consumer (`exporter`), so it exports
 every version even when it starts late or restarts. Exports are write-once: a redelivered
@@ -17,14 +17,14 @@ import contextlib
 import logging
 import time
 
-from proto import subjects
+from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
 from services.common import durable, lineage, streams, xccl
 from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
-from services.common.store import OutsideStore, store_for_uri
+from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
     FILES,
@@ -100,6 +100,13 @@ class Exporter:
             files = await asyncio.to_thread(self._fetch_and_convert, payload, event)
         except OutsideStore as exc:
             raise Refused(f"{event.adapter_name}: {exc}") from None
+        except (ObjectNotFound, ObjectCorrupt) as exc:
+            # reading again gives the same answer: record it and go on with the next version
+            letter_id = f"{meta.subject}:{meta.stream_seq}:{SERVICE}"
+            error = f"v{event.version} not exported: {exc}"
+            await self.bus.dead_letter(meta.subject, "handler", error, codec.encode(event), msg_id=letter_id)
+            log.error("v%d: not exported: %s", event.version, exc)
+            return
         with _stage("write"):
             wrote = await asyncio.to_thread(self._write_once, event.version, files)
         self.epoch = event.trainer_epoch
@@ -129,7 +136,9 @@ class Exporter:
         with _stage("fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
-            data = xccl.fetch_when_stored(lambda: durable.read(store, payload), what=payload.uri)
+            data = xccl.fetch_when_stored(
+                lambda: durable.read(store, payload), what=payload.uri, within_s=xccl.upload_wait_s(event)
+            )
         with _stage("convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 
@@ -157,6 +166,8 @@ class Exporter:
 
 
 async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
+    from services.exporter.fleet import FleetExports  # it builds on Exporter: imported here, no cycle
+
     """Serve until `stop` is set (or the consumer dies, which is raised)."""
     bus = await Bus.connect(cfg.bus, run=cfg.run, service=SERVICE)
     try:
@@ -167,11 +178,17 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         reader: Puller[AdapterReady] = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
         consumer = bus.dispatch(reader, exporter.handle)
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
+        others = FleetExports(cfg, bus)
+        try:
+            await bus.watch_run_records(cfg.run, others.on_record)  # a task of the bus: close() ends it
+        except Exception as refused:  # e.g. a bus user without rights on the run table
+            log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, refused, cfg.run)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
             raise exc
+        await others.close()
         async with exporter.busy:  # let a running export finish (and ack) before closing
             await bus.close()
     finally:

@@ -46,11 +46,11 @@ from proto.messages import (
 from services.common.bus import Bus, decode
 from services.common.config import ConfigError
 from services.common.config_schema import LorabusConfig
-from services.fleet import metrics, runconfig, runs, share
+from services.fleet import capacity, metrics, runconfig, runs, share
 from services.registry import policy
 from services.registry.persistence import AdmitOp
 from services.registry.policy import PolicyConfig
-from services.registry.service import RegistryService, new_grant_id
+from services.registry.service import RegistryService, new_grant_token
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,8 @@ class FleetRegistry:
             problems += runs.admit_problems(cfg, self.records, self.cfg.fleet.max_runs)
             if cfg.run not in self.records:
                 problems += runconfig.conflicts(cfg, [self.configs[r] for r in self.records])
+                live = [self.configs[r] for r, rec in self.records.items() if rec.state in runs.LIVE]
+                problems += capacity.problems(self.cfg, cfg, live)
             if problems:
                 return self._reply(False, problems)
             record = runs.new_record(self.fleet, cfg, runconfig.stored(cfg), self.clock())
@@ -271,7 +273,7 @@ class FleetRegistry:
         if journal is None:  # services are opened (started) before they are listed
             raise RuntimeError(f"run {run}: registry not started")
         try:
-            reply = journal.apply(AdmitOp(self._per_run(run, request), self.clock(), new_grant_id()))
+            reply = journal.apply(AdmitOp(self._per_run(run, request), self.clock(), new_grant_token()))
         except Exception as exc:
             log.exception("fleet: admission for run %s failed", run)
             await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)

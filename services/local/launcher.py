@@ -3,8 +3,12 @@
 Starts a nats-server with JetStream in the run directory (unless `--bus-url` points at one),
 then the registry, trainer, `rollout.replicas` rollout processes, the exporter and (optionally)
 the evaluator, each as its own process with its log in the run directory. It prints progress from
-the bus while the run goes, stops everything on Ctrl-C or once the trainer has finished and the
-last version is exported, and prints a summary.
+the bus while the run goes and supervises: a process that dies (the nats-server included, on its
+store and port) is restarted under `supervision.RestartPolicy`. It stops everything on Ctrl-C or
+once the last version is exported and scored (scores still missing then are waited for at most
+`evaluator.max_wait_s`; the progress line says so, with the versions left), and prints a summary
+read back from the streams (`summary.py`). A run already finished is recognised before anything starts: rerunning
+the command prints its summary at once; any other ending says that rerunning it resumes the run.
 
 With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
 rollout replica (`services.local.inference_servers`), waits for them before starting the
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -35,7 +40,10 @@ from proto import subjects
 from services.common.config import load_config
 from services.common.config_schema import LorabusConfig
 from services.local import inference_servers, processes
+from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.ports import free_port
+from services.local.summary import Progress, print_summary, read_run, summary, training_done
+from services.local.supervision import Restarts, describe_exit
 
 if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
     from services.common.bus import Bus, MsgMeta
@@ -51,7 +59,7 @@ class Child:
     """inference servers: the base URL"""
     env_extra: dict[str, str] = field(default_factory=dict)
     server: bool = False
-    """an inference server: stopped as a process group, dies with the launcher"""
+    """an inference server (started before the sidecars, stopped after them)"""
 
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab", buffering=0)
@@ -64,7 +72,9 @@ class Child:
             env={**env, **self.env_extra},
             start_new_session=True,
             stdin=subprocess.DEVNULL,
-            preexec_fn=processes.die_with_parent if self.server else None,
+            # a launcher killed outright takes its services along (SIGTERM: they stop cleanly),
+            # so rerunning the command resumes the run instead of meeting orphans
+            preexec_fn=processes.die_with_parent,
         )
 
     def alive(self) -> bool:
@@ -82,33 +92,6 @@ class Child:
     @property
     def returncode(self) -> int | None:
         return self.popen().returncode
-
-
-@dataclass
-class Progress:
-    """What the launcher learns from the bus; also the summary's content."""
-
-    started: float = field(default_factory=time.monotonic)
-    """time.monotonic() when the run started"""
-    head: int = -1
-    steps: list[m.TrainerStep] = field(default_factory=list)
-    verdicts: dict[str, int] = field(default_factory=dict)
-    exported: dict[int, str] = field(default_factory=dict)
-    evals: dict[int, float] = field(default_factory=dict)
-    loaded: dict[str, int] = field(default_factory=dict)
-    max_accepted_staleness: int = 0
-
-    def line(self) -> str:
-        last = self.steps[-1] if self.steps else None
-        reward = f"{last.reward_mean:.3f}" if last else "-"
-        tps = f"{last.tokens / last.step_seconds:.0f}" if last and last.step_seconds else "-"
-        accepted = self.verdicts.get("accepted", 0)
-        rejected = sum(v for k, v in self.verdicts.items() if k != "accepted")
-        replicas = " ".join(f"{r}:v{v}" for r, v in sorted(self.loaded.items())) or "-"
-        return (
-            f"[{time.monotonic() - self.started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
-            f"accepted {accepted} rejected {rejected} | train tok/s {tps} | replicas {replicas}"
-        )
 
 
 def trainer_launcher(cfg: LorabusConfig) -> list[str]:
@@ -175,9 +158,12 @@ def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
     (run_dir / "prometheus_targets.json").write_text(json.dumps(targets, indent=2))
 
 
-def write_pids(run_dir: Path, children: list[Child]) -> None:
-    """For operators and tests that want to signal one service."""
-    (run_dir / "pids.json").write_text(json.dumps({c.name: c.pid for c in children}))
+def write_pids(run_dir: Path, children: list[Child], nats: NatsServer | None = None) -> None:
+    """For operators and tests that want to signal one service (or the run's nats-server)."""
+    pids = {c.name: c.pid for c in children if c.proc is not None}
+    if nats is not None and nats.proc is not None:
+        pids["nats-server"] = nats.proc.pid
+    (run_dir / "pids.json").write_text(json.dumps(pids))
 
 
 def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
@@ -202,8 +188,9 @@ def stop_children(children: list[Child], timeout_s: float = 40.0) -> None:
             child.proc.wait()
 
 
-async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
-    """Subscribe to the run's events (core subscriptions: the launcher only watches)."""
+async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
+    """Subscribe to the run's events for the progress line (core subscriptions: the launcher
+    only watches; the summary is read from the streams)."""
     from services.common.bus import Bus
 
     bus = await Bus.connect(cfg.bus, run=cfg.run, service="launcher")
@@ -213,23 +200,10 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
         progress.head = max(progress.head, msg.version)
 
     async def on_step(msg: m.TrainerStep, _meta: MsgMeta) -> None:
-        progress.steps.append(msg)
+        progress.last_step = msg
 
     async def on_decision(msg: m.TrajectoryDecision, _meta: MsgMeta) -> None:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
-        if msg.verdict == "accepted" and msg.oldest_version is not None:
-            staleness = msg.head_version - msg.oldest_version
-            progress.max_accepted_staleness = max(progress.max_accepted_staleness, staleness)
-
-    async def on_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
-        if msg.run == run:
-            progress.exported[msg.version] = msg.uri
-
-    async def on_eval(msg: m.EvalResult, _meta: MsgMeta) -> None:
-        # the summary's scores are the held-out evaluator's (`lorabus evaluate`'s default name)
-        # of this run: anyone else's results on eval.* do not count
-        if msg.run == run and msg.evaluator == "heldout":
-            progress.evals[msg.version] = msg.score
 
     async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
         if isinstance(msg, m.AdapterLoaded):
@@ -238,13 +212,30 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> list[Bus]:
     await bus.subscribe(subjects.adapter_ready_all(run), m.AdapterReady, on_ready)
     await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)
     await bus.subscribe(subjects.decision_all(run), m.TrajectoryDecision, on_decision)
-    await bus.subscribe(subjects.export_done_all(run), m.ExportDone, on_export)
-    await bus.subscribe(subjects.eval_result_all(run), m.EvalResult, on_eval)
     await bus.subscribe(subjects.rollout_report_all(run), m.RolloutReport, on_report)
-    return [bus]
+
+    async def on_run(record: m.RunRecord) -> None:
+        if record.run == run or record.run in progress.others:
+            return
+        other = progress.others[record.run] = {"head": -1, "exported": -1}
+
+        async def on_other_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
+            other["head"] = max(other["head"], msg.version)
+
+        async def on_other_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
+            other["exported"] = max(other["exported"], msg.version)
+
+        await bus.subscribe(subjects.adapter_ready_all(record.run), m.AdapterReady, on_other_ready)
+        await bus.subscribe(subjects.export_done_all(record.run), m.ExportDone, on_other_export)
+
+    try:
+        await bus.watch_run_records(run, on_run)
+    except Exception as exc:  # a bus user without rights on the run table: the own run only
+        print(f"lorabus up: not following the fleet's other runs ({exc!r})", flush=True)
+    return bus
 
 
-async def accepted_unconsumed(bus, run: str) -> int | None:
+async def accepted_unconsumed(bus: Bus, run: str) -> int | None:
     """Accepted trajectories the trainer has not (yet) acknowledged: nothing accepted is lost,
     it is either trained on or still here for the next run."""
     from services.common import streams
@@ -256,77 +247,47 @@ async def accepted_unconsumed(bus, run: str) -> int | None:
         return None
 
 
-def summary(cfg: LorabusConfig, progress: Progress, run_dir: Path, elapsed: float) -> dict:
-    per_version = {}
-    for step in progress.steps:
-        # the reward of the groups a step consumed describes the policies that generated them:
-        # attribute it to the version the step started from
-        per_version[step.version - 1] = step.reward_mean
-    return {
-        "run": cfg.run,
-        "run_dir": str(run_dir),
-        "elapsed_s": round(elapsed, 1),
-        "head_version": progress.head,
-        "trainer_steps": len(progress.steps),
-        "reward_by_version": per_version,
-        "eval_by_version": dict(sorted(progress.evals.items())),
-        "trajectories": dict(progress.verdicts),
-        "max_accepted_staleness": progress.max_accepted_staleness,
-        "max_head_offpolicyness": cfg.rollout.max_head_offpolicyness,
-        "exported": dict(sorted(progress.exported.items())),
-        "trained_groups": sum(step.groups for step in progress.steps),
-        "loaded": dict(sorted(progress.loaded.items())),
-    }
-
-
-def print_summary(result: dict) -> None:
-    print("\n== lorabus run summary ==")
-    print(
-        f"run {result['run']}: {result['trainer_steps']} steps, head v{result['head_version']}, "
-        f"{result['elapsed_s']} s; logs in {result['run_dir']}"
-    )
-    print(f"trajectories: {result['trajectories']}")
-    print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
-    versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
-    for v in versions:
-        reward = result["reward_by_version"].get(v)
-        score = result["eval_by_version"].get(v)
-        print(
-            f"{v:>8} {'' if reward is None else f'{reward:.3f}':>13} "
-            f"{'' if score is None else f'{score:.3f}':>11}  {result['exported'].get(v, '')}"
-        )
-
-
 class Outcome(Enum):
     """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
 
     FINISHED = auto()
-    """the trainer exited 0 and the last version is exported (and evaluated, with the evaluator)"""
+    """the last version is exported (and scored, or the bounded wait for its scores is over),
+    and so is every submitted run's last version"""
     INTERRUPTED = auto()
     """SIGINT or SIGTERM: the operator stopped the run"""
     SERVERS_UNHEALTHY = auto()
     """an inference server exited or did not answer /health within --server-timeout"""
-    CHILD_CRASHED = auto()
-    """a service other than the trainer exited (rollouts are restarted first, so this is not one)"""
-    TRAINER_FAILED = auto()
-    """the trainer exited non-zero"""
+    GAVE_UP = auto()
+    """a process kept dying: its restart budget (`supervision.RestartPolicy`) is spent"""
+    BUS_LOST = auto()
+    """the run's own nats-server could not be brought back on its store and port"""
     TIMEOUT = auto()
-    """--timeout passed before the run finished, whether or not the trainer was done"""
+    """--timeout passed before the run finished"""
+
+
+def resume_hint(run_dir: Path | str) -> str:
+    argv = " ".join(sys.argv[1:]) if sys.argv[1:] else "--config FILE"
+    return (
+        f"the run's state (streams, ledger, checkpoints, exports) is kept in {run_dir}: "
+        f"rerun the same command (lorabus up {argv}) to resume it"
+    )
 
 
 def exit_status(outcome: Outcome, detail: str, run_dir: Path, timeout_s: float) -> tuple[int, str | None]:
     """The exit code, and the line for stderr; `detail` is what `supervise` found."""
     match outcome:
-        case Outcome.FINISHED | Outcome.INTERRUPTED:
+        case Outcome.FINISHED:
             return 0, None
+        case Outcome.INTERRUPTED:
+            return 0, f"stopped; {resume_hint(run_dir)}"
         case Outcome.SERVERS_UNHEALTHY:
-            return 1, detail
-        case Outcome.CHILD_CRASHED:
-            return 1, f"{detail} stopped; see its log in {run_dir}"
-        case Outcome.TRAINER_FAILED:
-            return 1, f"trainer exited with {detail}; see {run_dir / 'trainer.log'}"
+            return 1, f"{detail}; {resume_hint(run_dir)}"
+        case Outcome.GAVE_UP:
+            return 1, f"{detail}; fix the cause (see its log in {run_dir}), then {resume_hint(run_dir)}"
+        case Outcome.BUS_LOST:
+            return 1, f"nats-server: {detail}; {resume_hint(run_dir)}"
         case Outcome.TIMEOUT:
-            return 1, f"timeout after {timeout_s} s"
+            return 1, f"timeout after {timeout_s} s; {resume_hint(run_dir)}"
 
 
 @dataclass
@@ -336,7 +297,9 @@ class Deployment:
     children: list[Child]
     env: dict[str, str]
     run_dir: Path
-    restarts: dict[str, int] = field(default_factory=dict)
+    nats: NatsServer | None = None
+    """the run's own nats-server (None with --bus-url)"""
+    restarts: Restarts = field(default_factory=Restarts)
 
     @property
     def servers(self) -> list[Child]:
@@ -354,16 +317,59 @@ class Deployment:
         for child in group:
             child.start(self.env)
             print(f"  started {child.name:<10} pid {child.pid}  log {child.log_path.name}")
-        write_pids(self.run_dir, [c for c in self.children if c.proc is not None])
+        write_pids(self.run_dir, self.children, self.nats)
 
-    def replace_dead_rollouts(self) -> None:
-        """Rollouts are cattle: a dead replica is replaced and rejoins at the head."""
-        for child in self.rollouts:
-            if not child.alive():
-                print(f"lorabus up: {child.name} exited ({child.returncode}); restarting it", flush=True)
+    def restart_dead(self, now: float, finished: set[str]) -> str | None:
+        """Restart every started child that died (names in `finished` exited because their
+        work is done), after its backoff; returns why the run must end, or None."""
+        for child in self.children:
+            if child.proc is None or child.alive() or child.name in finished:
+                continue
+            how = describe_exit(child.returncode)
+            pending = child.name in self.restarts.due
+            delay = self.restarts.on_death(child.name, now)
+            if delay is None:
+                return (
+                    f"{child.name} died ({how}) {self.restarts.policy.budget} times in "
+                    f"{self.restarts.policy.window_s:.0f} s; given up"
+                )
+            if not pending:
+                last = inference_servers.log_tail(child.log_path, 1).strip()
+                print(
+                    f"lorabus up: {child.name} died ({how}); restarting it in {delay:.1f} s "
+                    f"(restart {self.restarts.recent(child.name, now) + 1} of "
+                    f"{self.restarts.policy.budget}){f'; its log ends: {last[:160]}' if last else ''}",
+                    flush=True,
+                )
+            if self.restarts.ready(child.name, now):
                 child.start(self.env)
-                self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
-                write_pids(self.run_dir, self.children)
+                print(f"  restarted {child.name:<8} pid {child.pid}", flush=True)
+                write_pids(self.run_dir, self.children, self.nats)
+        return None
+
+
+async def watch_nats(nats: NatsServer, url: str, restarts: Restarts, now: float) -> str | None:
+    """Bring the run's nats-server back on the same store (and port, which the clients reconnect
+    to) when it died; returns why that is impossible, or None."""
+    if nats.running:
+        return None
+    pending = "nats-server" in restarts.due
+    delay = restarts.on_death("nats-server", now)
+    if delay is None:
+        return f"died {restarts.policy.budget} times; last log lines:\n{nats.log_tail(5)}"
+    if not pending:
+        how = describe_exit(nats.proc.returncode if nats.proc is not None else None)
+        print(f"lorabus up: nats-server died ({how}); restarting it on {nats.store_dir} in {delay:.1f} s", flush=True)
+    if not restarts.ready("nats-server", now):
+        return None
+    try:
+        await asyncio.to_thread(nats.start)
+    except NatsServerError as exc:
+        return str(exc)
+    if nats.url != url:
+        return f"came back on {nats.url}, not {url} (the port was taken meanwhile); the services cannot follow"
+    print(f"  restarted nats-server at {nats.url} (store {nats.store_dir})", flush=True)
+    return None
 
 
 async def supervise(
@@ -372,8 +378,11 @@ async def supervise(
     args: argparse.Namespace,
     progress: Progress,
     stop: asyncio.Event,
+    bus: Bus,
+    nats: NatsServer | None,
 ) -> tuple[Outcome, str]:
-    """Start the children in order, then watch them until one of the ways out."""
+    """Start the children in order, then keep them (and the run's nats-server) alive until the
+    run is finished or one of the other ways out."""
     # the sidecars wait for their servers; the trainer starts meanwhile (v0 is ready sooner)
     dep.start([c for c in dep.children if c not in dep.rollouts])
     try:
@@ -384,22 +393,34 @@ async def supervise(
         return Outcome.INTERRUPTED, ""
     dep.start(dep.rollouts)
     final_version = cfg.total_train_steps
-    last_print = 0.0
+    last_print = last_read = 0.0
+    finished: set[str] = set()
     while not stop.is_set():
         now = time.monotonic()
         if now - last_print >= args.progress_every:
             print(progress.line(), flush=True)
             last_print = now
-        dep.replace_dead_rollouts()
-        crashed = [c for c in dep.children if not c.alive() and c is not dep.trainer]
-        if crashed:
-            return Outcome.CHILD_CRASHED, ", ".join(f"{c.name} (exit {c.returncode})" for c in crashed)
+        if nats is not None and not nats.running:
+            if lost := await watch_nats(nats, cfg.bus.url, dep.restarts, now):
+                return Outcome.BUS_LOST, lost
+            write_pids(dep.run_dir, dep.children, nats)
         trainer = dep.trainer
-        if not trainer.alive():
-            if trainer.returncode != 0:
-                return Outcome.TRAINER_FAILED, str(trainer.returncode)
-            if final_version in progress.exported and (not args.evaluate or final_version in progress.evals):
-                return Outcome.FINISHED, ""
+        if not trainer.alive() and trainer.returncode == 0 and now - last_read >= 1.0:
+            # the trainer's last step is done: the streams say whether the run is
+            last_read = now
+            try:
+                record = await read_run(bus, cfg.run)
+            except Exception as exc:  # the server is being restarted: read again next time
+                print(f"lorabus up: cannot read the run's streams yet ({type(exc).__name__})", flush=True)
+            else:
+                if progress.others_exported() and training_done(cfg, record, progress, args.evaluate, now):
+                    return Outcome.FINISHED, ""
+                if record.head >= final_version:
+                    finished.add("trainer")
+                else:  # stopped early (SIGTERM from outside): a restart resumes it
+                    finished.discard("trainer")
+        if (gave_up := dep.restart_dead(now, finished)) is not None:
+            return Outcome.GAVE_UP, gave_up
         if now - progress.started > args.timeout:
             return Outcome.TIMEOUT, ""
         try:
@@ -407,6 +428,29 @@ async def supervise(
         except TimeoutError:
             pass
     return Outcome.INTERRUPTED, ""
+
+
+async def report(
+    cfg: LorabusConfig,
+    bus: Bus,
+    run_dir: Path,
+    elapsed: float,
+    restarts: dict[str, int],
+    progress: Progress | None = None,
+) -> None:
+    """Read the run back from its streams, print the summary and write summary.json."""
+    try:
+        record = await read_run(bus, cfg.run)
+    except Exception as exc:
+        print(f"lorabus up: no summary: the run's streams cannot be read ({type(exc).__name__}: {exc})",
+              file=sys.stderr)  # fmt: skip
+        return
+    result = summary(cfg, record, run_dir, elapsed, progress.eval_wait if progress else None)
+    result["other_runs"] = dict(sorted(progress.others.items())) if progress else {}
+    result["restarts"] = restarts
+    result["accepted_unconsumed"] = await accepted_unconsumed(bus, cfg.run)
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    print_summary(result)
 
 
 async def run_up(args: argparse.Namespace) -> int:
@@ -428,12 +472,42 @@ async def run_up(args: argparse.Namespace) -> int:
     if args.bus_url:
         overrides.append(f"bus.url={args.bus_url}")
     else:
-        from services.local.nats_server import start_nats_server
-
         nats = start_nats_server(run_dir / "nats")
         overrides.append(f"bus.url={nats.url}")
     cfg = load_config(args.config, overrides)
+    progress = Progress()
+    try:
+        bus = await follow(cfg, progress)
+    except Exception:
+        if nats is not None:
+            nats.stop()
+        raise
+    try:
+        record = await read_run(bus, cfg.run)
+        if record.finished(cfg, args.evaluate):
+            print(f"lorabus up: run {cfg.run} in {run_dir} is already finished (v{cfg.total_train_steps} "
+                  "exported); its summary, from the streams:")  # fmt: skip
+            await report(cfg, bus, run_dir, 0.0, {})
+            return 0
+        if record.head >= 0:
+            print(f"lorabus up: resuming run {cfg.run} at v{record.head} ({len(record.steps)} steps stored)")
+        return await deploy(args, cfg, overrides, run_dir, python, progress, bus, nats)
+    finally:
+        await bus.close()
+        if nats is not None:
+            nats.stop()
 
+
+async def deploy(
+    args: argparse.Namespace,
+    cfg: LorabusConfig,
+    overrides: list[str],
+    run_dir: Path,
+    python: str | None,
+    progress: Progress,
+    bus: Bus,
+    nats: NatsServer | None,
+) -> int:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
@@ -443,34 +517,22 @@ async def run_up(args: argparse.Namespace) -> int:
     children = server_children(plans, run_dir) + child_commands(
         cfg, args.config, overrides, run_dir, args.evaluate, plans
     )
-    dep = Deployment(children, env, run_dir)
+    dep = Deployment(children, env, run_dir, nats)
     assign_metrics_ports([c for c in children if not c.server], run_dir)
     print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
-    progress = Progress()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-    buses = await follow(cfg, progress)
     try:
-        outcome, detail = await supervise(dep, cfg, args, progress, stop)
-        exit_code, message = exit_status(outcome, detail, run_dir, args.timeout)
-        if message is not None:
-            print(f"lorabus up: {message}", file=sys.stderr)
+        outcome, detail = await supervise(dep, cfg, args, progress, stop, bus, nats)
     finally:
         print(progress.line(), flush=True)
         stop_children(children)
-        unconsumed = await accepted_unconsumed(buses[0], cfg.run)
-        for bus in buses:
-            await bus.close()
-        if nats is not None:
-            nats.stop()
-    result = summary(cfg, progress, run_dir, time.monotonic() - progress.started)
-    result["restarts"] = dep.restarts
-    result["accepted_unconsumed"] = unconsumed
-    (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-    print_summary(result)
+    exit_code, message = exit_status(outcome, detail, run_dir, args.timeout)
+    await report(cfg, bus, run_dir, time.monotonic() - progress.started, dep.restarts.counts(), progress)
+    if message is not None:
+        print(f"lorabus up: {message}", file=sys.stderr)
     return exit_code
 
 
@@ -495,7 +557,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(run_up(parse_args(sys.argv[1:] if argv is None else argv)))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return asyncio.run(run_up(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # a crash of the launcher itself: say how to go on, after the traceback
+        traceback.print_exc()
+        print(f"lorabus up: the launcher failed; {resume_hint('the run directory')}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from services.local import processes
+
 HEALTH_TIMEOUT_S = 10.0
 
 
@@ -99,7 +101,10 @@ class NatsServer:
         ]  # fmt: skip
         log = open(self.log_file, "ab")
         try:
-            self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            # dies with its starter: a killed launcher must not leave a second server on the store
+            self.proc = proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=processes.die_with_parent
+            )
         finally:
             log.close()
         try:

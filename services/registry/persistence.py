@@ -76,8 +76,8 @@ class LedgerConflict(RuntimeError):
 class AdmitOp(Struct, tag="admit", array_like=True):
     request: AdmissionRequest
     now: float
-    grant_id: str = ""
-    """the random id a new grant gets (drawn by the service, journaled for the replay)"""
+    token: str = ""
+    """the random part of a new grant's id (drawn by the service, journaled for the replay)"""
 
 
 class DecideOp(Struct, tag="decide", array_like=True):
@@ -95,6 +95,8 @@ class AdapterOp(Struct, tag="adapter", array_like=True):
 
 class ReportOp(Struct, tag="report", array_like=True):
     report: RolloutReport
+    now: float | None = None
+    """when the registry received it (None in journals written before liveness tracking)"""
 
 
 class ExportOp(Struct, tag="export", array_like=True):
@@ -127,14 +129,18 @@ class SnapshotRef(Struct, kw_only=True):
 def apply(ledger: Ledger, op: Op, cfg: PolicyConfig):
     """Feed one input to the policy; the live path and the replay both go through here."""
     if type(op) is AdmitOp:
-        return policy.admit(ledger, op.request, op.now, cfg, op.grant_id)
+        if op.request.run == ledger.run:
+            policy.heard_from(ledger, op.request.replica, op.now)
+        return policy.admit(ledger, op.request, op.now, cfg, op.token)
     if type(op) is DecideOp:
         return policy.decide_input(ledger, op.input, op.now, cfg)
     if type(op) is ExpireOp:
-        return policy.expire(ledger, op.now)
+        return policy.expire(ledger, op.now) + policy.release_silent(ledger, op.now, cfg)
     if type(op) is AdapterOp:
         return policy.on_adapter_ready(ledger, op.event, cfg)
     if type(op) is ReportOp:
+        if op.now is not None and op.report.run == ledger.run:
+            policy.heard_from(ledger, op.report.replica, op.now)
         return policy.on_report(ledger, op.report)
     if type(op) is ExportOp:
         return policy.on_export_done(ledger, op.event)

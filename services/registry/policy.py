@@ -20,19 +20,20 @@ decision check bounds what the trainer actually receives, which is the guarantee
 importance-weight cap is tuned for (`H - v <= k` for every accepted sample, always).
 
 Duplicates (same trajectory_id) of a decision that used a grant get the first decision back
-and never count twice. The memory of seen ids is bounded (`seen_limit`), which is safe: an
-accepted trajectory consumes its grant, so a duplicate arriving after its id was forgotten finds
-no grant and is rejected-invalid — it can be answered differently, but never accepted twice. A
-rejection that touched no grant (another run, another sender, an unknown grant) is not
-remembered, so a forged copy sent first cannot become the answer for the real trajectory.
+and never count twice. The memory of seen ids is bounded (`seen_limit`); beyond it, the grant
+numbers decided trajectories used (`decided_grants`, a few ranges) recognise a duplicate for
+the whole run: it is answered rejected-invalid ("duplicate") and counted nowhere, and never
+accepted twice. A rejection that touched no grant (another run, another sender, an unknown
+grant) is not remembered, so a forged copy sent first cannot become the answer for the real
+trajectory.
 
 Nothing forged gets in (docs/security.md): a version must carry the run's trainer epoch and
-step at most MAX_VERSION_STEP past the head; grant ids are random tokens drawn by the service
-(never listed by `registry status`) and bound to the replica that asked; a trajectory counts
-only from the replica whose subject it arrived on. Every collection in the ledger is bounded
-(versions: the window plus VERSION_HISTORY; replicas: MAX_REPLICAS; grants: max concurrent;
-seen ids: seen_limit), and every input is bounded by `proto.messages`, so the stored ledger
-is bounded too.
+step at most MAX_VERSION_STEP past the head; a grant id is `<replica>-<n>.<token>`, its issue
+number public, its token random (drawn by the service, never listed by `registry status`), and
+it is bound to the replica it was issued to; a trajectory counts only from the replica whose
+subject it arrived on. Every collection in the ledger is bounded (versions: the window plus
+VERSION_HISTORY; replicas: MAX_REPLICAS; grants: max concurrent; seen ids: seen_limit), and
+every input is bounded by `proto.messages`, so the stored ledger is bounded too.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from proto.messages import (
     TrajectoryDecision,
     Verdict,
 )
+from services.common import ranges
 from services.common.lineage import lineage_problem  # pure: the one rule every receiver applies
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
@@ -89,6 +91,7 @@ is a user, so this is far above any fleet; without it, it bounds what a stranger
 VERSION_HISTORY = 64
 """retired versions kept in the ledger below the admissible window (status, late exports);
 older records are dropped so the ledger stays bounded however long the run"""
+REJECT_DUPLICATE = "duplicate"
 
 
 class PolicyConfig(Struct, frozen=True, kw_only=True):
@@ -101,6 +104,9 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
     seen_limit: int = 256
     """trajectory ids remembered for idempotent duplicates (see the module docstring)"""
     retry_after_s: float = 0.25
+    silent_after_s: float | None = None
+    """a replica not heard from (report or admission request) for this long loses its grants
+    (`release_silent`); None: only the lease frees them"""
 
     def __post_init__(self) -> None:
         checks = [
@@ -110,6 +116,7 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
             ("rollout.lease_seconds", self.lease_seconds > 0, "> 0"),
             ("seen_limit", self.seen_limit >= 1, ">= 1"),
             ("retry_after_s", self.retry_after_s >= 0, ">= 0"),
+            ("silent_after_s", self.silent_after_s is None or self.silent_after_s > 0, "> 0"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -125,7 +132,13 @@ class PolicyConfig(Struct, frozen=True, kw_only=True):
             max_concurrent_rollouts=r.max_concurrent,
             lease_seconds=r.lease_seconds,
             seen_limit=seen_limit_for(r.max_concurrent),
+            silent_after_s=SILENT_HEARTBEATS * r.heartbeat_s,
         )
+
+
+SILENT_HEARTBEATS = 4
+"""heartbeat periods a replica may miss before its grants are freed: one lost or late heartbeat
+is not a death, four in a row are (a stopped or killed process)"""
 
 
 def seen_limit_for(max_concurrent: int) -> int:
@@ -162,6 +175,8 @@ class ReplicaState(Struct, kw_only=True):
     last_seen: float = 0.0
     engine: str = ""
     failures: int = 0
+    heard_at: float = 0.0
+    """the registry's clock when the replica last spoke (report or admission request)"""
 
 
 class SeenDecision(Struct, array_like=True):
@@ -193,6 +208,10 @@ class Ledger(Struct, kw_only=True):
     """admission denials by reason code"""
     seen: dict[str, SeenDecision] = field(default_factory=dict)
     replicas: dict[str, ReplicaState] = field(default_factory=dict)
+    decided_grants: list[tuple[int, int]] = field(default_factory=list)
+    """numbers of the grants a decided trajectory used, as sorted disjoint [lo, hi] ranges: the
+    exact memory of duplicates for the life of the run (`duplicate_of_decided`); grants are
+    numbered in issue order and used about in order, so only lost grants leave gaps"""
 
     @property
     def running(self) -> int:
@@ -419,14 +438,14 @@ def _deny(ledger: Ledger, request: AdmissionRequest, reason: str, retry: float) 
 
 
 def admit(
-    ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig, grant_id: str = ""
+    ledger: Ledger, request: AdmissionRequest, now: float, cfg: PolicyConfig, token: str = ""
 ) -> AdmissionGrant | AdmissionDeny:
     """Grant one group of work, or say why not and when to ask again. A retried request
     (same replica and request_id, grant still live) gets the same grant back.
 
-    `grant_id` is the new grant's id: the service draws it at random (the policy has no
-    randomness of its own, so that a replay reproduces it) and journals it. Without one (a
-    journal written before grant tokens) the old sequential id is rebuilt."""
+    A new grant's id is `<replica>-<n>.<token>`: `n` its issue number, `token` drawn at random
+    by the service (the policy has no randomness of its own, so that a replay reproduces it) and
+    journaled; without one (a journal written before grant tokens) the id is `<replica>-<n>`."""
     if request.run != ledger.run:
         return _deny(
             ledger,
@@ -479,7 +498,7 @@ def admit(
             f"v{max(0, h - k)}..v{h} loaded; load v{h} and list it in loaded_versions",
             cfg.retry_after_s,
         )
-    grant_id = grant_id or f"{request.replica}-{ledger.next_grant}"
+    grant_id = f"{request.replica}-{ledger.next_grant}" + (f".{token}" if token else "")
     ledger.next_grant += 1
     expires_at = now + cfg.lease_seconds
     ledger.grants[grant_id] = Grant(
@@ -512,6 +531,82 @@ def expire(ledger: Ledger, now: float) -> list[str]:
     for gid in gone:
         _drop_grant(ledger, gid)
     return gone
+
+
+# --- liveness: silent replicas ----------------------------------------------------------------
+
+
+def heard_from(ledger: Ledger, replica: str, now: float) -> None:
+    """`replica` spoke at `now` (the registry's clock, so no replica clock is trusted). A
+    replica beyond MAX_REPLICAS is not added (admission requests name any replica)."""
+    if replica not in ledger.replicas and len(ledger.replicas) >= MAX_REPLICAS:
+        return
+    state = ledger.replicas.setdefault(replica, ReplicaState())
+    state.heard_at = max(state.heard_at, now)
+
+
+def silent_grants(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:
+    """Grants held by replicas silent for `silent_after_s`: a stopped or dead replica. A grant
+    counts as hearing from its replica, so one issued to a replica that never reported yet is
+    not freed at once."""
+    if cfg.silent_after_s is None:
+        return []
+    silent = []
+    for gid, g in ledger.grants.items():
+        state = ledger.replicas.get(g.replica)
+        heard = max(g.issued_at, state.heard_at if state is not None else 0.0)
+        if now - heard > cfg.silent_after_s:
+            silent.append(gid)
+    return silent
+
+
+def release_silent(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:
+    """Free the grants of silent replicas, as if their leases had passed (their late
+    trajectories are rejected-invalid); returns the freed grant ids."""
+    gone = silent_grants(ledger, now, cfg)
+    for gid in gone:
+        _drop_grant(ledger, gid)
+    return gone
+
+
+# --- duplicates beyond the `seen` window --------------------------------------------------------
+
+
+def _grant_number(ledger: Ledger, grant_id: str, replica: str) -> int | None:
+    """The issue number of a grant this ledger issued to `replica` (`<replica>-<n>[.<token>]`),
+    else None."""
+    prefix, _, n = grant_id.partition(".")[0].rpartition("-")
+    if prefix != replica or not n.isdigit():
+        return None
+    number = int(n)
+    return number if number < ledger.next_grant else None
+
+
+def duplicate_of_decided(ledger: Ledger, t: DecisionInput, now: float) -> TrajectoryDecision | None:
+    """A trajectory whose grant an earlier, already decided trajectory used (a redelivery older
+    than the `seen` window): rejected-invalid, and counted nowhere, since its first decision was
+    counted. Exact for the whole run, in memory proportional to the grants never used."""
+    n = _grant_number(ledger, t.grant_id, t.replica)
+    if t.grant_id in ledger.grants or n is None or not ranges.contains(ledger.decided_grants, n):
+        return None
+    return TrajectoryDecision(
+        run=ledger.run,
+        trajectory_id=t.trajectory_id,
+        grant_id=t.grant_id,
+        replica=t.replica,
+        verdict="rejected-invalid",
+        reason=f"{REJECT_DUPLICATE}: grant {t.grant_id!r} was used by a trajectory decided earlier; "
+        "that first decision stands and is the one counted",
+        head_version=ledger.head if ledger.head is not None else 0,
+        oldest_version=t.oldest,
+        decided_at=now,
+    )
+
+
+def _mark_decided(ledger: Ledger, t: DecisionInput) -> None:
+    n = _grant_number(ledger, t.grant_id, t.replica)
+    if n is not None and t.grant_id not in ledger.grants:  # used now, or expired before it came
+        ranges.add(ledger.decided_grants, n)
 
 
 # --- decisions -------------------------------------------------------------------------------
@@ -603,6 +698,8 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
     first = seen_decision(ledger, t.trajectory_id)
     if first is not None:
         return first
+    if (again := duplicate_of_decided(ledger, t, now)) is not None:
+        return again
     head = ledger.head if ledger.head is not None else 0
     oldest, newest = t.oldest, t.newest
     grant = ledger.grants.get(t.grant_id)
@@ -638,6 +735,8 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
         reason = ""
     if consume:
         _drop_grant(ledger, t.grant_id)
+    if t.run == ledger.run and t.sender in (None, t.replica) and (grant is None or consume):
+        _mark_decided(ledger, t)
     if not reason:
         verdict: Verdict = "accepted"
         ledger.accepted += 1

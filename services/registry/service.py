@@ -86,10 +86,10 @@ PUBLISH_TIMEOUT_S = 10.0
 
 
 GRANT_TOKEN_BYTES = 18
-"""random bytes in a grant id (144 bits: unguessable; url-safe base64, 24 characters)"""
+"""random bytes in a grant id's token (144 bits: unguessable; url-safe base64, 24 characters)"""
 
 
-def new_grant_id() -> str:
+def new_grant_token() -> str:
     return secrets.token_urlsafe(GRANT_TOKEN_BYTES)
 
 
@@ -216,7 +216,7 @@ class RegistryService:
         if (problem := sender_problem(report, meta.subject)) is not None:
             await self._refuse(meta, problem, report)
             return
-        applied = self.journal.apply(ReportOp(report))
+        applied = self.journal.apply(ReportOp(report, self.clock()))
         if applied.changed:
             await self._commit()
             metrics.observe_ledger(self.ledger)
@@ -243,7 +243,7 @@ class RegistryService:
         if self.journal.fatal is not None:
             return  # stopping: the service's `failed` says why
         try:
-            reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_id()))
+            reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_token()))
         except Exception as exc:
             log.exception("registry: admission failed")
             await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
@@ -342,10 +342,13 @@ class RegistryService:
         period = min(1.0, self.cfg.lease_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            if not any(g.expires_at <= self.clock() for g in self.ledger.grants.values()):
+            now = self.clock()
+            if not any(g.expires_at <= now for g in self.ledger.grants.values()) and not policy.silent_grants(
+                self.ledger, now, self.cfg
+            ):
                 continue  # nothing to journal: skip the op (the common case)
-            gone = self.journal.apply(ExpireOp(self.clock()))
-            log.info("registry: %d grant(s) expired: %s", len(gone), ", ".join(gone[:5]))
+            gone = self.journal.apply(ExpireOp(now))
+            log.info("registry: %d grant(s) expired or held by silent replicas: %s", len(gone), ", ".join(gone[:5]))
             try:
                 await self._commit()
             except Exception:

@@ -45,28 +45,51 @@ async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> in
     from services.common.data import load_prompts
     from services.common.metrics import start_metrics_server
     from services.common.rewards import load_reward_fn
+    from services.fleet import capacity
+    from services.rollout.fleet import FleetReplica
+    from services.rollout.run_engines import RunEngines
     from services.rollout.service import RolloutService
 
     port = start_metrics_server(cfg.metrics)
     log.info("rollout %s: metrics on port %d", replica, port)
     tok = models.load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
     engine = build_engine(engine_name, cfg)
+    slots, _ = capacity.slots(cfg)
+    stager = None
+    # The fast load path installs the engine's slots for the fleet's own run alone; a fleet sized
+    # for submitted runs (more slots, or a higher padded rank) loads through `RunEngines` instead.
+    own_only = slots == cfg.rollout.keep_versions + 1 and capacity.max_rank(cfg) == cfg.actor.lora_rank
+    if engine_name == "embedded" and own_only:
+        from services.common.store import store_for_uri
+        from services.rollout.load_path import Stager
+
+        stager = Stager(engine, lambda uri: store_for_uri(uri, cfg.store))
     async with entry.connected(cfg, f"rollout-{replica}"[:64]) as bus:
-        service = RolloutService(
-            cfg,
-            replica,
-            engine,
-            bus,
-            fetch=fetcher(cfg),
-            encode=lambda text: models.encode_prompt(tok, text),
-            decode_text=lambda ids: models.decode_completion(tok, ids),
-            reward_fn=load_reward_fn(cfg.train_dataset.reward_fn),
-            prompts=load_prompts(cfg.train_dataset),
-            engine_name=engine_name,
-            admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0),
+
+        def make(run_cfg: LorabusConfig, run_engine, run_bus) -> RolloutService:
+            return RolloutService(
+                run_cfg,
+                replica,
+                run_engine,
+                run_bus,
+                fetch=fetcher(run_cfg),
+                encode=lambda text: models.encode_prompt(tok, text),
+                decode_text=lambda ids: models.decode_completion(tok, ids),
+                reward_fn=load_reward_fn(run_cfg.train_dataset.reward_fn),
+                prompts=load_prompts(run_cfg.train_dataset),
+                engine_name=engine_name,
+                admission_timeout_s=min(run_cfg.rollout.request_timeout_s, 5.0),
+                # the fast load path writes straight into the engine's slots, whose version
+                # numbers are the fleet's own run's; submitted runs load through their views
+                stager=stager if run_cfg.run == cfg.run else None,
+            )
+
+        engines = RunEngines(engine, cfg.run, slots=slots, rank=capacity.max_rank(cfg))
+        fleet_replica = FleetReplica(
+            cfg, replica, bus, engines, make, admission_timeout_s=min(cfg.rollout.request_timeout_s, 5.0)
         )
         try:
-            await service.run(entry.stop_event())
+            await fleet_replica.run(entry.stop_event())
         finally:
             await engine.close()
     log.info("rollout %s: stopped", replica)

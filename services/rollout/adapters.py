@@ -8,6 +8,12 @@ as `{lora_name}-v{N}`, with retries and backoff; each failure is reported (Adapt
 last one re-raised so the bus redelivers or dead-letters the event: a version is never
 silently skipped. A version leaves the engine only outside the keep window and unpinned.
 
+The embedded engine loads by the fast path (`load_path.Stager`): the version is servable before
+its sha256 check ends. `trusted()` is the gate the work side passes before publishing: it waits
+for the checks in flight and refuses output that overlapped a version whose check failed. Such
+a version is withdrawn at once (left out of `loaded()`, so no grant pins it again), unloaded once
+unpinned and loaded again by the verify-first path.
+
 Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
 versions still admissible, so a grant's version is served again rather than dropped.
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -32,12 +39,13 @@ from services.common import lineage, streams, xccl
 from services.common.bus import Bus, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Puller
-from services.common.store import OutsideStore
+from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
 
 if TYPE_CHECKING:
+    from services.rollout.load_path import Staged, Stager
     from services.rollout.xccl_receiver import XcclReceiver
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,7 @@ class AdapterFollower:
         load_attempts: int,
         retry_base_s: float,
         xccl: XcclReceiver | None = None,
+        stager: Stager | None = None,
     ):
         self.cfg, self.run_id, self.replica = cfg, cfg.run, replica
         self.engine, self.bus, self.fetch, self.engine_name = engine, bus, fetch, engine_name
@@ -80,9 +89,28 @@ class AdapterFollower:
         self._load_lock = asyncio.Lock()
         self.xccl = xccl
         """the XcclReceiver (created in `start` under weight_update_mode: xccl)"""
+        self.stager = stager
+        """the fast load path (embedded engine); None: fetch verified bytes, then load"""
+        self._verifying: dict[int, asyncio.Future[None]] = {}
+        """sha256 checks of servable versions still running"""
+        self._tainted: list[list[float]] = []
+        """[from, until] (time.monotonic) of each version served whose bytes failed their check"""
+        self._withdrawn: set[int] = set()
+        self._settling: set[asyncio.Task] = set()
 
     def loaded(self) -> list[int]:
-        return self.book.loaded()
+        """Versions that may be granted: loaded, and not withdrawn after a failed check."""
+        return [v for v in self.book.loaded() if v not in self._withdrawn]
+
+    async def trusted(self, since: float) -> bool:
+        """Whether output generated from `since` (time.monotonic) to now may be published:
+        every check in flight has passed, and no version that failed one was served meanwhile."""
+        for check in list(self._verifying.values()):
+            try:
+                await asyncio.shield(check)
+            except Exception:
+                return False
+        return not any(until >= since for _, until in self._tainted)
 
     def _make_receiver(self) -> None:
         if self.xccl is not None or self.cfg.actor.weight_update_mode != "xccl":
@@ -114,8 +142,12 @@ class AdapterFollower:
         return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
 
     async def close(self) -> None:
+        for task in list(self._settling):
+            task.cancel()
         if self.xccl is not None:
             await asyncio.to_thread(self.xccl.close)
+        if self.stager is not None:
+            await asyncio.to_thread(self.stager.close)
 
     def _refusal(self, ev: AdapterReady) -> str | None:
         """Why `ev` is not a version of this run's trainer to follow, or None."""
@@ -148,7 +180,8 @@ class AdapterFollower:
             self._events[ev.version] = ev
             self._loading = ev.version
             try:
-                await self._load_with_retries(ev)
+                if not await self._load_with_retries(ev):
+                    self._events.pop(ev.version, None)
             except BaseException:
                 self._events.pop(ev.version, None)
                 raise
@@ -175,13 +208,18 @@ class AdapterFollower:
             self.xccl.release(ev.version)
         return True
 
-    async def _load_with_retries(self, ev: AdapterReady) -> None:
+    async def _load_with_retries(self, ev: AdapterReady, verify_first: bool = False) -> bool:
+        """Load `ev` (True), give it up when its object is missing or corrupt (False: reported,
+        never retried), or raise after `load_attempts` failures of another kind. `verify_first`
+        takes the hash-before-load path (a version withdrawn after a failed background check)."""
         payload = ev.xccl_payload()
         if self.xccl is not None and payload is not None:
             self.xccl.observe(payload, ev.version)
         for attempt in range(1, self.load_attempts + 1):
             t0 = time.time()
+            since = time.monotonic()
             via: LoadedVia = "object"
+            staged: Staged | None = None
             try:
                 await self._make_room()
                 if attempt == 1 and await self._load_xccl(ev):
@@ -192,11 +230,25 @@ class AdapterFollower:
                             f"{ev.adapter_name}: no object payload and this replica did not receive it by xccl"
                         )
                     # under xccl the event may precede its object by an upload time
-                    data = await asyncio.to_thread(xccl.fetch_when_stored, lambda: self.fetch(ev), what=ev.adapter_name)
-                    await self.engine.load_version(ev.version, data, ev.lora)
+                    if (stager := self.stager) is not None and not verify_first:
+                        staged = await asyncio.to_thread(
+                            xccl.fetch_when_stored,
+                            lambda: stager.load(ev),
+                            what=ev.adapter_name,
+                            within_s=xccl.upload_wait_s(ev),
+                        )
+                    else:
+                        data = await asyncio.to_thread(
+                            xccl.fetch_when_stored,
+                            lambda: self.fetch(ev),
+                            what=ev.adapter_name,
+                            within_s=xccl.upload_wait_s(ev),
+                        )
+                        await self.engine.load_version(ev.version, data, ev.lora)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
-                retry = attempt < self.load_attempts and not isinstance(exc, OutsideStore)
+                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt)
+                retry = attempt < self.load_attempts and not gone and not isinstance(exc, OutsideStore)
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
                 )
@@ -215,11 +267,20 @@ class AdapterFollower:
                 )
                 if isinstance(exc, OutsideStore):  # no retry can make it the run's object
                     raise Refused(f"{ev.adapter_name}: {exc}") from None
+                if gone:
+                    # the version is given up (reported above) and the newer ones behind it load
+                    log.error("rollout %s: %s given up: %s", self.replica, ev.adapter_name, exc)
+                    return False
                 if not retry:
                     raise
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
                 continue
             now = time.time()
+            if staged is not None:
+                check = self._verifying[ev.version] = asyncio.wrap_future(staged.verified)
+                task = asyncio.create_task(self._settle(ev, staged, check, since))
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
             async with self.changed:
                 self.book.mark_loaded(ev.version)
                 self.changed.notify_all()
@@ -240,7 +301,60 @@ class AdapterFollower:
                 ),
                 msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}",
             )
+            return True
+        return False  # not reached: the last attempt returns or raises
+
+    async def _settle(self, ev: AdapterReady, staged: Staged, check: asyncio.Future[None], since: float) -> None:
+        """Wait for a fast-loaded version's check: log its stages, or withdraw it."""
+        try:
+            await check
+        except Exception as exc:
+            served = [since, math.inf]
+            self._tainted.append(served)
+            self._withdrawn.add(ev.version)
+            self._verifying.pop(ev.version, None)
+            log.error("rollout %s: %s withdrawn: %s", self.replica, ev.adapter_name, exc)
+            metrics.LOAD_FAILURES.labels(self.replica).inc()
+            await self._report(
+                "failed",
+                AdapterFailed(
+                    run=self.run_id,
+                    replica=self.replica,
+                    version=ev.version,
+                    reason=f"withdrawn after loading: {type(exc).__name__}: {exc}"[:1000],
+                    attempt=1,
+                    will_retry=True,
+                    failed_at=time.time(),
+                ),
+                msg_id=f"{self.replica}-failed-v{ev.version}-w-{uuid.uuid4().hex[:8]}",
+            )
+            await self._withdraw(ev, served)
             return
+        self._verifying.pop(ev.version, None)
+        staged.times.observe(self.replica)
+        log.info("rollout %s: %s servable in %s", self.replica, ev.adapter_name, staged.times.describe())
+
+    async def _withdraw(self, ev: AdapterReady, served: list[float]) -> None:
+        """Unload a version whose bytes failed their check once nothing uses it, then load it
+        again by the verify-first path (while it is still inside the keep window)."""
+        async with self.changed:
+            while self.book.pins(ev.version):
+                await self.changed.wait()
+        async with self._load_lock:
+            async with self._collecting:
+                if ev.version in self.book.loaded():
+                    await self.engine.unload_version(ev.version)
+                    self.book.mark_unloaded(ev.version)
+            served[1] = time.monotonic()
+            self._withdrawn.discard(ev.version)
+            if ev.version <= self.newest_seen - self.keep:
+                self._events.pop(ev.version, None)
+                return
+            try:
+                await self._load_with_retries(ev, verify_first=True)
+            except Exception:  # reported by _load_with_retries; the stream has moved on
+                self._events.pop(ev.version, None)
+                log.exception("rollout %s: %s could not be loaded again", self.replica, ev.adapter_name)
 
     async def _make_room(self) -> None:
         """Wait until a slot is free: old versions go as soon as their requests finish."""

@@ -11,6 +11,13 @@ ADAPTER_LOAD_SECONDS = Histogram(
     ["replica"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+LOAD_STAGE_SECONDS = Histogram(
+    "lorabus_rollout_adapter_load_stage_seconds",
+    "One stage of an embedded replica's adapter load: fetch, parse, h2d, copy, merge (in sequence: "
+    "event received to servable), verify (sha256, beside them)",
+    ["replica", "stage"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+)
 PROPAGATION_SECONDS = Histogram(
     "lorabus_rollout_propagation_seconds",
     "AdapterReady.created_at to loaded here",

@@ -45,6 +45,7 @@ from services.rollout.engines.http import VersionNotLoaded
 from services.rollout.sampling import mix32
 
 if TYPE_CHECKING:
+    from services.rollout.load_path import Stager
     from services.rollout.xccl_receiver import XcclReceiver
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Pr
     while True:
         yield from epoch_order(prompts, epoch, seed, shuffle)
         epoch += 1
+
+
+def no_grant_wait(reply: AdmissionDeny | None) -> float:
+    """Seconds to wait before asking again after a deny, or no answer (None)."""
+    return 0.5 if reply is None else reply.retry_after_s  # None: no registry answering yet
 
 
 class RolloutService:
@@ -78,6 +84,7 @@ class RolloutService:
         retry_base_s: float = 0.5,
         admission_timeout_s: float = 2.0,
         xccl: XcclReceiver | None = None,
+        stager: Stager | None = None,
     ):
         self.cfg, self.run_id, self.replica = cfg, cfg.run, subjects.token(replica, "replica")
         self.engine, self.bus = engine, bus
@@ -85,7 +92,7 @@ class RolloutService:
         self.engine_name = engine_name
         self.adapters = AdapterFollower(
             cfg, self.replica, engine, bus, keep=cfg.rollout.keep_versions, fetch=fetch, engine_name=engine_name,
-            load_attempts=load_attempts, retry_base_s=retry_base_s, xccl=xccl,
+            load_attempts=load_attempts, retry_base_s=retry_base_s, xccl=xccl, stager=stager,
         )  # fmt: skip
         self.book = self.adapters.book
         """pinned by the work loop for the versions its grants name"""
@@ -146,46 +153,56 @@ class RolloutService:
             wait_s = 0.0
             for _ in range(self.cfg.rollout.batch_groups):
                 reply = await self.admit()
-                if reply is None:
-                    wait_s = 0.5  # no registry answering yet
+                wait_s = self.take(reply, grants) if isinstance(reply, AdmissionGrant) else no_grant_wait(reply)
+                if wait_s:
                     break
-                if isinstance(reply, AdmissionDeny):
-                    wait_s = reply.retry_after_s
-                    break
-                if reply.version not in self.adapters.loaded():
-                    log.warning(
-                        "rollout %s: grant %s names v%d, not loaded here (%s); dropped",
-                        self.replica,
-                        reply.grant_id,
-                        reply.version,
-                        self.adapters.loaded(),
-                    )
-                    wait_s = 0.2
-                    break
-                self.book.pin(reply.version)
-                grants.append(reply)
             if grants:
-                try:
-                    await self.generate(grants)
-                except Exception:
-                    # the grants' leases expire at the registry; keep serving
-                    log.exception("rollout %s: batch of %d grants failed", self.replica, len(grants))
-                    wait_s = 1.0
-                finally:
-                    async with changed:
-                        for g in grants:
-                            self.book.unpin(g.version)
-                        changed.notify_all()
-                    await self.adapters.collect()
+                wait_s = await self.serve(grants) or wait_s
             if wait_s:
                 try:
                     await asyncio.wait_for(stop.wait(), wait_s)
                 except TimeoutError:
                     pass
 
+    def take(self, reply: AdmissionGrant, grants: list[AdmissionGrant]) -> float:
+        """Add a grant to `grants`, its version pinned; returns the wait before asking again
+        (0: ask on; a version not loaded here ends the batch)."""
+        if reply.version not in self.adapters.loaded():
+            log.warning(
+                "rollout %s: grant %s names %s v%d, not loaded here (%s); dropped",
+                self.replica,
+                reply.grant_id,
+                self.run_id,
+                reply.version,
+                self.adapters.loaded(),
+            )
+            return 0.2
+        self.book.pin(reply.version)
+        grants.append(reply)
+        return 0.0
+
+    async def serve(self, grants: list[AdmissionGrant]) -> float:
+        """Generate and publish the grants `take` pinned, then unpin them; returns the wait
+        before asking again."""
+        changed, wait_s = self.adapters.changed, 0.0
+        try:
+            await self.generate(grants)
+        except Exception:
+            # the grants' leases expire at the registry; keep serving
+            log.exception("rollout %s: batch of %d grants failed", self.replica, len(grants))
+            wait_s = 1.0
+        finally:
+            async with changed:
+                for g in grants:
+                    self.book.unpin(g.version)
+                changed.notify_all()
+            await self.adapters.collect()
+        return wait_s
+
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
         g = self.cfg.gconfig
         started = time.time()
+        since = time.monotonic()
         metrics.IN_FLIGHT.labels(self.replica).set(len(grants))
         work = []
         for grant in grants:
@@ -228,6 +245,12 @@ class RolloutService:
             # their leases expire at the registry; the work loop asks for new grants
             log.warning("rollout %s: grants on v%d dropped: %r", self.replica, version, exc)
         work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
+        if not await self.adapters.trusted(since):
+            # a version served meanwhile failed its sha256 check: nothing of this batch may be
+            # accepted; the grants' leases expire at the registry
+            log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
+            metrics.IN_FLIGHT.labels(self.replica).set(0)
+            return []
         finished = time.time()
         metrics.IN_FLIGHT.labels(self.replica).set(0)
         trajectories, tokens = [], 0
@@ -265,13 +288,16 @@ class RolloutService:
         return trajectories
 
     # --- all together ---
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, *, work: bool = True) -> None:
+        """Serve until `stop`. `work=False`: adapters and heartbeat only, for a replica that
+        asks for work for all its runs at once (`services.rollout.fleet`)."""
         consumer = await self.adapters.start()
         tasks = [
             asyncio.create_task(self.heartbeat_loop(stop), name="heartbeat"),
-            asyncio.create_task(self.work_loop(stop), name="work"),
             asyncio.create_task(self.adapters.watch_engine_loop(stop), name="watch-engine"),
         ]
+        if work:
+            tasks.append(asyncio.create_task(self.work_loop(stop), name="work"))
         try:
             await stop.wait()
         finally:

@@ -38,6 +38,9 @@ class Checkpoint:
     rng: dict[str, Any] = field(default_factory=dict)
     trained_ids: list[str] = field(default_factory=list)
     """trajectory ids of the last step: if their acks were lost, the redelivery is skipped"""
+    trained_seqs: list[tuple[int, int]] = field(default_factory=list)
+    """ACCEPTED stream sequences of every group trained so far, as ranges (`common.ranges`): a
+    redelivery after acks lost in a nats-server crash is skipped, whichever step trained it"""
 
     @property
     def adapter(self) -> dict[str, torch.Tensor]:
@@ -78,6 +81,7 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint) -> Path:
         "step": ckpt.step,
         "version": ckpt.version,
         "trained_ids": ckpt.trained_ids,
+        "trained_seqs": ckpt.trained_seqs,
         "adapter_sha256": adapter_io.sha256(ckpt.adapter_bytes),
     }
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
@@ -125,4 +129,5 @@ def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
         optimizer=extra["optimizer"],
         rng=extra.get("rng", {}),
         trained_ids=list(state.get("trained_ids", [])),
+        trained_seqs=[(lo, hi) for lo, hi in state.get("trained_seqs", [])],
     )

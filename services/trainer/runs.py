@@ -94,7 +94,7 @@ class FleetTrainer:
     async def open(self, ctx: Rank0, start: Resume, *, own: bool = False) -> Slot:
         event = await ctx.announce(start.version, start.tensors, weights=start.weights)
         log.info("run %s: v%d %s", ctx.cfg.run, start.version, "announced" if event else "was already announced")
-        queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids))
+        queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
         await queue.open()
         slot = Slot(ctx, queue, start.version, asyncio.create_task(queue.keep_alive()), own=own)
         self.slots[slot.run] = slot

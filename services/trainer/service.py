@@ -31,7 +31,7 @@ import torch
 
 from proto import subjects
 from proto.messages import AdapterReady, TrainerStep, Trajectory
-from services.common import adapter_io, streams
+from services.common import adapter_io, ranges, streams
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Delivery, Puller
@@ -60,9 +60,13 @@ class AcceptedQueue:
     """The durable pull consumer on the ACCEPTED stream, with acks deferred until the batch
     has been trained and published (`Bus.consume` acks per message, too early for us)."""
 
-    def __init__(self, bus: Bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str]):
+    def __init__(
+        self, bus: Bus, cfg: LorabusConfig, vocab_size: int, skip_ids: set[str], trained: ranges.Ranges | None = None
+    ):
         self.bus, self.cfg, self.vocab_size = bus, cfg, vocab_size
         self.skip_ids = skip_ids
+        self.trained: ranges.Ranges = list(trained or [])
+        """ACCEPTED sequences trained so far (checkpointed with every step)"""
         self.held: list[Delivery[Trajectory]] = []
         self.reader: Puller[Trajectory] | None = None
         self.consumer = streams.consumer(cfg.run, DURABLE)
@@ -97,10 +101,16 @@ class AcceptedQueue:
             if stop.is_set():
                 return None
             for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+                if ranges.contains(self.trained, d.meta.stream_seq):
+                    log.info("trajectory %s was trained already (its ack was lost); acking", d.msg.trajectory_id)
+                    await d.ack()
+                    continue
                 if d.msg.trajectory_id in self.skip_ids:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
                     continue
+                if any(h.msg.trajectory_id == d.msg.trajectory_id for h in self.held):
+                    continue  # redelivered while held (a late pull): the held copy settles it
                 if (problem := self._problem(d.msg)) is not None:
                     await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {problem}")
                     continue
@@ -120,6 +130,11 @@ class AcceptedQueue:
         """Unsubscribe the reader before the bus drains (nothing of it is left to deliver)."""
         if self.reader is not None:
             await self.reader.stop()
+
+    def mark_trained(self) -> None:
+        """The held batch is trained: remember its sequences (before the checkpoint is saved)."""
+        for d in self.held:
+            ranges.add(self.trained, d.meta.stream_seq)
 
     async def ack_held(self) -> None:
         for d in self.held:
@@ -156,6 +171,7 @@ class Resume:
     weights: bytes
     tensors: dict[str, torch.Tensor]
     trained_ids: frozenset[str]
+    trained_seqs: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def plan(
@@ -175,7 +191,7 @@ class Resume:
             return cls(version, adapter_io.to_bytes(initial), initial, frozenset())
         tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
-        return cls(version, weights, tensors, frozenset(ckpt.trained_ids))
+        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs))
 
 
 @dataclass(frozen=True)
@@ -253,9 +269,9 @@ async def serve(ctx: Rank0, start: Resume) -> int:
     version = start.version
     event = await ctx.announce(version, start.tensors, weights=start.weights)
     log.info("v%d %s", version, "announced" if event else "was already announced")
-    metrics.VERSION.set(version)
+    metrics.VERSION.labels(cfg.run).set(version)
 
-    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids))
+    queue = AcceptedQueue(bus, cfg, engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
     await queue.open()
     keep_alive = asyncio.create_task(queue.keep_alive())
     try:
@@ -283,11 +299,13 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     version += 1
     t0 = time.perf_counter()
     ids = [g.trajectory_id for g in groups]
+    queue.mark_trained()
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
     await ctx.announce(version, adapter)
-    metrics.PUBLISH_SECONDS.observe(time.perf_counter() - t0)
+    announced = time.perf_counter()
+    metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
     if optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(
             checkpoint.save,
@@ -299,6 +317,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
                 optimizer=optim,
                 rng=checkpoint.rng_state(),
                 trained_ids=ids,
+                trained_seqs=list(queue.trained),
             ),
         )
     await bus.publish(
@@ -317,8 +336,14 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         ),
         msg_id=f"trainer-step-{step_index}",
     )
+    log.info(
+        "v%d announced in %.1f ms; checkpoint and step event %.1f ms after",
+        version,
+        (announced - t0) * 1e3,
+        (time.perf_counter() - announced) * 1e3,
+    )
     await queue.ack_held()
-    record(stats, version)
+    record(stats, version, run)
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
         step_index,
@@ -331,13 +356,13 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     return version
 
 
-def record(stats: StepStats, version: int) -> None:
-    metrics.STEP_SECONDS.observe(stats.step_seconds)
-    metrics.TOKENS_PER_SECOND.set(stats.tokens / max(stats.step_seconds, 1e-9))
-    metrics.VERSION.set(version)
-    metrics.LOSS.set(stats.loss)
-    metrics.REWARD_MEAN.set(stats.reward_mean)
-    metrics.STEPS.inc()
+def record(stats: StepStats, version: int, run: str) -> None:
+    metrics.STEP_SECONDS.labels(run).observe(stats.step_seconds)
+    metrics.TOKENS_PER_SECOND.labels(run).set(stats.tokens / max(stats.step_seconds, 1e-9))
+    metrics.VERSION.labels(run).set(version)
+    metrics.LOSS.labels(run).set(stats.loss)
+    metrics.REWARD_MEAN.labels(run).set(stats.reward_mean)
+    metrics.STEPS.labels(run).inc()
 
 
 def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:

@@ -1,5 +1,6 @@
-"""`deploy/docker-compose.yml`: valid for Compose v2, and every lorabus service in it starts
-a real entry point with config keys that exist and a config that loads."""
+"""`deploy/docker-compose.yml`, `docker-compose.cpu.yml` and the role files: valid for Compose v2,
+and every lorabus service in them starts a real entry point with config keys that exist and a
+config that loads. (test_compose_up*.py bring them up on an engine.)"""
 
 from __future__ import annotations
 
@@ -8,12 +9,24 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from services.cli import COMMANDS
 from services.common.config import load_config
-from tests.deploy.compose import COMPOSE_FILE, DEPLOY, ENV_EXAMPLE, REPO, compose, read_env_file, rendered
+from tests.deploy.compose import (
+    COMPOSE_FILE,
+    CPU_COMPOSE_FILE,
+    DEPLOY,
+    ENV_EXAMPLE,
+    REPO,
+    ROLES,
+    compose,
+    read_env_file,
+    rendered,
+)
 from tests.deploy.natsauth import users
 
 ALL_PROFILES = ("vllm", "sglang", "tools", "eval")
@@ -21,14 +34,35 @@ GPU_SERVICES = {"trainer", "vllm-0", "sglang-0", "evaluator"}
 SLIM_SERVICES = {"registry", "exporter", "watch"}
 
 
+# each file with the lorabus config its services mount
+CONFIGS = {COMPOSE_FILE: DEPLOY / "lorabus.yaml", CPU_COMPOSE_FILE: DEPLOY / "lorabus.cpu.yaml"}
+
+
 @pytest.fixture(scope="module")
 def project() -> dict:
     return rendered(ALL_PROFILES)
 
 
+@pytest.fixture(scope="module")
+def cpu_project() -> dict:
+    return rendered((), file=CPU_COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=["gpu", "cpu"])
+def any_project(request) -> tuple[dict, Path]:
+    """Either file's resolved project, with the lorabus config its services mount."""
+    profiles = ALL_PROFILES if request.param == COMPOSE_FILE else ()
+    return rendered(profiles, file=request.param), CONFIGS[request.param]
+
+
 def lorabus_services(project: dict) -> dict[str, dict]:
-    """Services running our images (ENTRYPOINT lorabus): those built from this checkout."""
-    return {name: svc for name, svc in project["services"].items() if "build" in svc}
+    """Services running our images (ENTRYPOINT lorabus): built from deploy/Dockerfile.*, where
+    the third-party images (NATS, S3, Prometheus) build from deploy/<name>/Dockerfile."""
+    return {
+        name: svc
+        for name, svc in project["services"].items()
+        if svc.get("build", {}).get("dockerfile", "").startswith("deploy/Dockerfile.")
+    }
 
 
 def split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
@@ -48,8 +82,8 @@ def test_default_profile_is_vllm(project):
     services = compose("config", "--services").stdout.split()
     assert {
         "nats",
-        "minio",
-        "minio-init",
+        "s3",
+        "s3-init",
         "registry",
         "trainer",
         "exporter",
@@ -89,7 +123,8 @@ def test_missing_password_is_an_error(tmp_path):
     assert result.returncode != 0 and "NATS_TRAINER_PASSWORD" in result.stderr
 
 
-def test_every_command_is_a_real_entry_point(project):
+def test_every_command_is_a_real_entry_point(any_project):
+    project, _ = any_project
     checked = 0
     for name, svc in lorabus_services(project).items():
         assert svc.get("entrypoint") in (None, []), f"{name}: our images' entrypoint is lorabus"
@@ -114,34 +149,36 @@ def test_every_command_is_a_real_entry_point(project):
     assert checked >= 7
 
 
-def test_overrides_and_config_load_for_every_service(project, monkeypatch):
-    """Each service's `key=value` overrides name real config keys, and deploy/lorabus.yaml
-    loads with them under exactly the environment compose gives that service."""
-    config_text = (DEPLOY / "lorabus.yaml").read_text()
+def test_overrides_and_config_load_for_every_service(any_project, monkeypatch):
+    """Each service's `key=value` overrides name real config keys, and the lorabus config the
+    file mounts loads with them under exactly the environment compose gives that service."""
+    project, config = any_project
+    config_text = config.read_text()
     env_refs = set(re.findall(r"\$\{oc\.env:([A-Z0-9_]+)", config_text))
     nats_users = users()
     for name, svc in lorabus_services(project).items():
         _, _, overrides = split_command(svc["command"])
         env = svc.get("environment") or {}
         missing = env_refs - set(env)
-        assert not missing, f"{name}: compose does not pass {sorted(missing)} used by lorabus.yaml"
+        assert not missing, f"{name}: compose does not pass {sorted(missing)} used by {config.name}"
         with monkeypatch.context() as mp:
             for key in list(__import__("os").environ):
                 if key.startswith(("LORABUS_", "NATS_", "MINIO_")):
                     mp.delenv(key)
             for key, value in env.items():
                 mp.setenv(key, value or "")
-            cfg = load_config(DEPLOY / "lorabus.yaml", overrides=overrides)
+            cfg = load_config(config, overrides=overrides)
         assert cfg.bus.user in nats_users, f"{name}: bus.user {cfg.bus.user!r} is not in nats.conf"
         assert cfg.bus.password_env == nats_users[cfg.bus.user], name
         assert cfg.bus.password_env in env, f"{name}: {cfg.bus.password_env} not in its environment"
         # a service sees its own NATS password and no other
         others = {v for v in nats_users.values() if v != cfg.bus.password_env}
         assert not others & set(env), f"{name}: gets other services' passwords {others & set(env)}"
-        assert cfg.store.uri.startswith("s3://") and cfg.store.endpoint == "minio:9000"
+        assert cfg.store.uri.startswith("s3://") and cfg.store.endpoint == "s3:9000"
 
 
-def test_metrics_ports_are_distinct_and_scraped(project):
+def test_metrics_ports_are_distinct_and_scraped(any_project):
+    project, _ = any_project
     ports = {}
     for name, svc in lorabus_services(project).items():
         for arg in svc["command"]:
@@ -156,7 +193,9 @@ def test_metrics_ports_are_distinct_and_scraped(project):
             assert project["services"][name]["environment"]["METRICS_PORT"] == str(port), name
 
 
-def test_gpus_only_where_needed_and_slim_images_elsewhere(project):
+def test_gpus_only_where_needed_and_slim_images_elsewhere(project, cpu_project):
+    for name, svc in cpu_project["services"].items():
+        assert not (svc.get("deploy") or {}).get("resources"), f"{name}: the CPU file reserves devices"
     for name, svc in project["services"].items():
         devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices")
         if name in GPU_SERVICES:
@@ -167,15 +206,18 @@ def test_gpus_only_where_needed_and_slim_images_elsewhere(project):
             assert svc["build"]["dockerfile"] == "deploy/Dockerfile.slim", name
 
 
-def test_start_up_order(project):
+def test_start_up_order(any_project):
+    project, _ = any_project
     services = project["services"]
+    # the bucket: made by s3-init next to MinIO, by the SeaweedFS server itself at start
+    bucket = ("s3-init", "service_completed_successfully") if "s3-init" in services else ("s3", "service_healthy")
     for name, svc in lorabus_services(project).items():
         deps = svc.get("depends_on") or {}
         assert deps.get("nats", {}).get("condition") == "service_healthy", name
         if name not in {"registry", "watch"}:
             assert deps.get("registry", {}).get("condition") == "service_healthy", name
         if name != "watch":
-            assert deps.get("minio-init", {}).get("condition") == "service_completed_successfully", name
+            assert deps.get(bucket[0], {}).get("condition") == bucket[1], name
     for svc in services.values():
         for dep, cond in (svc.get("depends_on") or {}).items():
             if cond["condition"] == "service_healthy":
@@ -215,8 +257,9 @@ def test_inference_servers_preload_v0_under_the_configured_name(project):
         assert ("adapters", "/adapters") in mounts(sidecar) & mounts(server)
 
 
-def test_env_example_sets_every_variable_the_file_uses():
-    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+@pytest.mark.parametrize("file", [COMPOSE_FILE, CPU_COMPOSE_FILE, *sorted(ROLES.glob("*.yml"))], ids=lambda f: f.name)
+def test_env_example_sets_every_variable_the_file_uses(file):
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", file.read_text()))
     documented = set(read_env_file())
     assert used - documented == set(), f"add to .env.example: {sorted(used - documented)}"
 
@@ -263,3 +306,72 @@ def test_slim_services_import_without_the_gpu_stack(blocked, modules):
         [sys.executable, "-c", BLOCKER, blocked, *modules], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_cpu_config_is_the_tiny_task(monkeypatch):
+    """deploy/lorabus.cpu.yaml runs examples/tiny.yaml's job; only where things live differs."""
+    for key in list(__import__("os").environ):
+        if key.startswith(("LORABUS_", "MINIO_")):
+            monkeypatch.delenv(key)
+    deployed = msgspec.to_builtins(load_config(DEPLOY / "lorabus.cpu.yaml"))
+    tiny = msgspec.to_builtins(load_config(REPO / "examples" / "tiny.yaml"))
+
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = leaves(deployed), leaves(tiny)
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    # where things live: the run directory (and what defaults under it), NATS, S3, the model
+    assert differ == {
+        "run_dir",
+        "actor.checkpoint_dir",
+        "rollout.adapter_dir",
+        "bus.url",
+        "store.uri",
+        "store.endpoint",
+        "exporter.uri",
+        "actor.path",
+        "vllm.model",
+        "sglang.model_path",
+    }, differ
+    assert a["actor.path"] == "/app/examples/tiny/model"  # where Dockerfile.cpu copies examples/
+    assert a["bus.url"] == "nats://nats:4222" and a["store.endpoint"] == "s3:9000"
+
+
+def test_localimages_builds_each_image_of_the_cpu_file_once(cpu_project):
+    from localimages import one_service_per_image  # deploy/ is on sys.path (tests.deploy.compose)
+
+    services = cpu_project["services"]
+    chosen = one_service_per_image(cpu_project)
+    images = [services[name]["image"] for name in chosen]
+    assert len(images) == len(set(images))
+    assert set(images) == {svc["image"] for svc in services.values() if "build" in svc}
+    assert len(set(images)) == 5  # lorabus-cpu, lorabus-slim, nats, seaweedfs, prometheus
+
+
+@pytest.mark.parametrize("base", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
+def test_role_files_split_either_file_by_host(tmp_path, base):
+    """Each role takes its services from the single-host file named by LORABUS_ROLES_BASE; the
+    services wait only for services of their own host, and those off the control host find
+    NATS and S3 at LORABUS_CONTROL_HOST."""
+    env = tmp_path / ".env"
+    env.write_text(ENV_EXAMPLE.read_text() + f"\nLORABUS_ROLES_BASE=../{base.name}\nLORABUS_CONTROL_HOST=ctl.example\n")
+    single = rendered(ALL_PROFILES if base == COMPOSE_FILE else (), file=base)["services"]
+    roles = {}
+    for role, profiles in (("control", ()), ("trainer", ("eval",)), ("rollout", ("vllm", "sglang", "cpu"))):
+        roles[role] = rendered(profiles, file=ROLES / f"{role}.yml", env_file=env)["services"]
+    assert set(roles["control"]) == {"nats", "s3", "registry", "exporter", "prometheus"}
+    assert set(roles["trainer"]) == {"trainer", "evaluator"}
+    assert {"rollout-vllm-0", "rollout-sglang-0", "rollout-cpu-0", "rollout-cpu-1"} <= set(roles["rollout"])
+    for role, services in roles.items():
+        for name, svc in services.items():
+            assert set(svc.get("depends_on") or {}) <= set(services), f"{role}/{name} waits for another host"
+            if name in single:  # the role's service is the single-host file's, command and image
+                assert svc.get("command") == single[name].get("command"), f"{role}/{name}"
+            env_vars = svc.get("environment") or {}
+            if role != "control" and "LORABUS_NATS_URL" in env_vars:
+                assert env_vars["LORABUS_NATS_URL"] == "nats://ctl.example:4222", f"{role}/{name}"
+                assert env_vars["LORABUS_S3_ENDPOINT"] == "ctl.example:9000", f"{role}/{name}"

@@ -83,9 +83,10 @@ def grouping_labels(expr: str) -> set[str]:
     }
 
 
-def test_prometheus_config_passes_promtool():
+@pytest.mark.parametrize("config", ["prometheus/prometheus.yml", "roles/prometheus.yml"])
+def test_prometheus_config_passes_promtool(config):
     result = subprocess.run(
-        [promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        [promtool(), "check", "config", str(DEPLOY / config)],
         capture_output=True,
         text=True,
         timeout=60,

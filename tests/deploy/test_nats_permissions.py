@@ -213,6 +213,22 @@ async def test_trainer_publishes_adapter_event_to_jetstream(server, passwords, r
         await trainer.close()
 
 
+async def test_trainer_and_exporter_follow_the_run_table(server, passwords, run, registry):
+    await streams_ready(server, passwords, run, registry)
+    for user in ("trainer", "exporter"):
+        bus = await connect(server, passwords, user, run, user)
+        try:
+            records: list[m.RunRecord] = []
+
+            async def on_record(record: m.RunRecord, into: list = records) -> None:
+                into.append(record)
+
+            await bus.watch_run_records(run, on_record)
+            await wait_until(lambda: [r.run for r in records] == [run], what=f"the {user} to read the run table")
+        finally:
+            await bus.close()
+
+
 async def test_rollout_is_refused_publishing_an_adapter_event(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
     nc, errors = await raw_connect(server, passwords, "rollout-vllm-0")
@@ -250,6 +266,21 @@ async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admissi
             timeout=10.0,
         )
         assert reply.request_id == "r1"
+        # a fleet replica asks the fleet and follows its run table (written by the registry)
+        fleet_reply = await bus.request(
+            subjects.fleet_admission(run),
+            m.FleetAdmissionRequest(fleet=run, replica=ROLLOUT, request_id="f1", loaded={run: [0]}),
+            m.AdmissionReply,
+            timeout=10.0,
+        )
+        assert fleet_reply.request_id == "f1"
+        records: list[m.RunRecord] = []
+
+        async def on_record(record: m.RunRecord) -> None:
+            records.append(record)
+
+        await bus.watch_run_records(run, on_record)
+        await wait_until(lambda: [r.run for r in records] == [run], what="the rollout to read the run table")
         # the durable adapter consumer a rollout runs: create, fetch, ack
         seen: list[int] = []
 
@@ -700,3 +731,20 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
             )
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("user", ["trainer", "exporter", "rollout-vllm-0", "rollout-cpu-1"])
+async def test_services_read_the_newest_stored_event(server, passwords, run, registry, user):
+    """`Bus.last` (is v<N> announced or exported yet; which adapter is the head) is a direct
+    message get: the trainer, the exporter and every replica need it (found by bringing
+    docker-compose.cpu.yml up: the trainer could not announce v0 without it)."""
+    await streams_ready(server, passwords, run, registry)
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    reader = await connect(server, passwords, user, run, user)
+    try:
+        await trainer.publish(subjects.adapter_ready(run, 7), adapter_event(run, 7), msg_id=f"{run}-v7")
+        newest = await reader.last(streams.ADAPTERS(run), m.AdapterReady, subjects.adapter_ready(run, 7))
+        assert newest is not None and newest.version == 7
+    finally:
+        await reader.close()
+        await trainer.close()

@@ -45,7 +45,7 @@ bus: {{url: "{nats_url}"}}
 metrics: {{host: 127.0.0.1, port: 0}}
 actor: {{path: examples/tiny/model}}
 train_dataset: {{path: "builtin:arith"}}
-fleet: {{max_concurrent_rollouts: 6, max_runs: 2}}
+fleet: {{max_concurrent_rollouts: 6, max_runs: 2, lora_slots: 8}}
 rollout:
   max_head_offpolicyness: 1
   consumer_batch_size: 6

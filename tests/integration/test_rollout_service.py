@@ -192,12 +192,14 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
         stop2.set()
         await asyncio.wait_for(task2, 30)
 
-        # a corrupt object: reported with will_retry, never loaded
+        # a corrupt object: given up at once (reading again gives the same bytes), reported,
+        # never loaded, and the next version loads behind it
         await publish(3, versions[0][1], sha="0" * 64)
         await wait_until(lambda: rec.of(AdapterFailed, "r1", version=3), what="v3 failed")
-        failed = rec.of(AdapterFailed, "r1", version=3)[0]
-        assert failed.will_retry and failed.attempt == 1 and "sha" in failed.reason.lower()
-        await wait_until(lambda: rec.of(AdapterFailed, "r1", version=3, will_retry=False), what="final failure")
+        failed = rec.of(AdapterFailed, "r1", version=3)
+        assert len(failed) == 1 and not failed[0].will_retry and "sha" in failed[0].reason.lower()
+        await publish(4, versions[0][1])
+        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=4), what="v4 loaded after v3 was given up")
         assert 3 not in await engine.loaded_versions()
         assert not rec.of(AdapterLoaded, "r1", version=3)
 
@@ -219,6 +221,115 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
         for r in ("r1", "r3"):
             assert not rec.of(AdapterLoaded, r, version=1_000_000) and not rec.of(AdapterLoaded, r, version=5)
         assert service.adapters.newest_seen == 4 and service3.adapters.newest_seen == 4
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await bus.close()
+
+
+async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weights(
+    nats_url, tmp_path, base, monkeypatch
+):
+    """The embedded fast path serves a version before its sha256 check ends. A version whose
+    bytes fail the check (the event announces another sha256) is generated with while the
+    check runs (it is slowed down here so that grants certainly land on it), yet no trajectory
+    generated meanwhile is published; the version is withdrawn, reported, and never served
+    again, and the replica goes on with the verified versions."""
+    from services.rollout import load_path
+
+    run = f"rf{uuid.uuid4().hex[:8]}"
+    cfg = LorabusConfig(
+        run=run,
+        seed=4,
+        bus=BusConfig(url=nats_url),
+        store=StoreConfig(uri=f"file://{tmp_path}/store"),
+        gconfig=GenerationConfig(n_samples=2, max_new_tokens=4, temperature=1.0),
+        rollout=RolloutConfig(lora_name="tiny", lora_keep_versions=KEEP, batch_groups=1, heartbeat_s=0.2),
+        train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
+    )
+    store = LocalStore(tmp_path / "store")
+    bus = await Bus.connect(cfg.bus, run=run, service="test")
+    await bus.ensure_streams()
+    rec = Recorder()
+    await bus.subscribe(subjects.rollout_report_all(run), RolloutReport, rec.on_report)
+    await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
+
+    async def admission(req: AdmissionRequest):
+        return AdmissionGrant(
+            request_id=req.request_id,
+            grant_id=uuid.uuid4().hex,
+            version=max(req.loaded_versions),
+            lease_expires_at=time.time() + 60,
+        )
+
+    await bus.serve(subjects.admission(run), AdmissionRequest, admission)
+
+    slow_check = asyncio.Event()
+    verify = load_path._verify
+
+    def slow_verify(buf, obj, times):
+        if slow_check.is_set():
+            time.sleep(1.5)
+        verify(buf, obj, times)
+
+    monkeypatch.setattr(load_path, "_verify", slow_verify)
+    generated_on: list[int] = []
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    generate = engine.generate
+
+    async def recording_generate(requests, version):
+        generated_on.append(version)
+        return await generate(requests, version)
+
+    engine.generate = recording_generate  # type: ignore[method-assign]
+    stager = load_path.Stager(engine, lambda uri: store)
+    service = RolloutService(
+        cfg,
+        "f1",
+        engine,
+        bus,
+        fetch=fetcher(cfg),
+        encode=encode,
+        decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
+        reward_fn=lambda prompt, completion, answer: 0.0,
+        prompts=[Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)],
+        load_attempts=2,
+        retry_base_s=0.05,
+        stager=stager,
+    )
+
+    async def publish(version: int, data: bytes, sha: str | None = None):
+        ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
+        ev = AdapterReady(
+            run=run,
+            lora_name="tiny",
+            version=version,
+            trainer_step=version,
+            created_at=time.time(),
+            lora=SPEC,
+            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
+        )
+        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}")
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        # the first version's bytes are not the announced ones: served at once, checked slowly
+        slow_check.set()
+        await publish(0, peft_version(base, seed=30)[1], sha="0" * 64)
+        await wait_until(lambda: 0 in generated_on, what="a generation on the unverified v0")
+        await wait_until(
+            lambda: any("withdrawn" in f.reason for f in rec.of(AdapterFailed, "f1", version=0)), what="v0 withdrawn"
+        )
+        # the verify-first retry fails too (the bytes never match), and v0 is gone for good
+        await wait_until(lambda: rec.of(AdapterFailed, "f1", version=0, will_retry=False), what="final failure")
+        assert 0 not in await engine.loaded_versions() and 0 not in service.adapters.loaded()
+        assert not rec.trajectories, "a trajectory generated with unverified weights was published"
+
+        slow_check.clear()
+        await publish(1, peft_version(base, seed=31)[1])
+        await wait_until(lambda: len(rec.trajectories) >= 3, what="trajectories of the verified v1")
+        assert {t.oldest_version() for t in rec.trajectories} == {1}
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

@@ -508,3 +508,34 @@ def test_derived_values_need_no_loader():
     assert (ro.keep_versions, ro.max_concurrent) == (7, 2)
     cfg = build("rollout.max_head_offpolicyness=1")
     assert cfg.rollout.keep_versions == cfg.rollout.lora_keep_versions == 2
+
+
+# --- evaluator ---------------------------------------------------------------------------------
+
+
+def test_evaluator_defaults_to_the_gpu_when_present_and_every_version():
+    cfg = build()
+    assert (cfg.evaluator.device, cfg.evaluator.dtype, cfg.evaluator.versions) == ("auto", "auto", "every")
+    assert build("evaluator.device=cuda:1").evaluator.device == "cuda:1"
+
+
+def test_evaluator_problems_name_field_value_and_fix():
+    problems = problems_of(
+        "evaluator.device=gpu",
+        "evaluator.batch_size=0",
+        "evaluator.max_prompts=0",
+        "evaluator.nth=0",
+        "evaluator.max_wait_s=-1",
+        "evaluator.score=nocolon",
+        "evaluator.versions=latest",
+    )
+    assert problems == [
+        "evaluator.versions: 'latest' is not one of 'every', 'every_nth', 'newest'; did you mean 'newest'?",
+        "evaluator.device: 'gpu' is not a device; use auto, cpu, cuda or cuda:N",
+        "evaluator.batch_size: 0 must be >= 1 (prompts per generate call)",
+        "evaluator.max_prompts: 0 must be >= 1 (or null: every held-out prompt)",
+        "evaluator.nth: 0 must be >= 1 (versions: every_nth scores multiples of it)",
+        "evaluator.max_wait_s: -1.0 must be >= 0 (seconds `lorabus up` waits for missing scores once "
+        "training has ended)",
+        "evaluator.score: 'nocolon' is not package.module:function; e.g. services.clients.evaluate:heldout_reward",
+    ]

@@ -142,8 +142,8 @@ def test_only_the_first_trainer_epoch_publishes_versions():
 
 def _granted(ledger: p.Ledger, replica: str = "r1") -> m.AdmissionGrant:
     req = m.AdmissionRequest(run=RUN, replica=replica, request_id="q", loaded_versions=[ledger.head or 0])
-    grant = p.admit(ledger, req, 1.0, CFG, grant_id="Zq3-random-token")
-    assert isinstance(grant, m.AdmissionGrant) and grant.grant_id == "Zq3-random-token"
+    grant = p.admit(ledger, req, 1.0, CFG, token="Zq3-random_token")
+    assert isinstance(grant, m.AdmissionGrant) and grant.grant_id == f"{replica}-0.Zq3-random_token"
     return grant
 
 

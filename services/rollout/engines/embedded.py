@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -81,10 +82,18 @@ class EmbeddedEngine:
     # --- versions ---
     async def load_version(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> None:
         tensors = adapter_io.from_bytes(weights) if isinstance(weights, (bytes, bytearray)) else weights
-        await asyncio.to_thread(self._load, version, tensors, lora)
+        await asyncio.to_thread(self.swap_in, version, tensors, lora)
 
-    def _load(self, version: int, tensors: dict[str, torch.Tensor], lora: LoraSpec) -> None:
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def swap_in(self, version: int, tensors: dict[str, torch.Tensor], lora: LoraSpec) -> tuple[float, float]:
+        """Copy a version into a free slot and, if it is the newest, merge it as the head;
+        blocking, and servable on return (the device work is synchronised). Returns the seconds
+        of the copy and of the merge."""
         with self._lock:
+            t0 = time.perf_counter()
             if self.slots is None:
                 self.slots = LoraSlots.install(self.model, tensors, self.n_slots)
             if lora.rank != self.slots.rank:
@@ -93,10 +102,16 @@ class EmbeddedEngine:
                     f"{self.slots.rank}; every version of one adapter must share its rank"
                 )
             self.slots.load(version, tensors, lora.alpha / lora.rank)
+            self._sync()
+            t1 = time.perf_counter()
             if self.slots.head is None or version > self.slots.head:
                 self.slots.set_head(version)
-            if self.model.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            self._sync()
+            return t1 - t0, time.perf_counter() - t1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     async def unload_version(self, version: int) -> None:
         await asyncio.to_thread(self._unload, version)

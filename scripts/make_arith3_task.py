@@ -1,0 +1,175 @@
+"""Build the GPU learning task: three-digit addition and subtraction (carries and borrows), and
+the ~85 M-parameter model that starts it, pre-trained by this script on one GPU in a few minutes.
+
+Writes `--out` (default examples/arith3/):
+  data/train.jsonl, data/valid.jsonl   `a+b=` / `a-b=` (a >= b), operands 0-999, disjoint splits
+                                       (500 held-out prompts)
+  model/                               a Llama (hidden 768, 12 layers) with the tiny task's
+                                       byte-level tokenizer, pre-trained by supervised
+                                       next-token training on the train split until its greedy
+                                       held-out accuracy first reaches --target: it has the
+                                       format and part of the arithmetic, RL has the rest to gain
+  pretrain_metrics.json                what the stop looked like
+
+Deterministic: fixed seeds, `torch.use_deterministic_algorithms` with cuBLAS's fixed workspace,
+so one kind of GPU gives the same model every time. The data files are committed; the model
+(340 MB) is not, and is made again with:
+  python scripts/make_arith3_task.py                     # CUDA, ~2-3 min on an H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.make_tiny_task import build_tokenizer, evaluate, make_batch, pin_tokenizer_class  # noqa: E402
+from services.common.config_schema import DatasetConfig  # noqa: E402
+from services.common.data import Prompt, load_prompts, write_jsonl  # noqa: E402
+from services.common.models import encode_prompt  # noqa: E402
+
+SEED = 4321
+MAX_OPERAND = 999
+VALID = 500
+TRAIN = 60_000
+
+
+def problem(a: int, b: int, op: str) -> Prompt:
+    answer = a + b if op == "+" else a - b
+    return Prompt(prompt_id=f"{'add' if op == '+' else 'sub'}-{a}-{b}", text=f"{a}{op}{b}=", answer=str(answer))
+
+
+def splits() -> tuple[list[Prompt], list[Prompt]]:
+    """Disjoint seeded samples of the ~1.5 M problems (sampling with rejection of repeats)."""
+    rng = random.Random(SEED)
+    seen: set[str] = set()
+    out: list[Prompt] = []
+    while len(out) < VALID + TRAIN:
+        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
+        op = rng.choice("+-")
+        if op == "-" and a < b:
+            a, b = b, a
+        p = problem(a, b, op)
+        if p.prompt_id not in seen:
+            seen.add(p.prompt_id)
+            out.append(p)
+    return out[VALID:], out[:VALID]
+
+
+def build_model(vocab_size: int, args: argparse.Namespace) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "examples" / "arith3")
+    ap.add_argument("--data-only", action="store_true", help="write the data files and stop")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--target", type=float, default=0.3, help="stop at the first eval with greedy accuracy >= this")
+    ap.add_argument("--eval-every", type=int, default=50)
+    args = ap.parse_args(argv)
+
+    train, valid = splits()
+    write_jsonl(args.out / "data" / "train.jsonl", train)
+    write_jsonl(args.out / "data" / "valid.jsonl", valid)
+    # what the services will read is what was written
+    assert load_prompts(DatasetConfig(path=str(args.out / "data" / "valid.jsonl"), shuffle=False)) == valid
+    if args.data_only:
+        return 0
+
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    device = torch.device(args.device)
+    started = time.monotonic()
+    tok = build_tokenizer()
+    model = build_model(len(tok), args).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params} parameters; train {len(train)} valid {len(valid)}", flush=True)
+    examples = [
+        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]) for p in train
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = 100
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    gen = torch.Generator().manual_seed(SEED)
+    curve = []
+    greedy = 0.0
+    model.train()
+    step = 0
+    for step in range(1, args.max_steps + 1):
+        picks = torch.randint(len(examples), (args.batch,), generator=gen).tolist()
+        ids, mask, labels = make_batch([examples[i] for i in picks], tok.pad_token_id)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % args.eval_every == 0:
+            greedy, fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=SEED)
+            curve.append({"step": step, "loss": round(loss.item(), 4), "greedy": round(greedy, 4)})
+            print(
+                f"step {step} loss {loss.item():.4f} greedy {greedy:.3f} format {fmt:.3f} "
+                f"({time.monotonic() - started:.0f}s)",
+                flush=True,
+            )
+            if greedy >= args.target:
+                break
+    sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=4, seed=SEED)
+    model_dir = args.out / "model"
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.to("cpu").save_pretrained(model_dir, safe_serialization=True)
+    tok.save_pretrained(model_dir)
+    pin_tokenizer_class(model_dir)
+    metrics = {
+        "valid_prompts": len(valid),
+        "greedy_accuracy": round(greedy, 4),
+        "sampled_accuracy_t1": round(sampled, 4),
+        "sampled_format_rate_t1": round(sampled_fmt, 4),
+        "steps": step,
+        "parameters": n_params,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "seconds": round(time.monotonic() - started, 1),
+        "curve": curve,
+    }
+    (args.out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in metrics.items() if k != "curve"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

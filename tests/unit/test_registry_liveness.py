@@ -1,0 +1,96 @@
+"""Liveness rules of the registry policy: a silent replica loses its grants within a few
+heartbeat periods, and a duplicate is recognised for the whole run, beyond the `seen` window."""
+
+from __future__ import annotations
+
+import random
+
+from proto.messages import ReplicaHeartbeat
+from services.common import ranges
+from services.registry import persistence as j
+from services.registry import policy as p
+from tests.unit.test_registry_policy import RUN, ready, request, traj
+
+
+def cfg(silent: float | None = 8.0, seen_limit: int = 1, max_concurrent: int = 8) -> p.PolicyConfig:
+    return p.PolicyConfig(
+        max_head_offpolicyness=0,
+        consumer_batch_size=4,
+        max_concurrent_rollouts=max_concurrent,
+        lease_seconds=60.0,
+        seen_limit=seen_limit,
+        silent_after_s=silent,
+    )
+
+
+def heartbeat(replica: str, at: float) -> j.ReportOp:
+    hb = ReplicaHeartbeat(run=RUN, replica=replica, engine="embedded", loaded_versions=[0], in_flight=1, sent_at=at)
+    return j.ReportOp(hb, at)
+
+
+def ledger_with_grants(c: p.PolicyConfig) -> p.Ledger:
+    led = p.new_ledger(RUN)
+    j.apply(led, j.AdapterOp(ready(0)), c)
+    for i, replica in enumerate(["r1", "r1", "r2", "r2"]):
+        grant = j.apply(led, j.AdmitOp(request(replica, f"q{i}"), 100.0), c)
+        assert isinstance(grant, p.AdmissionGrant), grant
+    return led
+
+
+def test_a_replica_that_stops_heartbeating_loses_its_grants_the_others_keep_theirs() -> None:
+    c = cfg()
+    led = ledger_with_grants(c)
+    for t in (102.0, 104.0, 106.0, 108.0, 110.0):
+        j.apply(led, heartbeat("r2", t), c)  # r1 went silent at 100 (SIGSTOP)
+    assert j.apply(led, j.ExpireOp(107.0), c) == []  # 7 s < 8 s: one late heartbeat is no death
+    freed = j.apply(led, j.ExpireOp(108.5), c)
+    assert sorted(freed) == ["r1-0", "r1-1"]
+    assert sorted(led.grants) == ["r2-2", "r2-3"]
+    assert p.capacity(led, c) == 2  # the freed budget is work for the live replica
+
+
+def test_without_silent_after_s_only_the_lease_frees_grants() -> None:
+    c = cfg(silent=None)
+    led = ledger_with_grants(c)
+    assert j.apply(led, j.ExpireOp(159.0), c) == []
+    assert len(j.apply(led, j.ExpireOp(160.0), c)) == 4
+
+
+def test_a_duplicate_older_than_the_seen_window_is_not_decided_or_counted_twice() -> None:
+    c = cfg(seen_limit=1)
+    led = ledger_with_grants(c)
+    first = p.decide(led, traj("r1-0", [0], tid="a", replica="r1"), 101.0, c)
+    assert first.verdict == "accepted"
+    p.decide(led, traj("r2-2", [0], tid="b", replica="r2"), 101.0, c)  # pushes "a" out of `seen`
+    assert "a" not in led.seen
+    again = p.decide(led, traj("r1-0", [0], tid="a", replica="r1"), 102.0, c)
+    assert again.verdict == "rejected-invalid" and again.reason.startswith(p.REJECT_DUPLICATE)
+    assert led.accepted == 2 and led.rejected == {}
+
+
+def test_a_late_trajectory_of_an_expired_grant_is_counted_once() -> None:
+    c = cfg(silent=None, seen_limit=1)
+    led = ledger_with_grants(c)
+    j.apply(led, j.ExpireOp(160.0), c)
+    late = traj("r1-1", [0], tid="late", replica="r1")
+    assert p.decide(led, late, 161.0, c).reason.startswith(p.REJECT_UNKNOWN_GRANT)
+    p.decide(led, traj("r2-2", [0], tid="x", replica="r2"), 161.0, c)
+    assert p.decide(led, late, 162.0, c).reason.startswith(p.REJECT_DUPLICATE)
+    assert led.rejected == {p.REJECT_UNKNOWN_GRANT: 2}  # "late" and "x" (its grant expired too)
+
+
+def test_decided_grants_stay_a_few_ranges_when_grants_are_used_out_of_order() -> None:
+    c = cfg(silent=None, seen_limit=1, max_concurrent=1000)
+    led = p.new_ledger(RUN)
+    j.apply(led, j.AdapterOp(ready(0)), c)
+    c = p.PolicyConfig(**{**{f: getattr(c, f) for f in c.__struct_fields__}, "consumer_batch_size": 1000})
+    grants = [j.apply(led, j.AdmitOp(request("r1", f"q{i}"), 1.0), c) for i in range(500)]
+    rng = random.Random(0)
+    order = list(range(500))
+    rng.shuffle(order)
+    lost = set(order[:5])  # their replica died: never decided
+    for i in order[5:]:
+        p.decide(led, traj(grants[i].grant_id, [0], tid=f"t{i}", replica="r1"), 2.0, c)
+    assert len(led.decided_grants) <= len(lost) + 1
+    for i in range(500):
+        assert ranges.contains(led.decided_grants, i) == (i not in lost)
