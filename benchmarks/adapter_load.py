@@ -96,6 +96,7 @@ def measure(shape: str, rank: int, loads: int, device: torch.device, dtype: torc
                 ref = refs[k]
                 ev = AdapterReady(
                     run="run",
+                    trainer_epoch="e0",
                     lora_name="bench",
                     version=version,
                     trainer_step=version,

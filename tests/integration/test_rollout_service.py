@@ -204,23 +204,23 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
         assert not rec.of(AdapterLoaded, "r1", version=3)
 
         # Issue 17: a jump to v1000000 (once the rollouts' frozen head for the rest of the run)
-        # and another trainer epoch's v5 are refused, not followed; a replica starting after
+        # and another trainer epoch's v6 are refused, not followed; a replica starting after
         # them starts from the real head
-        await publish(4, versions[1][1])
+        await publish(5, versions[1][1])
         await publish(1_000_000, versions[2][1])
-        await publish(5, versions[0][1], epoch="forger")
-        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=4), what="the real v4 loaded")
+        await publish(6, versions[0][1], epoch="forger")
+        await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=5), what="the real v5 loaded")
         engine3, service3 = replica("r3")
         stop3 = asyncio.Event()
         task3 = asyncio.create_task(service3.run(stop3))
         await wait_until(lambda: rec.of(AdapterLoaded, "r3"), what="r3 loaded something")
-        assert rec.of(AdapterLoaded, "r3")[0].version == 4
+        assert rec.of(AdapterLoaded, "r3")[0].version == 5
         await asyncio.sleep(0.5)
         stop3.set()
         await asyncio.wait_for(task3, 30)
         for r in ("r1", "r3"):
-            assert not rec.of(AdapterLoaded, r, version=1_000_000) and not rec.of(AdapterLoaded, r, version=5)
-        assert service.adapters.newest_seen == 4 and service3.adapters.newest_seen == 4
+            assert not rec.of(AdapterLoaded, r, version=1_000_000) and not rec.of(AdapterLoaded, r, version=6)
+        assert service.adapters.newest_seen == 5 and service3.adapters.newest_seen == 5
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -302,6 +302,7 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
         ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
             run=run,
+            trainer_epoch="e0",
             lora_name="tiny",
             version=version,
             trainer_step=version,

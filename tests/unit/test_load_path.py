@@ -25,6 +25,7 @@ def event(store: LocalStore, version: int, data: bytes, sha: str | None = None) 
     ref = store.put_bytes(f"run/adapters/v{version}/adapter_model.safetensors", data)
     return AdapterReady(
         run="run",
+        trainer_epoch="e0",
         lora_name="tiny",
         version=version,
         trainer_step=version,
