@@ -345,13 +345,20 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     await queue.ack_held()
     record(stats, version, run)
     log.info(
-        "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs",
+        "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs grad_norm %.3g lr %.3g "
+        "clip %.3f masked %.3f imp_weight %.3f (max %.2f)",
         step_index,
         version,
         stats.loss,
         stats.reward_mean,
         stats.tokens,
         stats.step_seconds,
+        stats.grad_norm,
+        stats.lr,
+        stats.loss_stats.get("clip_fraction", 0.0),
+        stats.loss_stats.get("masked_fraction", 0.0),
+        stats.loss_stats.get("imp_weight_mean", 1.0),
+        stats.loss_stats.get("imp_weight_max", 1.0),
     )
     return version
 

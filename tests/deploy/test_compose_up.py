@@ -54,10 +54,6 @@ SCRAPED = {
 
 pytestmark = [
     pytest.mark.timeout(1800),
-    # Passed before the least-privilege deploy/nats/nats.conf (issue 17) was merged; with it the
-    # registry container never turns healthy. Skipped until that is found, not hidden: issue 15
-    # stays open for it.
-    pytest.mark.skip(reason="registry unhealthy under the issue-17 nats.conf; see the session note"),
 ]
 
 

@@ -547,6 +547,34 @@ train_dataset: {{path: "builtin:arith"}}
     assert "sglang-0" not in status.ledger.replicas
 
 
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+async def test_the_registry_health_check_is_allowed_to_ask(server, passwords, run, registry, tmp_path, compose_file):
+    """The compose files call the registry healthy when `lorabus registry status` answers as
+    the user their healthcheck names; under nats.conf that user must be allowed to ask (it was
+    not, and the registry container never turned healthy)."""
+    import yaml
+
+    from services.common.config import load_config
+    from services.registry.status import fetch_status
+
+    check = yaml.safe_load((REPO / "deploy" / compose_file).read_text())["services"]["registry"]["healthcheck"]["test"]
+    assert check[1:4] == ["lorabus", "registry", "status"], check
+    user = next(a.split("=", 1)[1] for a in check if a.startswith("bus.user="))
+    password_env = next(a.split("=", 1)[1] for a in check if a.startswith("bus.password_env="))
+    await streams_ready(server, passwords, run, registry)
+    config = tmp_path / "health.yaml"
+    config.write_text(f"""
+experiment_name: {run}
+trial_name: t
+run: {run}
+bus: {{url: "{server.url}", user: {user}, password: "{passwords[password_env]}"}}
+actor: {{path: examples/tiny/model}}
+train_dataset: {{path: "builtin:arith"}}
+""")
+    status = await fetch_status(load_config(config), timeout=10.0)
+    assert status.ledger is not None
+
+
 async def test_wrong_password_is_refused(server, passwords):
     with pytest.raises(Exception) as info:
         await nats.connect(
