@@ -23,54 +23,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.adapters import adapter_event, random_lora  # noqa: E402
 from benchmarks.shapes import build  # noqa: E402
-from proto.messages import AdapterReady, LoraSpec, ObjectPayload  # noqa: E402
+from benchmarks.timing import device_name, median_ms, sync  # noqa: E402
+from proto.messages import LoraSpec, ObjectPayload  # noqa: E402
 from services.common import adapter_io  # noqa: E402
+from services.common.lora_targets import HF_LINEAR  # noqa: E402
 from services.common.store import LocalStore  # noqa: E402
 from services.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from services.rollout.load_path import Stager  # noqa: E402
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SLOTS = 4
 
 
-def adapter(model: nn.Module, rank: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            a = torch.randn(rank, mod.in_features, generator=g) / mod.in_features**0.5
-            b = torch.randn(mod.out_features, rank, generator=g) * 0.01
-            out[adapter_io.peft_key(name, "A")] = a.to(dtype)
-            out[adapter_io.peft_key(name, "B")] = b.to(dtype)
-    return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def p50(xs: list[float]) -> float:
-    return round(statistics.median(xs) * 1e3, 3)
+    return round(median_ms(xs), 3)
 
 
 def measure(shape: str, rank: int, loads: int, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
     model = build(shape, device, dtype) if not tiny else build_tiny(device, dtype)
     engine = EmbeddedEngine(model, eos_ids=[2], pad_id=0, slots=SLOTS, cuda_graphs=False)
-    lora = LoraSpec(rank=rank, alpha=2.0 * rank, target_modules=list(TARGETS), base_model=shape)
+    lora = LoraSpec(rank=rank, alpha=2.0 * rank, target_modules=list(HF_LINEAR), base_model=shape)
     versions = 3  # distinct weights, cycled
-    tensors = [adapter(model, rank, seed=v, dtype=dtype) for v in range(versions)]
+    tensors = [random_lora(model, rank, seed=v, dtype=dtype, b_scale=0.01) for v in range(versions)]
     data = [adapter_io.to_bytes(t) for t in tensors]
     on_device = [{k: v.to(device) for k, v in t.items()} for t in tensors]
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,15 +77,8 @@ def measure(shape: str, rank: int, loads: int, device: torch.device, dtype: torc
                     free_a_slot()
                 k = version % versions
                 ref = refs[k]
-                ev = AdapterReady(
-                    run="run",
-                    trainer_epoch="e0",
-                    lora_name="bench",
-                    version=version,
-                    trainer_step=version,
-                    created_at=time.time(),
-                    lora=lora,
-                    payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
+                ev = adapter_event(
+                    version, lora, [ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)], run="run"
                 )
                 sync(device)
                 t0 = time.perf_counter()
@@ -197,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if tiny:
         plan = [("tiny", r) for r in (2, 4, 8)]
     res: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "dtype": str(dtype),
         "results": [],

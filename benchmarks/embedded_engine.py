@@ -36,14 +36,17 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.adapters import random_lora  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.timing import device_name, median_ms, sync, timed  # noqa: E402
+from services.common.lora_targets import HF_LINEAR  # noqa: E402
 from services.rollout.lora_slots import LoraSlots  # noqa: E402
 from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(HF_LINEAR)
 
 
 def model_config(tiny: bool) -> Qwen2Config:
@@ -57,16 +60,7 @@ def model_config(tiny: bool) -> Qwen2Config:
             vocab_size=512,
             max_position_embeddings=1024,
         )
-    return Qwen2Config(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
+    return Qwen2Config(**SHAPES["qwen2.5-1.5b"], max_position_embeddings=32768)
 
 
 def build_model(cfg: Qwen2Config, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
@@ -74,18 +68,6 @@ def build_model(cfg: Qwen2Config, device: torch.device, dtype: torch.dtype) -> Q
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype).eval()
-
-
-def random_adapter(model: nn.Module, rank: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            a = torch.randn(rank, mod.in_features, generator=g) / mod.in_features**0.5
-            b = torch.randn(mod.out_features, rank, generator=g) * 0.02
-            out[f"base_model.model.{name}.lora_A.weight"] = a.to(dtype)
-            out[f"base_model.model.{name}.lora_B.weight"] = b.to(dtype)
-    return out
 
 
 def write_peft_dir(directory: Path, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> Path:
@@ -108,19 +90,6 @@ def write_peft_dir(directory: Path, tensors: dict[str, torch.Tensor], rank: int,
     }
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def make_rows(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Row]:
@@ -190,17 +159,13 @@ def run_peft(model, versions, rows, device, args, res, tps, peft_loads, swaps, r
             )
             for i in range(swaps)
         ]
-        res["peft_load_adapter_ms_p50"] = p50_ms(load_s)
-        res["peft_hotswap_adapter_ms_p50"] = p50_ms(hot_s)
+        res["peft_load_adapter_ms_p50"] = median_ms(load_s)
+        res["peft_hotswap_adapter_ms_p50"] = median_ms(hot_s)
         tps["peft_unmerged"] = tokens_per_s(pm, rows, device)
         pm.load_adapter(str(dirs[0]), adapter_name="other", is_trainable=False)
         names = ["default" if i % 2 == 0 else "other" for i in range(batch)]
         tps["peft_mixed2"] = tokens_per_s(pm, rows, device, forward_kwargs={"adapter_names": names}, repeats=1)
         return pm.unload()
-
-
-def p50_ms(samples: list[float]) -> float:
-    return 1000 * statistics.median(samples)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     keep = 3
     cfg = model_config(tiny)
     res: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "dtype": str(dtype),
         "batch": batch,
@@ -250,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res["transformers"], res["peft"] = transformers.__version__, peft.__version__
     model = build_model(cfg, device, dtype)
-    versions = {v: random_adapter(model, rank, seed=100 + v, dtype=dtype) for v in range(swaps + 2)}
+    versions = {v: random_lora(model, rank, seed=100 + v, dtype=dtype, b_scale=0.02) for v in range(swaps + 2)}
     adapter_bytes = sum(t.numel() * t.element_size() for t in versions[0].values())
     res["adapter_mb"] = adapter_bytes / 1e6
     res["adapter_params"] = sum(t.numel() for t in versions[0].values())
@@ -339,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             if source is on_gpu:
                 copy_s.append(t1 - t0)
                 merge_s.append(t2 - t1)
-    res["slots_swap_ms_p50_from_gpu"] = p50_ms(total_s)
-    res["slots_swap_ms_p50_from_pinned_host"] = p50_ms(host_total_s)
-    res["slots_copy_ms_p50"] = p50_ms(copy_s)
-    res["slots_merge_ms_p50"] = p50_ms(merge_s)
+    res["slots_swap_ms_p50_from_gpu"] = median_ms(total_s)
+    res["slots_swap_ms_p50_from_pinned_host"] = median_ms(host_total_s)
+    res["slots_copy_ms_p50"] = median_ms(copy_s)
+    res["slots_merge_ms_p50"] = median_ms(merge_s)
     res["correction"] = "triton" if slots.routing.kernel else "torch"
     head = slots.head
     older = sorted(v for v in slots.versions() if v != head)

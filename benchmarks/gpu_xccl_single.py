@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.timing import device_name, median_ms, timed  # noqa: E402
 from services.common import xccl  # noqa: E402
+from services.common.lora_targets import HF_LINEAR  # noqa: E402
 from services.rollout.lora_slots import LoraSlots  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build(device: torch.device, tiny: bool):
@@ -45,15 +44,7 @@ def build(device: torch.device, tiny: bool):
             vocab_size=512,
         )
     else:
-        cfg = Qwen2Config(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        )
+        cfg = Qwen2Config(**SHAPES["qwen2.5-1.5b"])
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
@@ -64,7 +55,7 @@ def targets(model) -> list[tuple[str, int, int]]:
     return [
         (name, mod.in_features, mod.out_features)
         for name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEAR
     ]
 
 
@@ -76,16 +67,6 @@ def adapter(mods, rank: int, seed: int, device) -> dict[str, torch.Tensor]:
         out[f"{base}.lora_A.weight"] = torch.randn(rank, i, generator=g, device=device).bfloat16()
         out[f"{base}.lora_B.weight"] = torch.randn(o, rank, generator=g, device=device).bfloat16()
     return out
-
-
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -133,7 +114,7 @@ def main() -> int:
         assert torch.allclose(layer.weight.float(), ref, atol=0.1, rtol=0.02), "head merge mismatch"
 
     result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "adapter_bytes": nbytes,
         "tensors": len(manifest),
         "buckets": len(plan),
@@ -141,7 +122,7 @@ def main() -> int:
         "rank": args.rank,
         "reps": args.reps,
         "torch": torch.__version__,
-        "median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+        "median_ms": {k: median_ms(v) for k, v in times.items()},
         "min_ms": {k: min(v) * 1e3 for k, v in times.items()},
     }
     print(f"{result['device']}: {nbytes / 1e6:.1f} MB in {len(plan)} buckets, {len(manifest)} tensors")

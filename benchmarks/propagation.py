@@ -43,7 +43,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -273,15 +272,16 @@ class Acks:
 async def run_bench(args) -> dict:
     import nats
 
+    from benchmarks import workers
+    from benchmarks.adapters import adapter_event
     from proto import codec
-    from proto.messages import AdapterReady, LoraSpec
+    from proto.messages import LoraSpec
     from services.common import adapter_io, xccl
     from services.common.config_schema import StoreConfig
     from services.common.store import open_store
     from services.local.nats_server import start_nats_server
     from services.local.s3_server import start_weed_s3
     from services.trainer.publish import build_payloads, deliver
-    from services.trainer.xccl_sender import XcclSender
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-"))
     nats_srv = start_nats_server(work / "nats")
@@ -306,12 +306,7 @@ async def run_bench(args) -> dict:
         return {"rows": rows, "summary": propagation_servers.summarize(rows)}
     n_max = max(args.replicas)
     procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            stderr=open(work / f"rep{i}.log", "w"),
-        )
+        workers.spawn([__file__, "--replica", str(i), "--nats", nats_srv.url], work / f"rep{i}.log")
         for i in range(n_max)
     ]
     results: list[dict] = []
@@ -367,13 +362,7 @@ async def run_bench(args) -> dict:
                     times, trainer, vias, sends = [], [], set(), []
                     sender = None
                     if path in ("xccl", "xccl_only"):
-                        sender = XcclSender(
-                            address="127.0.0.1",
-                            port=0,
-                            backend="gloo",
-                            bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb),
-                            timeout_s=60,
-                        )
+                        sender = workers.gloo_sender(args.bucket_mb)
                     if path == "gloo_bare":
                         bstore = xccl.host_store("127.0.0.1", 0, 60)
                         prefix = uuid.uuid4().hex[:6]
@@ -405,16 +394,7 @@ async def run_bench(args) -> dict:
                             ref = await asyncio.to_thread(
                                 store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
                             )
-                            ev = AdapterReady(
-                                run="bench",
-                                trainer_epoch="e0",
-                                lora_name="bench",
-                                version=version,
-                                trainer_step=version,
-                                created_at=time.time(),
-                                lora=lora,
-                                payloads=build_payloads(ref),
-                            )
+                            ev = adapter_event(version, lora, build_payloads(ref))
                             await nc.publish(EVENT, codec.encode(ev))
                         elif path in ("xccl", "xccl_only"):
 
@@ -426,38 +406,17 @@ async def run_bench(args) -> dict:
                             if rep == 0:  # the handle the replicas join from (bench warm-up)
                                 ref = await asyncio.to_thread(durable)
                                 h = sender.handle(xccl.manifest_of(tensors), {})
-                                ev = AdapterReady(
-                                    run="bench",
-                                    trainer_epoch="e0",
-                                    lora_name="bench",
-                                    version=version,
-                                    trainer_step=version,
-                                    created_at=time.time(),
-                                    lora=lora,
-                                    payloads=build_payloads(ref, h),
-                                )
+                                ev = adapter_event(version, lora, build_payloads(ref, h))
                                 await nc.publish(EVENT, codec.encode(ev))
                                 await acks.wait(tag, n)
-                                deadline = time.monotonic() + 30
-                                while sender.store.add("join_seq", 0) < n and time.monotonic() < deadline:
-                                    await asyncio.sleep(0.01)
+                                await workers.joined(sender, n)
                                 version += 1
                                 tag = version
                                 t0 = time.perf_counter()
                             if path == "xccl":  # the trainer's own order (publish.deliver)
 
                                 async def publish(payloads, v=version):
-                                    ev = AdapterReady(
-                                        run="bench",
-                                        trainer_epoch="e0",
-                                        lora_name="bench",
-                                        version=v,
-                                        trainer_step=v,
-                                        created_at=time.time(),
-                                        lora=lora,
-                                        payloads=payloads,
-                                    )
-                                    await nc.publish(EVENT, codec.encode(ev))
+                                    await nc.publish(EVENT, codec.encode(adapter_event(v, lora, payloads)))
 
                                 await deliver(
                                     local_store,
@@ -469,16 +428,7 @@ async def run_bench(args) -> dict:
                                 )
                             else:  # the broadcast alone, no serialising or durable copy at all
                                 xp = await asyncio.to_thread(sender.send, version, tensors)
-                                ev = AdapterReady(
-                                    run="bench",
-                                    trainer_epoch="e0",
-                                    lora_name="bench",
-                                    version=version,
-                                    trainer_step=version,
-                                    created_at=time.time(),
-                                    lora=lora,
-                                    payloads=build_payloads(ref, xp),
-                                )
+                                ev = adapter_event(version, lora, build_payloads(ref, xp))
                                 await nc.publish(EVENT, codec.encode(ev))
                         elif path == "peft":
                             d = work / "peft" / f"v{version}"
@@ -492,9 +442,7 @@ async def run_bench(args) -> dict:
                             await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
                         t_trainer = time.perf_counter() - t0
                         t_end, via = await acks.wait(tag, n)
-                        if sender is not None and sender.durable is not None:  # not into the next rep
-                            await asyncio.wrap_future(sender.durable)
-                            sender.durable = None
+                        await workers.settled(sender)
                         vias.update(via)
                         if rep >= warm:
                             times.append(t_end - t0)
@@ -529,15 +477,7 @@ async def run_bench(args) -> dict:
                         flush=True,
                     )
     finally:
-        for i in range(n_max):
-            await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
-        await nc.flush()
-        await nc.close()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await workers.stop(nc, CMD, procs)
         s3.stop()
         nats_srv.stop()
     return {"rows": results, "summary": summarize(results)}

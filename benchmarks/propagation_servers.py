@@ -241,13 +241,14 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
     """One row per (servers, path); `acks` is propagation.Acks subscribed to ACK."""
     import nats
 
+    from benchmarks import workers
+    from benchmarks.adapters import adapter_event
     from proto import codec
-    from proto.messages import AdapterReady, LoraSpec
+    from proto.messages import LoraSpec
     from services.common import adapter_io, xccl
     from services.common.config_schema import StoreConfig
     from services.common.store import open_store
     from services.trainer.publish import deliver
-    from services.trainer.xccl_sender import XcclSender
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-vllm-"))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
@@ -267,12 +268,7 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
         print(f"vllm: servers healthy after {time.perf_counter() - t_start:.0f} s", flush=True)
         for i, (_, url) in enumerate(servers):
             sidecars.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, str(i), nats_url, url, str(adapter_root / f"s{i}")],
-                    cwd=ROOT,
-                    env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                    stderr=open(work / f"sidecar{i}.log", "w"),
-                )
+                workers.spawn([__file__, str(i), nats_url, url, str(adapter_root / f"s{i}")], work / f"sidecar{i}.log")
             )
         await acks.wait("hello", n_max, timeout=120)
         stores = {"s3": open_store(StoreConfig(**s3_cfg)), "local": open_store(StoreConfig(**local_cfg))}
@@ -301,9 +297,7 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
                 await acks.wait("setup", n)
                 sender = None
                 if path == "vllm_xccl":
-                    sender = XcclSender(
-                        address="127.0.0.1", port=0, backend="gloo", bucket_bytes=xccl.bucket_bytes_of(64), timeout_s=60
-                    )
+                    sender = workers.gloo_sender(64)
                 run = f"bench{uuid.uuid4().hex[:6]}"
                 times, extras, vias = [], [], set()
                 for rep in range(1 + args.reps):  # rep 0 warms (and, for xccl, lets the sidecars join)
@@ -313,17 +307,7 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
                     async def publish(payloads, v=version):
                         if sender is not None and len(payloads) == 1:  # the warm-up names the group to join
                             payloads = [payloads[0], sender.handle(xccl.manifest_of(tensors), {})]
-                        ev = AdapterReady(
-                            run="bench",
-                            trainer_epoch="e0",
-                            lora_name="bench",
-                            version=v,
-                            trainer_step=v,
-                            created_at=time.time(),
-                            lora=lora,
-                            payloads=payloads,
-                        )
-                        await nc.publish(EVENT, codec.encode(ev))
+                        await nc.publish(EVENT, codec.encode(adapter_event(v, lora, payloads)))
 
                     t0 = time.perf_counter()
                     await deliver(
@@ -331,14 +315,10 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
                     )
                     t_end, via = await acks.wait(version, n, timeout=300)
                     got = acks.extras.pop(str(version), [])
-                    if sender is not None and sender.durable is not None:  # not into the next rep
-                        await asyncio.wrap_future(sender.durable)
-                        sender.durable = None
+                    await workers.settled(sender)
                     if rep == 0:
                         if sender is not None:
-                            deadline = time.monotonic() + 30
-                            while sender.store.add("join_seq", 0) < n and time.monotonic() < deadline:
-                                await asyncio.sleep(0.01)
+                            await workers.joined(sender, n)
                         continue
                     times.append(t_end - t0)
                     vias.update(via)
@@ -364,15 +344,7 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
                     flush=True,
                 )
     finally:
-        for i in range(len(sidecars)):
-            await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
-        await nc.flush()
-        await nc.close()
-        for p in sidecars:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await workers.stop(nc, CMD, sidecars)
         for proc, _ in servers:
             try:
                 os.killpg(proc.pid, 15)

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import device_name, sync  # noqa: E402
 from proto.messages import Completion, Trajectory  # noqa: E402
 from services.common.config_schema import (  # noqa: E402
     ActorConfig,
@@ -175,12 +176,10 @@ def measure(name: str, shape: dict, args, device: torch.device, full_ft: bool) -
             batch = make_batch(
                 args.groups, args.samples, args.prompt_tokens, args.completion_tokens, shape["vocab_size"], seed=i
             )
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             t = time.perf_counter()
             stats = engine.train_step(batch, head_version=i)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
             tokens = stats.tokens
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, shapes = torch.device("cuda"), args.shapes.split(",")
     result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "torch": torch.__version__,
         "batch": f"{args.groups} groups x {args.samples} samples x "
         f"{args.prompt_tokens + args.completion_tokens} tokens "

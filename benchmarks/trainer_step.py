@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.timing import device_name, sync  # noqa: E402
 from proto.messages import Completion, Trajectory  # noqa: E402
 from services.common import adapter_io  # noqa: E402
 from services.common.config_schema import (  # noqa: E402
@@ -35,16 +37,7 @@ from services.common.config_schema import (  # noqa: E402
 )
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 
-QWEN25_15B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+QWEN25_15B = dict(SHAPES["qwen2.5-1.5b"], max_position_embeddings=4096)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -95,11 +88,6 @@ def make_batch(groups: int, samples: int, prompt: int, completion: int, vocab: i
             )
         )
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seqs = args.groups * args.samples
     result = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "device": device_name(dev),
         "torch": torch.__version__,
         "model": "tiny" if args.tiny else "qwen2.5-1.5b-shape",
         "dtype": dtype,

@@ -30,15 +30,20 @@ from pathlib import Path
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.make_tiny_task import build_tokenizer, evaluate, make_batch, pin_tokenizer_class  # noqa: E402
+from scripts.make_tiny_task import (  # noqa: E402
+    answer_examples,
+    build_model,
+    build_tokenizer,
+    evaluate,
+    pretrain,
+    save_model,
+)
 from services.common.config_schema import DatasetConfig  # noqa: E402
 from services.common.data import Prompt, load_prompts, write_jsonl  # noqa: E402
-from services.common.models import encode_prompt  # noqa: E402
 
 SEED = 4321
 MAX_OPERAND = 999
@@ -66,24 +71,6 @@ def splits() -> tuple[list[Prompt], list[Prompt]]:
             seen.add(p.prompt_id)
             out.append(p)
     return out[VALID:], out[:VALID]
-
-
-def build_model(vocab_size: int, args: argparse.Namespace) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        head_dim=args.hidden // args.heads,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,30 +102,32 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     started = time.monotonic()
     tok = build_tokenizer()
-    model = build_model(len(tok), args).to(device)
+    model = build_model(
+        len(tok),
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.heads,
+        max_positions=64,
+    ).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters; train {len(train)} valid {len(valid)}", flush=True)
-    examples = [
-        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]) for p in train
-    ]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    gen = torch.Generator().manual_seed(SEED)
+    steps = pretrain(
+        model,
+        answer_examples(tok, train),
+        steps=args.max_steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=100,
+        seed=SEED,
+        pad=tok.pad_token_id,
+        device=device,
+    )
     curve = []
     greedy = 0.0
-    model.train()
     step = 0
-    for step in range(1, args.max_steps + 1):
-        picks = torch.randint(len(examples), (args.batch,), generator=gen).tolist()
-        ids, mask, labels = make_batch([examples[i] for i in picks], tok.pad_token_id)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    for step, loss in steps:
         if step % args.eval_every == 0:
             greedy, fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=SEED)
             curve.append({"step": step, "loss": round(loss.item(), 4), "greedy": round(greedy, 4)})
@@ -150,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             if greedy >= args.target:
                 break
     sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=4, seed=SEED)
-    model_dir = args.out / "model"
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.to("cpu").save_pretrained(model_dir, safe_serialization=True)
-    tok.save_pretrained(model_dir)
-    pin_tokenizer_class(model_dir)
+    save_model(model, tok, args.out / "model")
     metrics = {
         "valid_prompts": len(valid),
         "greedy_accuracy": round(greedy, 4),

@@ -7,6 +7,9 @@ Writes `examples/tiny/`:
                                        train split until it has the answer format right and
                                        the arithmetic only partly: room for RL to improve it.
 
+The tokenizer, the model's shape, the pretraining loop (`pretrain`), its evaluation and the
+saved directory are shared with scripts/make_arith3_task.py.
+
 Deterministic: fixed seeds, one CPU thread. Run from the repo root:
   .venv/bin/python scripts/make_tiny_task.py            # ~2-3 min on one core
 """
@@ -17,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,25 +82,35 @@ def pin_tokenizer_class(model_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_model(vocab_size: int, args: argparse.Namespace) -> LlamaForCausalLM:
+def build_model(
+    vocab_size: int, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, max_positions: int
+) -> LlamaForCausalLM:
     # Llama rather than Qwen2: transformers 5 forces Qwen2Tokenizer (its own pre-tokenizer and
     # normalizer) onto any qwen2 checkpoint, while a llama one keeps the tokenizer.json as saved.
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        # head_dim 32: a size every vLLM attention backend (CPU and GPU) supports
-        head_dim=args.hidden // args.heads,
-        max_position_embeddings=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        # the tiny task's head_dim 32: a size every vLLM attention backend (CPU and GPU) supports
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
     return LlamaForCausalLM(config)
+
+
+def answer_examples(tok, prompts: list[Prompt]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + eos) of each prompt: the loss is taken on the second part."""
+    return [
+        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id])
+        for p in prompts
+    ]
 
 
 def make_batch(examples: list[tuple[list[int], list[int]]], pad: int):
@@ -111,6 +125,48 @@ def make_batch(examples: list[tuple[list[int], list[int]]], pad: int):
         mask[row, : len(seq)] = 1
         labels[row, len(p) : len(seq)] = torch.tensor(a)
     return ids, mask, labels
+
+
+def pretrain(
+    model: LlamaForCausalLM,
+    examples: list[tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup: int,
+    seed: int,
+    pad: int,
+    device: torch.device,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Supervised next-token training on `examples`, `batch` drawn at random (seeded) per step;
+    yields (step, loss) after each step, so the caller evaluates, logs or stops in between.
+    bf16 autocast on CUDA, none on the CPU."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    # Constant after warmup, no decay: stopping while the learning rate is still high leaves
+    # the model unsure between close answers (sampling well below greedy), which RL sharpens.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for step in range(1, steps + 1):
+        picks = torch.randint(len(examples), (batch,), generator=gen).tolist()
+        ids, mask, labels = make_batch([examples[i] for i in picks], pad)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        yield step, loss
+
+
+def save_model(model: LlamaForCausalLM, tok, model_dir: Path) -> None:
+    """The model (moved to the CPU) and the tokenizer as one loadable HF directory."""
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.cpu().save_pretrained(model_dir, safe_serialization=True)
+    tok.save_pretrained(model_dir)
+    pin_tokenizer_class(model_dir)
 
 
 @torch.no_grad()
@@ -175,29 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(args.out / "data" / "valid.jsonl", valid)
 
     tok = build_tokenizer()
-    model = build_model(len(tok), args)
+    model = build_model(
+        len(tok),
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        max_positions=128,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters, vocab {len(tok)}; train {len(train)} valid {len(valid)}")
 
-    examples = [
-        (encode_prompt(tok, p.text), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]) for p in train
-    ]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, args.steps // 20)
-    # Constant after warmup, no decay: stopping while the learning rate is still high leaves
-    # the model unsure between close answers (sampling well below greedy), which RL sharpens.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    gen = torch.Generator().manual_seed(args.seed)
-    model.train()
-    for step in range(1, args.steps + 1):
-        picks = torch.randint(len(examples), (args.batch,), generator=gen).tolist()
-        ids, mask, labels = make_batch([examples[i] for i in picks], tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    steps = pretrain(
+        model,
+        answer_examples(tok, train),
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=max(1, args.steps // 20),
+        seed=args.seed,
+        pad=tok.pad_token_id,
+        device=torch.device("cpu"),
+    )
+    for step, loss in steps:
         if step % 100 == 0:
             print(f"step {step} loss {loss.item():.4f} ({time.monotonic() - started:.0f}s)", flush=True)
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
@@ -207,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     greedy, greedy_fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=args.seed)
     sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=args.eval_samples, seed=args.seed)
-    model_dir = args.out / "model"
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tok.save_pretrained(model_dir)
-    pin_tokenizer_class(model_dir)
+    save_model(model, tok, args.out / "model")
     metrics = {
         "valid_prompts": len(valid),
         "greedy_accuracy": round(greedy, 4),

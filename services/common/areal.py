@@ -264,17 +264,24 @@ def _backends(x: _Translator) -> None:
     _infer_alloc(x, rollout)
 
 
-def _train_alloc(x: _Translator, text: Any) -> None:
-    key = "actor.backend"
+def _alloc(x: _Translator, key: str, text: Any, examples: str) -> Alloc | None:
+    """The allocation string `text` given for `key`, parsed and marked used; None: reported."""
     if text is None:
-        x.t.problems.append(f"{key}: missing; AReaL requires it (e.g. fsdp:d4 or megatron:d2t2)")
-        return
+        x.t.problems.append(f"{key}: missing; AReaL requires it (e.g. {examples})")
+        return None
     try:
         a = parse_alloc(str(text))
     except ValueError as e:
         x.refuse(key, str(e))
-        return
+        return None
     x.used.add(key)
+    return a
+
+
+def _train_alloc(x: _Translator, text: Any) -> None:
+    key = "actor.backend"
+    if (a := _alloc(x, key, text, "fsdp:d4 or megatron:d2t2")) is None:
+        return
     d = a.dims
     dp, tp, pp, cp, ep = (d.get(k, 1) for k in "dtpce")
     if a.ffn is not None:
@@ -319,15 +326,8 @@ def _train_alloc(x: _Translator, text: Any) -> None:
 
 def _infer_alloc(x: _Translator, text: Any) -> None:
     key = "rollout.backend"
-    if text is None:
-        x.t.problems.append(f"{key}: missing; AReaL requires it (e.g. sglang:d4 or vllm:d2t2)")
+    if (a := _alloc(x, key, text, "sglang:d4 or vllm:d2t2")) is None:
         return
-    try:
-        a = parse_alloc(str(text))
-    except ValueError as e:
-        x.refuse(key, str(e))
-        return
-    x.used.add(key)
     if a.backend not in ("sglang", "vllm"):
         x.t.problems.append(f"{key}: {text!r}: backend {a.backend!r} is not an inference server; use sglang or vllm")
         return
@@ -718,59 +718,88 @@ def _rollout(x: _Translator) -> None:
         x.noop(f"{r}.{name}", "AReaL controller option; lorabus's rollouts are bus services")
 
 
-def _servers(x: _Translator) -> None:
-    engine = x.t.tree.get("rollout", {}).get("engine")
-    flags: list[str] = list(getattr(x, "server_flags", []))
-    if engine == "vllm":
-        v = "vllm"
-        x.to(f"{v}.model", "vllm.model")
-        x.to(f"{v}.dtype", "vllm.dtype")
-        x.to(f"{v}.max_model_len", "vllm.max_model_len")
-        x.to(f"{v}.enable_lora", "vllm.enable_lora")
-        x.to(f"{v}.max_lora_rank", "vllm.max_lora_rank", default=16)
-        x.to(f"{v}.max_loras", "vllm.max_loras", default=8)
-        x.noop(f"{v}.lora_modules", "auto-filled with {lora_name}-v0, as in AReaL")
-        for name, flag in (
+@dataclass(frozen=True)
+class _Server:
+    """How one inference server's AReaL section translates."""
+
+    label: str
+    """the server's name in a reason (vLLM, SGLang)"""
+    fields: tuple[tuple[str, Any], ...]
+    """(name, AReaL's default or ... for none) copied under the same name"""
+    auto: str
+    """the LoRA list lorabus fills in itself"""
+    flags: tuple[tuple[str, str], ...]
+    """(name, command-line flag) passed through as `flag=value` where set"""
+    switches: tuple[tuple[str, str], ...] = ()
+    """(name, command-line flag) passed as the bare flag where true"""
+
+
+_SERVERS = {
+    "vllm": _Server(
+        "vLLM",
+        (
+            ("model", ...),
+            ("dtype", ...),
+            ("max_model_len", ...),
+            ("enable_lora", ...),
+            ("max_lora_rank", 16),
+            ("max_loras", 8),
+        ),
+        "lora_modules",
+        (
             ("seed", "--seed"),
             ("gpu_memory_utilization", "--gpu-memory-utilization"),
             ("max_num_seqs", "--max-num-seqs"),
             ("block_size", "--block-size"),
-        ):
-            if x.get(f"{v}.{name}") is not None:
-                flags.append(f"{flag}={x.get(f'{v}.{name}')}")
-                x.t.rows.append(Row(f"{v}.{name}", x.get(f"{v}.{name}"), f"vllm.extra_args += {flags[-1]}"))
-                x.used.add(f"{v}.{name}")
-            x.noop(f"{v}.{name}", "unset: vLLM's default")
-        if x.get(f"{v}.enforce_eager"):
-            flags.append("--enforce-eager")
-            x.t.rows.append(Row(f"{v}.enforce_eager", True, "vllm.extra_args += --enforce-eager"))
-        x.used.add(f"{v}.enforce_eager")
-        x.noop(v, "server tuning lorabus passes through only for the fields above; the rest are vLLM's defaults")
-        x.noop("sglang", "rollout.backend is vllm")
-        _set(x.t.tree, "vllm.extra_args", flags)
-    elif engine == "sglang":
-        s = "sglang"
-        x.to(f"{s}.model_path", "sglang.model_path")
-        x.to(f"{s}.enable_lora", "sglang.enable_lora")
-        x.to(f"{s}.max_lora_rank", "sglang.max_lora_rank")
-        x.to(f"{s}.max_loaded_loras", "sglang.max_loaded_loras", default=8)
-        x.to(f"{s}.lora_backend", "sglang.lora_backend", default="triton")
-        x.noop(f"{s}.lora_paths", "auto-filled with {lora_name}-v0, as in AReaL")
-        for name, flag in (
+        ),
+        (("enforce_eager", "--enforce-eager"),),
+    ),
+    "sglang": _Server(
+        "SGLang",
+        (
+            ("model_path", ...),
+            ("enable_lora", ...),
+            ("max_lora_rank", ...),
+            ("max_loaded_loras", 8),
+            ("lora_backend", "triton"),
+        ),
+        "lora_paths",
+        (
             ("random_seed", "--random-seed"),
             ("dtype", "--dtype"),
             ("context_length", "--context-length"),
             ("mem_fraction_static", "--mem-fraction-static"),
             ("max_running_requests", "--max-running-requests"),
-        ):
-            if x.get(f"{s}.{name}") is not None:
-                flags.append(f"{flag}={x.get(f'{s}.{name}')}")
-                x.t.rows.append(Row(f"{s}.{name}", x.get(f"{s}.{name}"), f"sglang.extra_args += {flags[-1]}"))
-                x.used.add(f"{s}.{name}")
-            x.noop(f"{s}.{name}", "unset: SGLang's default")
-        x.noop(s, "server tuning lorabus passes through only for the fields above; the rest are SGLang's defaults")
-        x.noop("vllm", "rollout.backend is sglang")
-        _set(x.t.tree, "sglang.extra_args", flags)
+        ),
+    ),
+}
+
+
+def _servers(x: _Translator) -> None:
+    engine = x.t.tree.get("rollout", {}).get("engine")
+    if engine not in _SERVERS:
+        return
+    s, server = engine, _SERVERS[engine]
+    flags: list[str] = list(getattr(x, "server_flags", []))
+    for name, default in server.fields:
+        x.to(f"{s}.{name}", f"{s}.{name}", default=default)
+    x.noop(f"{s}.{server.auto}", "auto-filled with {lora_name}-v0, as in AReaL")
+    for name, flag in server.flags:
+        if x.get(f"{s}.{name}") is not None:
+            flags.append(f"{flag}={x.get(f'{s}.{name}')}")
+            x.t.rows.append(Row(f"{s}.{name}", x.get(f"{s}.{name}"), f"{s}.extra_args += {flags[-1]}"))
+            x.used.add(f"{s}.{name}")
+        x.noop(f"{s}.{name}", f"unset: {server.label}'s default")
+    for name, flag in server.switches:
+        if x.get(f"{s}.{name}"):
+            flags.append(flag)
+            x.t.rows.append(Row(f"{s}.{name}", True, f"{s}.extra_args += {flag}"))
+        x.used.add(f"{s}.{name}")
+    x.noop(s, f"server tuning lorabus passes through only for the fields above; the rest are {server.label}'s defaults")
+    for other in _SERVERS:
+        if other != s:
+            x.noop(other, f"rollout.backend is {s}")
+    _set(x.t.tree, f"{s}.extra_args", flags)
 
 
 _GSM8K = {

@@ -252,19 +252,7 @@ class AdapterFollower:
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
                 )
-                await self._report(
-                    "failed",
-                    AdapterFailed(
-                        run=self.run_id,
-                        replica=self.replica,
-                        version=ev.version,
-                        reason=f"{type(exc).__name__}: {exc}"[:1000],
-                        attempt=attempt,
-                        will_retry=retry,
-                        failed_at=time.time(),
-                    ),
-                    msg_id=f"{self.replica}-failed-v{ev.version}-{attempt}-{uuid.uuid4().hex[:8]}",
-                )
+                await self._report_failed(ev.version, exc, attempt=attempt, will_retry=retry, tag=str(attempt))
                 if isinstance(exc, OutsideStore):  # no retry can make it the run's object
                     raise Refused(f"{ev.adapter_name}: {exc}") from None
                 if gone:
@@ -289,18 +277,7 @@ class AdapterFollower:
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
             if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
                 metrics.LOADED_VERSION.labels(self.replica).set(head)
-            await self._report(
-                "loaded",
-                AdapterLoaded(
-                    run=self.run_id,
-                    replica=self.replica,
-                    version=ev.version,
-                    via=via,
-                    load_seconds=now - t0,
-                    loaded_at=now,
-                ),
-                msg_id=f"{self.replica}-loaded-v{ev.version}-{uuid.uuid4().hex[:8]}",
-            )
+            await self._report_loaded(ev.version, via, load_seconds=now - t0, loaded_at=now, kind="loaded")
             return True
         return False  # not reached: the last attempt returns or raises
 
@@ -315,18 +292,8 @@ class AdapterFollower:
             self._verifying.pop(ev.version, None)
             log.error("rollout %s: %s withdrawn: %s", self.replica, ev.adapter_name, exc)
             metrics.LOAD_FAILURES.labels(self.replica).inc()
-            await self._report(
-                "failed",
-                AdapterFailed(
-                    run=self.run_id,
-                    replica=self.replica,
-                    version=ev.version,
-                    reason=f"withdrawn after loading: {type(exc).__name__}: {exc}"[:1000],
-                    attempt=1,
-                    will_retry=True,
-                    failed_at=time.time(),
-                ),
-                msg_id=f"{self.replica}-failed-v{ev.version}-w-{uuid.uuid4().hex[:8]}",
+            await self._report_failed(
+                ev.version, exc, attempt=1, will_retry=True, tag="w", context="withdrawn after loading: "
             )
             await self._withdraw(ev, served)
             return
@@ -390,6 +357,43 @@ class AdapterFollower:
     async def _report(self, kind: str, msg: msgspec.Struct, msg_id: str) -> None:
         await self.bus.publish(subjects.rollout_report(self.run_id, self.replica, kind), msg, msg_id=msg_id)
 
+    async def _report_loaded(
+        self, version: int, via: LoadedVia, *, load_seconds: float, loaded_at: float, kind: str
+    ) -> None:
+        """Report `version` servable; `kind` (`loaded`, or `reloaded` by a restore) names it in
+        the msg_id."""
+        await self._report(
+            "loaded",
+            AdapterLoaded(
+                run=self.run_id,
+                replica=self.replica,
+                version=version,
+                via=via,
+                load_seconds=load_seconds,
+                loaded_at=loaded_at,
+            ),
+            msg_id=f"{self.replica}-{kind}-v{version}-{uuid.uuid4().hex[:8]}",
+        )
+
+    async def _report_failed(
+        self, version: int, exc: Exception, *, attempt: int, will_retry: bool, tag: str, context: str = ""
+    ) -> None:
+        """Report one failure to load `version`; `tag` names it in the msg_id: the attempt number
+        of a load, `w` a withdrawal after a failed check, `r<n>` a restore's nth attempt."""
+        await self._report(
+            "failed",
+            AdapterFailed(
+                run=self.run_id,
+                replica=self.replica,
+                version=version,
+                reason=f"{context}{type(exc).__name__}: {exc}"[:1000],
+                attempt=attempt,
+                will_retry=will_retry,
+                failed_at=time.time(),
+            ),
+            msg_id=f"{self.replica}-failed-v{version}-{tag}-{uuid.uuid4().hex[:8]}",
+        )
+
     # --- servers that forget ---
     async def restore(self) -> list[int]:
         """Load again the still-admissible versions the engine no longer serves (a restarted
@@ -420,36 +424,20 @@ class AdapterFollower:
                     await self.engine.load_version(version, data, ev.lora)
                 except Exception as exc:
                     attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
-                    await self._report(
-                        "failed",
-                        AdapterFailed(
-                            run=self.run_id,
-                            replica=self.replica,
-                            version=version,
-                            reason=f"re-load after the server forgot it: {type(exc).__name__}: {exc}"[:1000],
-                            attempt=attempt,
-                            will_retry=True,
-                            failed_at=time.time(),
-                        ),
-                        msg_id=f"{self.replica}-failed-v{version}-r{attempt}-{uuid.uuid4().hex[:8]}",
+                    await self._report_failed(
+                        version,
+                        exc,
+                        attempt=attempt,
+                        will_retry=True,
+                        tag=f"r{attempt}",
+                        context="re-load after the server forgot it: ",
                     )
                     continue
                 restored.append(version)
             for version in restored:
                 self._restore_failures.pop(version, None)
                 log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
-                await self._report(
-                    "loaded",
-                    AdapterLoaded(
-                        run=self.run_id,
-                        replica=self.replica,
-                        version=version,
-                        via="object",
-                        load_seconds=0.0,
-                        loaded_at=time.time(),
-                    ),
-                    msg_id=f"{self.replica}-reloaded-v{version}-{uuid.uuid4().hex[:8]}",
-                )
+                await self._report_loaded(version, "object", load_seconds=0.0, loaded_at=time.time(), kind="reloaded")
             return restored
 
     async def watch_engine_loop(self, stop: asyncio.Event) -> None:

@@ -83,45 +83,21 @@ class Recorder:
         ]
 
 
-@pytest.fixture
-def base():
-    return tiny_model()
+PROMPTS = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
 
 
-async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
-    run = f"rt{uuid.uuid4().hex[:8]}"
-    cfg = LorabusConfig(
-        run=run,
-        seed=3,
-        bus=BusConfig(url=nats_url),
-        store=StoreConfig(uri=f"file://{tmp_path}/store"),
-        gconfig=GenerationConfig(n_samples=2, max_new_tokens=6, temperature=1.0),
-        rollout=RolloutConfig(lora_name="tiny", lora_keep_versions=KEEP, batch_groups=2, heartbeat_s=0.2),
-        train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
-    )
-    store = LocalStore(tmp_path / "store")
-    bus = await Bus.connect(cfg.bus, run=run, service="test")
-    await bus.ensure_streams()
-    rec = Recorder()
-    await bus.subscribe(subjects.rollout_report_all(run), RolloutReport, rec.on_report)
-    await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
+class Run:
+    """One test's run: its config, store, bus (streams made, every admission granted the
+    newest version the replica has loaded) and the recorder of its reports and trajectories."""
 
-    async def admission(req: AdmissionRequest):
-        return AdmissionGrant(
-            request_id=req.request_id,
-            grant_id=uuid.uuid4().hex,
-            version=max(req.loaded_versions),
-            lease_expires_at=time.time() + 60,
-        )
+    def __init__(self, cfg: LorabusConfig, store: LocalStore, bus: Bus, rec: Recorder):
+        self.cfg, self.run, self.store, self.bus, self.rec = cfg, cfg.run, store, bus, rec
 
-    await bus.serve(subjects.admission(run), AdmissionRequest, admission)
-
-    versions = {v: peft_version(base, seed=20 + v) for v in range(3)}
-
-    async def publish(version: int, data: bytes, sha: str | None = None, epoch: str = "e0"):
-        ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
+    async def publish(self, version: int, data: bytes, sha: str | None = None, epoch: str = "e0") -> None:
+        """Store `data` as `version` and announce it, with `sha` in place of its real sha256."""
+        ref = self.store.put_bytes(f"{self.run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
-            run=run,
+            run=self.run,
             trainer_epoch=epoch,
             lora_name="tiny",
             version=version,
@@ -131,24 +107,83 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
             lora=SPEC,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
         )
-        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}-{sha}-{epoch}")
+        await self.bus.publish(
+            subjects.adapter_ready(self.run, version), ev, msg_id=f"{self.run}-v{version}-{sha}-{epoch}"
+        )
 
-    prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)]
+    def service(self, name: str, engine: EmbeddedEngine, reward_fn, **extra) -> RolloutService:
+        return RolloutService(
+            self.cfg,
+            name,
+            engine,
+            self.bus,
+            fetch=fetcher(self.cfg),
+            encode=encode,
+            decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
+            reward_fn=reward_fn,
+            prompts=PROMPTS,
+            load_attempts=2,
+            retry_base_s=0.05,
+            **extra,
+        )
+
+
+@pytest.fixture
+async def start_run(nats_url, tmp_path):
+    """`await start_run(prefix, seed=, max_new_tokens=, batch_groups=)`: a Run; its bus is
+    closed after the test."""
+    buses: list[Bus] = []
+
+    async def start(prefix: str, *, seed: int, max_new_tokens: int, batch_groups: int) -> Run:
+        run = f"{prefix}{uuid.uuid4().hex[:8]}"
+        cfg = LorabusConfig(
+            run=run,
+            seed=seed,
+            bus=BusConfig(url=nats_url),
+            store=StoreConfig(uri=f"file://{tmp_path}/store"),
+            gconfig=GenerationConfig(n_samples=2, max_new_tokens=max_new_tokens, temperature=1.0),
+            rollout=RolloutConfig(
+                lora_name="tiny", lora_keep_versions=KEEP, batch_groups=batch_groups, heartbeat_s=0.2
+            ),
+            train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
+        )
+        bus = await Bus.connect(cfg.bus, run=run, service="test")
+        buses.append(bus)
+        await bus.ensure_streams()
+        rec = Recorder()
+        await bus.subscribe(subjects.rollout_report_all(run), RolloutReport, rec.on_report)
+        await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
+
+        async def admission(req: AdmissionRequest):
+            return AdmissionGrant(
+                request_id=req.request_id,
+                grant_id=uuid.uuid4().hex,
+                version=max(req.loaded_versions),
+                lease_expires_at=time.time() + 60,
+            )
+
+        await bus.serve(subjects.admission(run), AdmissionRequest, admission)
+        return Run(cfg, LocalStore(tmp_path / "store"), bus, rec)
+
+    yield start
+    for bus in buses:
+        await bus.close()
+
+
+@pytest.fixture
+def base():
+    return tiny_model()
+
+
+async def test_rollout_replica_follows_versions(start_run, base):
+    run = await start_run("rt", seed=3, max_new_tokens=6, batch_groups=2)
+    rec, publish = run.rec, run.publish
+    versions = {v: peft_version(base, seed=20 + v) for v in range(3)}
 
     def replica(name: str):
         engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
-        return engine, RolloutService(
-            cfg,
-            name,
-            engine,
-            bus,
-            fetch=fetcher(cfg),
-            encode=encode,
-            decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
-            reward_fn=lambda prompt, completion, answer: float(completion.startswith(answer)),
-            prompts=prompts,
-            load_attempts=2,
-            retry_base_s=0.05,
+        return engine, run.service(
+            name, engine, reward_fn=lambda prompt, completion, answer: float(completion.startswith(answer))
         )
 
     await publish(0, versions[0][1])
@@ -162,7 +197,7 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
 
         # trajectories carry the version and logprobs of a separate forward of base + v0
         traj = next(t for t in rec.trajectories if t.replica == "r1")
-        assert traj.prompt_id in {p.prompt_id for p in prompts}
+        assert traj.prompt_id in {p.prompt_id for p in PROMPTS}
         assert len(traj.completions) == 2
         for c in traj.completions:
             assert c.versions == [0] * len(c.token_ids)
@@ -224,12 +259,9 @@ async def test_rollout_replica_follows_versions(nats_url, tmp_path, base):
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-        await bus.close()
 
 
-async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weights(
-    nats_url, tmp_path, base, monkeypatch
-):
+async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weights(start_run, base, monkeypatch):
     """The embedded fast path serves a version before its sha256 check ends. A version whose
     bytes fail the check (the event announces another sha256) is generated with while the
     check runs (it is slowed down here so that grants certainly land on it), yet no trajectory
@@ -237,32 +269,8 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
     again, and the replica goes on with the verified versions."""
     from services.rollout import load_path
 
-    run = f"rf{uuid.uuid4().hex[:8]}"
-    cfg = LorabusConfig(
-        run=run,
-        seed=4,
-        bus=BusConfig(url=nats_url),
-        store=StoreConfig(uri=f"file://{tmp_path}/store"),
-        gconfig=GenerationConfig(n_samples=2, max_new_tokens=4, temperature=1.0),
-        rollout=RolloutConfig(lora_name="tiny", lora_keep_versions=KEEP, batch_groups=1, heartbeat_s=0.2),
-        train_dataset=DatasetConfig(path="builtin:none", shuffle=True),
-    )
-    store = LocalStore(tmp_path / "store")
-    bus = await Bus.connect(cfg.bus, run=run, service="test")
-    await bus.ensure_streams()
-    rec = Recorder()
-    await bus.subscribe(subjects.rollout_report_all(run), RolloutReport, rec.on_report)
-    await bus.subscribe(subjects.trajectory_all(run), Trajectory, rec.on_trajectory)
-
-    async def admission(req: AdmissionRequest):
-        return AdmissionGrant(
-            request_id=req.request_id,
-            grant_id=uuid.uuid4().hex,
-            version=max(req.loaded_versions),
-            lease_expires_at=time.time() + 60,
-        )
-
-    await bus.serve(subjects.admission(run), AdmissionRequest, admission)
+    run = await start_run("rf", seed=4, max_new_tokens=4, batch_groups=1)
+    rec, publish = run.rec, run.publish
 
     slow_check = asyncio.Event()
     verify = load_path._verify
@@ -282,35 +290,8 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
         return await generate(requests, version)
 
     engine.generate = recording_generate  # type: ignore[method-assign]
-    stager = load_path.Stager(engine, lambda uri: store)
-    service = RolloutService(
-        cfg,
-        "f1",
-        engine,
-        bus,
-        fetch=fetcher(cfg),
-        encode=encode,
-        decode_text=lambda ids: "".join(chr(48 + i % 10) for i in ids),
-        reward_fn=lambda prompt, completion, answer: 0.0,
-        prompts=[Prompt(prompt_id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(5)],
-        load_attempts=2,
-        retry_base_s=0.05,
-        stager=stager,
-    )
-
-    async def publish(version: int, data: bytes, sha: str | None = None):
-        ref = store.put_bytes(f"{run}/adapters/v{version}/adapter_model.safetensors", data)
-        ev = AdapterReady(
-            run=run,
-            trainer_epoch="e0",
-            lora_name="tiny",
-            version=version,
-            trainer_step=version,
-            created_at=time.time(),
-            lora=SPEC,
-            payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=sha or ref.sha256)],
-        )
-        await bus.publish(subjects.adapter_ready(run, version), ev, msg_id=f"{run}-v{version}")
+    stager = load_path.Stager(engine, lambda uri: run.store)
+    service = run.service("f1", engine, reward_fn=lambda prompt, completion, answer: 0.0, stager=stager)
 
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
@@ -334,4 +315,3 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-        await bus.close()

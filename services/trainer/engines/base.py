@@ -9,6 +9,7 @@ Every rank holds one engine and calls the collective methods (`train_step`, `ada
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
+from services.trainer.loss import LossStats
 
 TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -40,6 +42,47 @@ class StepStats:
     @property
     def mean_staleness(self) -> float:
         return self.loss_stats.get("mean_staleness", 0.0)
+
+
+def summed_over_ranks(
+    stats: LossStats, loss_total: float, *, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> tuple[LossStats, float]:
+    """One rank's loss sums and summed loss, added up over the ranks of `group` (the largest
+    importance weight taken, not the sum); a collective, the tensors staged on `device`."""
+    packed = torch.cat([stats.as_tensor(), torch.tensor([loss_total], dtype=torch.float64)]).to(device)
+    dist.all_reduce(packed, group=group)
+    peak = torch.tensor([stats.imp_weight_max], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    summed = LossStats.from_tensor(packed[:-1].cpu())
+    summed.imp_weight_max = float(peak)
+    return summed, float(packed[-1])
+
+
+def step_stats(
+    groups: list[Trajectory],
+    *,
+    step: int,
+    updates: int,
+    loss_total: float,
+    stats: LossStats,
+    grad_norm: float,
+    lr: float,
+    started: float,
+) -> StepStats:
+    """The report of a train step over `groups` that made `updates` optimiser updates since
+    `started` (time.perf_counter): loss per update, reward over every completion."""
+    rewards = [c.reward for g in groups for c in g.completions]
+    return StepStats(
+        step=step,
+        loss=loss_total / updates,
+        reward_mean=sum(rewards) / len(rewards),
+        groups=len(groups),
+        tokens=int(stats.tokens),
+        grad_norm=grad_norm,
+        lr=lr,
+        step_seconds=time.perf_counter() - started,
+        loss_stats=stats.summary(),
+    )
 
 
 class TrainEngine(Protocol):

@@ -14,13 +14,19 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
 from services.trainer import batching, precision, startup
-from services.trainer.engines.base import StepStats, init_distributed, make_optimizer, resolve_device
+from services.trainer.engines.base import (
+    StepStats,
+    init_distributed,
+    make_optimizer,
+    resolve_device,
+    step_stats,
+    summed_over_ranks,
+)
 from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, wrap_lora
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.schedule import make_scheduler
@@ -224,24 +230,16 @@ class FSDP2Engine:
         self.step += 1
 
         if self.world_size > 1:
-            packed = torch.cat([stats.as_tensor(), torch.tensor([loss_total], dtype=torch.float64)])
-            dist.all_reduce(packed)
-            peak = torch.tensor([stats.imp_weight_max], dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            stats = LossStats.from_tensor(packed[:-1])
-            stats.imp_weight_max = float(peak)
-            loss_total = float(packed[-1])
-        rewards = [c.reward for g in groups for c in g.completions]
-        return StepStats(
+            stats, loss_total = summed_over_ranks(stats, loss_total)
+        return step_stats(
+            groups,
             step=self.step - 1,
-            loss=loss_total / len(plans),
-            reward_mean=sum(rewards) / len(rewards),
-            groups=len(groups),
-            tokens=int(stats.tokens),
+            updates=len(plans),
+            loss_total=loss_total,
+            stats=stats,
             grad_norm=grad_norm,
             lr=lr,
-            step_seconds=time.perf_counter() - t0,
-            loss_stats=stats.summary(),
+            started=t0,
         )
 
     # --- adapter and checkpoint state ----------------------------------------------------

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from proto.messages import Trajectory
 from services.common.config_schema import PPOConfig
 from services.trainer import batching
-from services.trainer.engines.base import StepStats
+from services.trainer.engines.base import StepStats, step_stats, summed_over_ranks
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 
@@ -116,23 +116,14 @@ def train_step(
         grad_norm = optimizer.step(grad_clip)
 
     if dp_group is not None and dp_size > 1:
-        dev = optimizer.masters[0].device
-        packed = torch.cat([stats.as_tensor(), torch.tensor([loss_total], dtype=torch.float64)]).to(dev)
-        dist.all_reduce(packed, group=dp_group)
-        peak = torch.tensor([stats.imp_weight_max], dtype=torch.float64, device=dev)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
-        stats = LossStats.from_tensor(packed[:-1].cpu())
-        stats.imp_weight_max = float(peak)
-        loss_total = float(packed[-1])
-    rewards = [c.reward for g in groups for c in g.completions]
-    return StepStats(
+        stats, loss_total = summed_over_ranks(stats, loss_total, group=dp_group, device=optimizer.masters[0].device)
+    return step_stats(
+        groups,
         step=step_index,
-        loss=loss_total / len(plans),
-        reward_mean=sum(rewards) / len(rewards),
-        groups=len(groups),
-        tokens=int(stats.tokens),
+        updates=len(plans),
+        loss_total=loss_total,
+        stats=stats,
         grad_norm=grad_norm,
         lr=lr,
-        step_seconds=time.perf_counter() - t0,
-        loss_stats=stats.summary(),
+        started=t0,
     )
