@@ -61,6 +61,7 @@ CONSUMER_PAUSE_S = 0.5
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
+_NO_RESPONDERS = "503"  # the status of a request nobody (no stream) answers
 
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
@@ -136,6 +137,42 @@ class MsgMeta(msgspec.Struct, frozen=True):
 Handler = Callable[[Any, MsgMeta], Awaitable[None]]
 
 
+class _PubAck(msgspec.Struct):
+    """A JetStream publish's answer: where it was stored, or why not."""
+
+    seq: int = 0
+    error: dict[str, Any] | None = None
+
+
+_pub_ack = msgspec.json.Decoder(_PubAck)
+
+
+def stored_seq(reply: Msg) -> int:
+    """The stream sequence a PubAck names; raises what nats-py's JetStream publish raises
+    (NoStreamResponseError for no stream, APIError for a refusal). msgspec reads it in a
+    fraction of nats-py's json + dataclass path, once per stored message on hot paths."""
+    if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
+        raise nats.js.errors.NoStreamResponseError
+    try:
+        ack = _pub_ack.decode(reply.data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise nats.js.errors.APIError(description=f"unreadable PubAck {reply.data[:200]!r}: {exc}") from None
+    if ack.error is not None:
+        raise nats.js.errors.APIError.from_error(ack.error)
+    return ack.seq
+
+
+class _AckWait:
+    """PubAcks still awaited by one `publish_all`: a sequence or an error per message."""
+
+    __slots__ = ("results", "left", "done")
+
+    def __init__(self, n: int, done: asyncio.Future):
+        self.results: list[int | BaseException | None] = [None] * n
+        self.left = n
+        self.done = done
+
+
 def _connect_options(cfg: BusConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     password = cfg.password
@@ -180,6 +217,11 @@ class Bus:
         self.consumed = MESSAGES.labels(self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
+        self._acks: Subscription | None = None
+        self._acks_prefix = ""
+        self._ack_next = 0
+        self._ack_waits: dict[str, tuple[_AckWait, int]] = {}
+        """publish_all's PubAcks still awaited, by the last token of their reply subject"""
 
     # --- connection ---------------------------------------------------------------------
 
@@ -358,9 +400,9 @@ class Bus:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
+                seq = await self._js_publish(subject, data, headers, max(0.1, min(remaining, 2.0)))
                 self.published.inc()
-                return ack.seq
+                return seq
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
                     raise BusError(
@@ -370,6 +412,14 @@ class Bus:
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> int:
+        """One JetStream publish (a request the stream answers with a PubAck): its sequence."""
+        try:
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise nats.js.errors.NoStreamResponseError from None
+        return stored_seq(reply)
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
@@ -705,7 +755,7 @@ class Bus:
         if rollup:
             headers["Nats-Rollup"] = "all"
         try:
-            return (await self.js.publish(subject, data, headers=headers, timeout=timeout)).seq
+            return await self._js_publish(subject, data, headers, timeout)
         except nats.js.errors.APIError as exc:
             if exc.err_code == _WRONG_LAST_SEQUENCE:
                 raise SequenceMismatch(f"publish {subject}: stream is past sequence {expected_last_seq}") from exc
@@ -713,12 +763,47 @@ class Bus:
 
     async def publish_all(self, msgs: list[tuple[str, bytes, str]], *, timeout: float) -> list[int | BaseException]:
         """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
-        then gather every PubAck within `timeout`: a sequence, or the error, per message."""
-        futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
-                   for subject, data, msg_id in msgs]  # fmt: skip
-        acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
-        self.published.inc(len(msgs))
-        return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
+        then gather every PubAck within `timeout`: a sequence, or the error, per message.
+
+        The PubAcks come to one inbox subscription of this Bus and fill one shared result,
+        not a future per message (nats-py's publish_async): this is the registry's per-
+        decision path."""
+        if not msgs:
+            return []
+        if self._acks is None:
+            self._acks_prefix = self.nc.new_inbox() + "."
+            self._acks = await self.nc.subscribe(self._acks_prefix + "*", cb=self._on_pub_ack)
+            self._subs.append(self._acks)
+        wait = _AckWait(len(msgs), asyncio.get_running_loop().create_future())
+        keys = []
+        try:
+            for i, (subject, data, msg_id) in enumerate(msgs):
+                self._ack_next += 1
+                key = str(self._ack_next)
+                self._ack_waits[key] = (wait, i)
+                keys.append(key)
+                await self.nc.publish(subject, data, reply=self._acks_prefix + key, headers={MSG_ID_HEADER: msg_id})
+            self.published.inc(len(msgs))
+            await asyncio.wait_for(wait.done, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            for key in keys:
+                self._ack_waits.pop(key, None)
+        return [nats.errors.TimeoutError() if r is None else r for r in wait.results]
+
+    async def _on_pub_ack(self, msg: Msg) -> None:
+        entry = self._ack_waits.pop(msg.subject[len(self._acks_prefix) :], None)
+        if entry is None:  # its publish_all gave up waiting
+            return
+        wait, i = entry
+        try:
+            wait.results[i] = stored_seq(msg)
+        except (nats.js.errors.Error, nats.errors.Error) as exc:
+            wait.results[i] = exc
+        wait.left -= 1
+        if wait.left == 0 and not wait.done.done():
+            wait.done.set_result(None)
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""

@@ -127,6 +127,34 @@ async def test_same_msg_id_is_stored_once(bus, run):
     assert info.state.messages == 2
 
 
+async def test_publish_all_answers_each_message_in_order(bus, run):
+    first = await bus.publish(subjects.trainer_step(run), step(0, run), msg_id="step-0")
+    msgs = [(subjects.trainer_step(run), codec.encode(step(i, run)), f"step-{i}") for i in range(5)]
+    msgs.insert(2, ("lorabus.nostream.here", b"{}", "lost"))  # no stream captures it
+    acks = await bus.publish_all(msgs, timeout=5.0)
+    assert acks[0] == first  # a duplicate Nats-Msg-Id is acked with the first copy's sequence
+    assert acks[1] == first + 1 and acks[3:] == [first + 2, first + 3, first + 4]
+    assert isinstance(acks[2], nats.js.errors.NoStreamResponseError)
+    # a second batch on the same inbox
+    again = await bus.publish_all([(subjects.trainer_step(run), codec.encode(step(9, run)), "step-9")], timeout=5.0)
+    assert again == [first + 5]
+    info = await bus.js.stream_info(streams.TRAINER(run))
+    assert info.state.messages == 6
+
+
+async def test_publish_all_names_the_acks_that_did_not_come(bus, run):
+    silent = f"lorabus.{run}.silent"  # a core subscriber takes it and never answers
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await bus.subscribe_raw(silent, never_answer)
+    msgs = [(subjects.trainer_step(run), codec.encode(step(0, run)), "s0"), (silent, b"{}", "x")]
+    acks = await bus.publish_all(msgs, timeout=0.5)
+    assert acks[0] == 1 and isinstance(acks[1], nats.errors.TimeoutError)
+    assert not bus._ack_waits  # nothing left waiting for an ack that will never come
+
+
 async def test_durable_resumes_without_redelivering_acked(bus, run):
     subject = subjects.trainer_step(run)
     for i in range(2):
