@@ -181,7 +181,10 @@ def start_clients(args, url: str, start_at: float, tag: int) -> list[subprocess.
     return procs
 
 
-async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[int], tag: int) -> dict:
+async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[int], tag: int,
+                  ready: asyncio.Barrier | None = None) -> dict:  # fmt: skip
+    if ready is not None:  # measured together with another stack: the same window for both
+        await ready.wait()
     start_at = time.time() + 3.0  # clients connect and warm up before this
     clients = start_clients(args, server.url, start_at, tag)
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -242,15 +245,16 @@ async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[
     }
 
 
-async def bench(args, tree: Path, tag: int) -> dict:
-    """One measurement: a fresh nats-server, `--runs` registries started from checkout `tree`."""
+async def bench(args, tree: Path, tag: int, ready: asyncio.Barrier | None = None, slot: int = 0) -> dict:
+    """One measurement: a fresh nats-server, `--runs` registries started from checkout `tree`
+    (`slot`: which of the stacks measured at once this is, for distinct metrics ports)."""
     tmp = Path(tempfile.mkdtemp(prefix="lorabus-bench-"))
     server = start_nats_server(tmp / "nats")
     registries, ports = [], []
     env = {**os.environ, "PYTHONPATH": str(tree)}  # the registry's code is the tree's, not the install's
     for r in range(args.runs):
         config = tmp / f"registry{r}.yaml"
-        ports.append(19000 + (os.getpid() * 7 + r) % 1000)
+        ports.append(19000 + (os.getpid() * 7 + 100 * slot + r) % 1000)
         # the warm-up's clients and the measured ones hold one grant at a time each
         write_config(config, f"{RUN}{r}", server.url, args.clients * 2, ports[-1])
         log = open(tmp / f"registry{r}.log", "wb")
@@ -279,7 +283,7 @@ async def bench(args, tree: Path, tag: int) -> dict:
                 await bus.request(subjects.registry_status(run), StatusRequest(run=run), RegistryStatus)
             ).ledger.head != 0:
                 await asyncio.sleep(0.05)
-        return await measure(args, bus, server, registries, ports, tag)
+        return await measure(args, bus, server, registries, ports, tag, ready)
     finally:
         await bus.close()
         for proc in registries:
@@ -292,11 +296,24 @@ async def bench(args, tree: Path, tag: int) -> dict:
 
 def run_all(args) -> dict:
     """`--repeat` measurements of this checkout's registry, alternating with the baseline's
-    (if any) and swapping which goes first, so both see the same drift in the machine's load."""
+    (if any) and swapping which goes first, so both see the same drift in the machine's load;
+    with `--together`, both stacks at once, in the same measurement window."""
     trees = [("this", REPO)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
     tag = 0
     for i in range(args.repeat):
+        if args.together and len(trees) == 2:
+
+            async def both(tag: int) -> list[dict]:
+                ready = asyncio.Barrier(2)
+                return await asyncio.gather(
+                    *(bench(args, tree, tag, ready, slot) for slot, (_, tree) in enumerate(trees))
+                )
+
+            for (label, _), measured in zip(trees, asyncio.run(both(tag))):
+                runs[label].append(measured)
+            tag += 1
+            continue
         for label, tree in trees if i % 2 == 0 else trees[::-1]:
             runs[label].append(asyncio.run(bench(args, tree, tag)))
             tag += 1
@@ -349,6 +366,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--profile", help="run the registry under cProfile, stats to FILE.<measurement>.<run>")
     parser.add_argument("--baseline", help="a checkout whose registry is measured alternately with this one's")
+    parser.add_argument("--together", action="store_true",
+                        help="with --baseline: measure both stacks at once instead of alternately")  # fmt: skip
     parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", default=f"{RUN}0", help=argparse.SUPPRESS)

@@ -18,6 +18,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
 
 import msgspec
@@ -172,6 +173,20 @@ class _AckWait:
         self.left = n
         self.done = done
 
+    def take(self, i: int, reply: Msg) -> None:
+        try:
+            self.results[i] = stored_seq(reply)
+        except nats.errors.Error as exc:
+            self.results[i] = exc
+        self.left -= 1
+        if self.left == 0:
+            _settle_future(self.done, None)
+
+
+def _settle_future(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
 
 def _connect_options(cfg: BusConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
@@ -217,11 +232,13 @@ class Bus:
         self.consumed = MESSAGES.labels(self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
-        self._acks: Subscription | None = None
-        self._acks_prefix = ""
-        self._ack_next = 0
-        self._ack_waits: dict[str, tuple[_AckWait, int]] = {}
-        """publish_all's PubAcks still awaited, by the last token of their reply subject"""
+        self._replies: Subscription | None = None
+        self._replies_prefix = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """the loop the reply inbox runs on (kept: on Python 3.11 each lookup costs a getpid())"""
+        self._reply_next = 0
+        self._reply_waits: dict[str, Callable[[Msg], None]] = {}
+        """what to do with each awaited reply (an answer, a PubAck), by its reply subject's last token"""
 
     # --- connection ---------------------------------------------------------------------
 
@@ -416,10 +433,66 @@ class Bus:
     async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> int:
         """One JetStream publish (a request the stream answers with a PubAck): its sequence."""
         try:
-            reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+            reply = await self._request_raw(subject, data, headers, timeout)
         except nats.errors.NoRespondersError:
             raise nats.js.errors.NoStreamResponseError from None
         return stored_seq(reply)
+
+    # --- replies: one inbox per Bus for every answer it waits for -----------------------------
+    #
+    # nats-py's request costs a random token, a NUID, a done-callback and a wait_for (a waiter
+    # and a timer) per call, and its publish_async a semaphore, a token and a future per message;
+    # these run several times per decision (rollout, registry). Here: a counter, a dict entry
+    # and one timer per wait.
+
+    async def _open_replies(self) -> asyncio.AbstractEventLoop:
+        """Subscribe the reply inbox (once); the loop it runs on."""
+        if self._loop is None:
+            # set before the await: a request made meanwhile uses this inbox (its SUB goes out
+            # first, on the same connection) instead of subscribing a second one
+            loop = self._loop = asyncio.get_running_loop()
+            self._replies_prefix = self.nc.new_inbox() + "."
+            try:
+                self._replies = await self.nc.subscribe(self._replies_prefix + "*", cb=self._on_reply)
+            except BaseException:
+                self._loop = None
+                raise
+            self._subs.append(self._replies)
+            return loop
+        return self._loop
+
+    def _reply_to(self, on_reply: Callable[[Msg], None]) -> str:
+        """A reply subject whose one message goes to `on_reply` (drop it with `_forget`)."""
+        self._reply_next += 1
+        key = str(self._reply_next)
+        self._reply_waits[key] = on_reply
+        return self._replies_prefix + key
+
+    def _forget(self, reply_to: str) -> None:
+        self._reply_waits.pop(reply_to[len(self._replies_prefix) :], None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        on_reply = self._reply_waits.pop(msg.subject[len(self._replies_prefix) :], None)
+        if on_reply is not None:  # else its waiter gave up
+            on_reply(msg)
+
+    async def _request_raw(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> Msg:
+        """Core request: the reply, or nats.errors.TimeoutError / NoRespondersError as nats-py."""
+        loop = self._loop or await self._open_replies()
+        answer: asyncio.Future = loop.create_future()
+        reply_to = self._reply_to(partial(_settle_future, answer))
+        timer = loop.call_later(timeout, _settle_future, answer, None)
+        try:
+            await self.nc.publish(subject, data, reply=reply_to, headers=headers)
+            reply = await answer
+        finally:
+            timer.cancel()
+            self._forget(reply_to)
+        if reply is None:
+            raise nats.errors.TimeoutError
+        if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
+            raise nats.errors.NoRespondersError
+        return reply
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
@@ -430,6 +503,12 @@ class Bus:
         """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
         await self.nc.publish(subject, data)
         self.published.inc()
+
+    async def send_all(self, msgs: list[tuple[str, bytes]]) -> None:
+        """`send_raw` of each `(subject, data)`, counted once (a burst's decisions or replies)."""
+        for subject, data in msgs:
+            await self.nc.publish(subject, data)
+        self.published.inc(len(msgs))
 
     async def dead_letter(
         self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
@@ -456,7 +535,7 @@ class Bus:
     async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T] | Any, *, timeout: float = 2.0) -> T:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
-        reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
+        reply = await self._request_raw(subject, codec.encode(msg), None, timeout)
         self.published.inc()
         self.consumed.inc()
         return decode(reply.data, reply_type)
@@ -763,47 +842,27 @@ class Bus:
 
     async def publish_all(self, msgs: list[tuple[str, bytes, str]], *, timeout: float) -> list[int | BaseException]:
         """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
-        then gather every PubAck within `timeout`: a sequence, or the error, per message.
-
-        The PubAcks come to one inbox subscription of this Bus and fill one shared result,
-        not a future per message (nats-py's publish_async): this is the registry's per-
-        decision path."""
+        then gather every PubAck within `timeout`: a sequence, or the error, per message (a
+        PubAck that did not come: nats.errors.TimeoutError)."""
         if not msgs:
             return []
-        if self._acks is None:
-            self._acks_prefix = self.nc.new_inbox() + "."
-            self._acks = await self.nc.subscribe(self._acks_prefix + "*", cb=self._on_pub_ack)
-            self._subs.append(self._acks)
-        wait = _AckWait(len(msgs), asyncio.get_running_loop().create_future())
-        keys = []
+        loop = self._loop or await self._open_replies()
+        wait = _AckWait(len(msgs), loop.create_future())
+        reply_tos = []
+        timer = None
         try:
             for i, (subject, data, msg_id) in enumerate(msgs):
-                self._ack_next += 1
-                key = str(self._ack_next)
-                self._ack_waits[key] = (wait, i)
-                keys.append(key)
-                await self.nc.publish(subject, data, reply=self._acks_prefix + key, headers={MSG_ID_HEADER: msg_id})
+                reply_tos.append(reply_to := self._reply_to(partial(wait.take, i)))
+                await self.nc.publish(subject, data, reply=reply_to, headers={MSG_ID_HEADER: msg_id})
             self.published.inc(len(msgs))
-            await asyncio.wait_for(wait.done, timeout)
-        except TimeoutError:
-            pass
+            timer = loop.call_later(timeout, _settle_future, wait.done, None)
+            await wait.done
         finally:
-            for key in keys:
-                self._ack_waits.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+            for reply_to in reply_tos:
+                self._forget(reply_to)
         return [nats.errors.TimeoutError() if r is None else r for r in wait.results]
-
-    async def _on_pub_ack(self, msg: Msg) -> None:
-        entry = self._ack_waits.pop(msg.subject[len(self._acks_prefix) :], None)
-        if entry is None:  # its publish_all gave up waiting
-            return
-        wait, i = entry
-        try:
-            wait.results[i] = stored_seq(msg)
-        except (nats.js.errors.Error, nats.errors.Error) as exc:
-            wait.results[i] = exc
-        wait.left -= 1
-        if wait.left == 0 and not wait.done.done():
-            wait.done.set_result(None)
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""

@@ -152,6 +152,7 @@ class Puller(Generic[T]):
         self._refused: str | None = None
         self._last_pull = 0.0
         self._sub: Subscription | None = None
+        self._loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup costs a getpid()
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
@@ -206,9 +207,8 @@ class Puller(Generic[T]):
     async def _wait(self, timeout: float) -> None:
         """Until the next message or end of a pull request (`_wake`), or `timeout`: a future and
         a timer, where wait_for(Event.wait()) would make a task per wait (one per burst)."""
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(max(timeout, 0.0), _release, waiter)
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(max(timeout, 0.0), _release, waiter)
         try:
             await waiter
         finally:

@@ -275,6 +275,7 @@ class RegistryService:
     async def _decide_burst(self, deliveries: list[Delivery[Trajectory]]) -> None:
         started = time.perf_counter()
         decided = []  # (delivery, decision, republish?)
+        verdicts: dict[str, int] = {}
         now = self.clock()
         for d in deliveries:
             trajectory = d.msg
@@ -283,7 +284,7 @@ class RegistryService:
                 if first is None:
                     sender = subjects.parse_trajectory(d.meta.subject)[1]
                     decision = self.journal.apply(DecideOp(policy.decision_input(trajectory, sender), now))
-                    metrics.verdict_count(decision.verdict).inc()
+                    verdicts[decision.verdict] = verdicts.get(decision.verdict, 0) + 1
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
                 else:
@@ -296,6 +297,8 @@ class RegistryService:
             # is sent again; the msg_id makes JetStream drop it if the first one got through.
             again = decision.verdict == "accepted" and (first is None or d.meta.num_delivered > 1)
             decided.append((d, decision, again))
+        for verdict, n in verdicts.items():
+            metrics.verdict_count(verdict).inc(n)
         if not decided:
             return
         await self._commit()
@@ -305,8 +308,8 @@ class RegistryService:
         )
         # The decision is a notification (the DECISIONS stream records it); its source of
         # truth is the ledger, and a resent trajectory gets it again.
-        for d, decision, _ in decided:
-            await self.bus.send_raw(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+                                 for d, decision, _ in decided])  # fmt: skip
         failed = set()
         for d, ack in zip(resend, acks):
             if isinstance(ack, BaseException):  # redelivered later, republished then

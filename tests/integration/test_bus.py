@@ -21,7 +21,7 @@ from proto.messages import (
     TrainerStep,
 )
 from services.common import streams
-from services.common.bus import Bus, MsgMeta, Refused
+from services.common.bus import Bus, BusError, MsgMeta, Refused
 from services.common.config_schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
@@ -152,7 +152,7 @@ async def test_publish_all_names_the_acks_that_did_not_come(bus, run):
     msgs = [(subjects.trainer_step(run), codec.encode(step(0, run)), "s0"), (silent, b"{}", "x")]
     acks = await bus.publish_all(msgs, timeout=0.5)
     assert acks[0] == 1 and isinstance(acks[1], nats.errors.TimeoutError)
-    assert not bus._ack_waits  # nothing left waiting for an ack that will never come
+    assert not bus._reply_waits  # nothing left waiting for an ack that will never come
 
 
 async def test_durable_resumes_without_redelivering_acked(bus, run):
@@ -351,6 +351,33 @@ async def test_request_serve_round_trip(bus, run):
     [letter] = await dead_letters(bus, "tester", 1)
     assert letter.reason == "validation" and letter.subject == subject
     assert len(seen) == 2
+
+
+async def test_requests_share_one_inbox_and_fail_as_nats_py_does(bus, run):
+    subject = subjects.admission(run)
+
+    async def admit(req: AdmissionRequest) -> AdmissionGrant:
+        await asyncio.sleep(0.001 * (int(req.request_id) % 7))  # answers come back out of order
+        return AdmissionGrant(request_id=req.request_id, grant_id=f"g{req.request_id}", version=0,
+                              lease_expires_at=time.time() + 60)  # fmt: skip
+
+    await bus.serve(subject, AdmissionRequest, admit)
+    asks = [AdmissionRequest(run=run, replica="r0", request_id=str(i)) for i in range(40)]
+    grants = await asyncio.gather(*(bus.request(subject, ask, AdmissionReply) for ask in asks))
+    assert [g.grant_id for g in grants] == [f"g{i}" for i in range(40)]
+
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.request(f"lorabus.{run}.nobody", asks[0], AdmissionReply, timeout=2.0)
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await bus.subscribe_raw(f"lorabus.{run}.silent", never_answer)
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.request(f"lorabus.{run}.silent", asks[0], AdmissionReply, timeout=0.3)
+    with pytest.raises(BusError, match="NoStreamResponseError"):  # a JetStream publish no stream takes
+        await bus.publish(f"lorabus.{run}.nostream", asks[0], timeout=0.5)
+    assert not bus._reply_waits
 
 
 async def test_subscribe_core(bus, run):
