@@ -251,7 +251,8 @@ async def bench(args, tree: Path, tag: int, ready: asyncio.Barrier | None = None
     tmp = Path(tempfile.mkdtemp(prefix="lorabus-bench-"))
     server = start_nats_server(tmp / "nats")
     registries, ports = [], []
-    env = {**os.environ, "PYTHONPATH": str(tree)}  # the registry's code is the tree's, not the install's
+    # the registry's code is the tree's (ahead of an install, and of carried wheels' PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     for r in range(args.runs):
         config = tmp / f"registry{r}.yaml"
         ports.append(19000 + (os.getpid() * 7 + 100 * slot + r) % 1000)
