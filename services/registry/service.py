@@ -31,10 +31,12 @@ Measured (benchmarks/results/registry*.json): ~105-115 us of registry CPU per ad
 decision on 2 shared cores, 0.73x main's before the Bus's own reply inbox (PubAcks read by
 msgspec, no per-message future, token or wait_for) and the pull reader's cheap stream position;
 most of what is left is the seven small messages through nats-py. The hot path labels its
-metrics once, counts them per burst, screens logprobs at C speed and runs on uvloop. Past one process it scales out as one registry process per run (the ledger, journal,
-streams and policy are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms,
-with the host's CPUs the limit. Splitting one run's capacity across processes is not done: it
-would strand capacity in idle slices, and one run needs far less than a process gives.
+metrics once, counts them per burst, screens logprobs at C speed and runs on uvloop. Past one
+process it scales out as one registry process per run (the ledger, journal, streams and policy
+are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms on 16 cores before
+this round, with the host's CPUs the limit. Splitting one run's capacity across processes is
+not done: it would strand capacity in idle slices, and one run needs far less than a process
+gives.
 """
 
 from __future__ import annotations
