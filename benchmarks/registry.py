@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -53,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from proto import subjects  # noqa: E402
 from proto.messages import (  # noqa: E402
     AdapterReady,
+    AdmissionDeny,
     AdmissionGrant,
     AdmissionReply,
     AdmissionRequest,
@@ -131,7 +133,7 @@ async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict, tag: 
     while time.perf_counter() < stop_at:
         n += 1
         t0 = time.perf_counter()
-        reply = await bus.request(
+        reply: AdmissionGrant | AdmissionDeny = await bus.request(
             subjects.admission(run),
             AdmissionRequest(run=run, replica=replica, request_id=f"{replica}-{n}", loaded_versions=[0]),
             AdmissionReply,
@@ -211,7 +213,7 @@ async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[
     await asyncio.sleep(args.seconds)
     cpu1 = cpu_now(True)
     writes = sum(scrape(port, "lorabus_registry_ledger_writes_total") for port in metrics_ports) - writes0
-    out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
+    out: dict[str, Any] = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
     for c in clients:
         stdout, _ = await asyncio.to_thread(c.communicate, timeout=60)
         part = json.loads(stdout)
