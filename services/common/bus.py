@@ -18,6 +18,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
 
 import msgspec
@@ -61,6 +62,7 @@ CONSUMER_PAUSE_S = 0.5
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
+_NO_RESPONDERS = "503"  # the status of a request nobody (no stream) answers
 
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
@@ -136,6 +138,56 @@ class MsgMeta(msgspec.Struct, frozen=True):
 Handler = Callable[[Any, MsgMeta], Awaitable[None]]
 
 
+class _PubAck(msgspec.Struct):
+    """A JetStream publish's answer: where it was stored, or why not."""
+
+    seq: int = 0
+    error: dict[str, Any] | None = None
+
+
+_pub_ack = msgspec.json.Decoder(_PubAck)
+
+
+def stored_seq(reply: Msg) -> int:
+    """The stream sequence a PubAck names; raises what nats-py's JetStream publish raises
+    (NoStreamResponseError for no stream, APIError for a refusal). msgspec reads it in a
+    fraction of nats-py's json + dataclass path, once per stored message on hot paths."""
+    if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
+        raise nats.js.errors.NoStreamResponseError
+    try:
+        ack = _pub_ack.decode(reply.data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise nats.js.errors.APIError(description=f"unreadable PubAck {reply.data[:200]!r}: {exc}") from None
+    if ack.error is not None:
+        raise nats.js.errors.APIError.from_error(ack.error)
+    return ack.seq
+
+
+class _AckWait:
+    """PubAcks still awaited by one `publish_all`: a sequence or an error per message."""
+
+    __slots__ = ("results", "left", "done")
+
+    def __init__(self, n: int, done: asyncio.Future):
+        self.results: list[int | BaseException | None] = [None] * n
+        self.left = n
+        self.done = done
+
+    def take(self, i: int, reply: Msg) -> None:
+        try:
+            self.results[i] = stored_seq(reply)
+        except nats.errors.Error as exc:
+            self.results[i] = exc
+        self.left -= 1
+        if self.left == 0:
+            _settle_future(self.done, None)
+
+
+def _settle_future(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 def _connect_options(cfg: BusConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     password = cfg.password
@@ -180,6 +232,13 @@ class Bus:
         self.consumed = MESSAGES.labels(self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
+        self._replies: Subscription | None = None
+        self._replies_prefix = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """the loop the reply inbox runs on (kept: on Python 3.11 each lookup costs a getpid())"""
+        self._reply_next = 0
+        self._reply_waits: dict[str, Callable[[Msg], None]] = {}
+        """what to do with each awaited reply (an answer, a PubAck), by its reply subject's last token"""
 
     # --- connection ---------------------------------------------------------------------
 
@@ -358,9 +417,9 @@ class Bus:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                ack = await self.js.publish(subject, data, headers=headers, timeout=max(0.1, min(remaining, 2.0)))
+                seq = await self._js_publish(subject, data, headers, max(0.1, min(remaining, 2.0)))
                 self.published.inc()
-                return ack.seq
+                return seq
             except TRANSIENT_ERRORS as exc:
                 if time.monotonic() + delay >= deadline:
                     raise BusError(
@@ -371,6 +430,70 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> int:
+        """One JetStream publish (a request the stream answers with a PubAck): its sequence."""
+        try:
+            reply = await self._request_raw(subject, data, headers, timeout)
+        except nats.errors.NoRespondersError:
+            raise nats.js.errors.NoStreamResponseError from None
+        return stored_seq(reply)
+
+    # --- replies: one inbox per Bus for every answer it waits for -----------------------------
+    #
+    # nats-py's request costs a random token, a NUID, a done-callback and a wait_for (a waiter
+    # and a timer) per call, and its publish_async a semaphore, a token and a future per message;
+    # these run several times per decision (rollout, registry). Here: a counter, a dict entry
+    # and one timer per wait.
+
+    async def _open_replies(self) -> asyncio.AbstractEventLoop:
+        """Subscribe the reply inbox (once); the loop it runs on."""
+        if self._loop is None:
+            # set before the await: a request made meanwhile uses this inbox (its SUB goes out
+            # first, on the same connection) instead of subscribing a second one
+            loop = self._loop = asyncio.get_running_loop()
+            self._replies_prefix = self.nc.new_inbox() + "."
+            try:
+                self._replies = await self.nc.subscribe(self._replies_prefix + "*", cb=self._on_reply)
+            except BaseException:
+                self._loop = None
+                raise
+            self._subs.append(self._replies)
+            return loop
+        return self._loop
+
+    def _reply_to(self, on_reply: Callable[[Msg], None]) -> str:
+        """A reply subject whose one message goes to `on_reply` (drop it with `_forget`)."""
+        self._reply_next += 1
+        key = str(self._reply_next)
+        self._reply_waits[key] = on_reply
+        return self._replies_prefix + key
+
+    def _forget(self, reply_to: str) -> None:
+        self._reply_waits.pop(reply_to[len(self._replies_prefix) :], None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        on_reply = self._reply_waits.pop(msg.subject[len(self._replies_prefix) :], None)
+        if on_reply is not None:  # else its waiter gave up
+            on_reply(msg)
+
+    async def _request_raw(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> Msg:
+        """Core request: the reply, or nats.errors.TimeoutError / NoRespondersError as nats-py."""
+        loop = self._loop or await self._open_replies()
+        answer: asyncio.Future = loop.create_future()
+        reply_to = self._reply_to(partial(_settle_future, answer))
+        timer = loop.call_later(timeout, _settle_future, answer, None)
+        try:
+            await self.nc.publish(subject, data, reply=reply_to, headers=headers)
+            reply = await answer
+        finally:
+            timer.cancel()
+            self._forget(reply_to)
+        if reply is None:
+            raise nats.errors.TimeoutError
+        if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
+            raise nats.errors.NoRespondersError
+        return reply
+
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
         await self.nc.publish(subject, codec.encode(msg))
@@ -380,6 +503,12 @@ class Bus:
         """Core NATS publish of bytes already encoded (a reply prepared ahead of time)."""
         await self.nc.publish(subject, data)
         self.published.inc()
+
+    async def send_all(self, msgs: list[tuple[str, bytes]]) -> None:
+        """`send_raw` of each `(subject, data)`, counted once (a burst's decisions or replies)."""
+        for subject, data in msgs:
+            await self.nc.publish(subject, data)
+        self.published.inc(len(msgs))
 
     async def dead_letter(
         self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
@@ -406,7 +535,7 @@ class Bus:
     async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T] | Any, *, timeout: float = 2.0) -> T:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
-        reply = await self.nc.request(subject, codec.encode(msg), timeout=timeout)
+        reply = await self._request_raw(subject, codec.encode(msg), None, timeout)
         self.published.inc()
         self.consumed.inc()
         return decode(reply.data, reply_type)
@@ -705,7 +834,7 @@ class Bus:
         if rollup:
             headers["Nats-Rollup"] = "all"
         try:
-            return (await self.js.publish(subject, data, headers=headers, timeout=timeout)).seq
+            return await self._js_publish(subject, data, headers, timeout)
         except nats.js.errors.APIError as exc:
             if exc.err_code == _WRONG_LAST_SEQUENCE:
                 raise SequenceMismatch(f"publish {subject}: stream is past sequence {expected_last_seq}") from exc
@@ -713,12 +842,27 @@ class Bus:
 
     async def publish_all(self, msgs: list[tuple[str, bytes, str]], *, timeout: float) -> list[int | BaseException]:
         """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
-        then gather every PubAck within `timeout`: a sequence, or the error, per message."""
-        futures = [await self.js.publish_async(subject, data, headers={MSG_ID_HEADER: msg_id})
-                   for subject, data, msg_id in msgs]  # fmt: skip
-        acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
-        self.published.inc(len(msgs))
-        return [ack if isinstance(ack, BaseException) else ack.seq for ack in acks]
+        then gather every PubAck within `timeout`: a sequence, or the error, per message (a
+        PubAck that did not come: nats.errors.TimeoutError)."""
+        if not msgs:
+            return []
+        loop = self._loop or await self._open_replies()
+        wait = _AckWait(len(msgs), loop.create_future())
+        reply_tos = []
+        timer = None
+        try:
+            for i, (subject, data, msg_id) in enumerate(msgs):
+                reply_tos.append(reply_to := self._reply_to(partial(wait.take, i)))
+                await self.nc.publish(subject, data, reply=reply_to, headers={MSG_ID_HEADER: msg_id})
+            self.published.inc(len(msgs))
+            timer = loop.call_later(timeout, _settle_future, wait.done, None)
+            await wait.done
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for reply_to in reply_tos:
+                self._forget(reply_to)
+        return [nats.errors.TimeoutError() if r is None else r for r in wait.results]
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""

@@ -52,6 +52,24 @@ IDLE_S = 0.5
 _ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end of a pull
 
 
+def stream_position(reply: str) -> tuple[int, int] | None:
+    """(stream sequence, times delivered) from a JetStream delivery's ack subject, or None if
+    it is not one: the two facts of nats-py's `Msg.metadata` a consumer needs, without its
+    datetime and dataclasses (read once per delivery on the registry's hot path).
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`, or
+    with `<domain>.<account hash>` after `ACK` (and an optional trailing token) in the newer form.
+    """
+    t = reply.split(".")
+    if len(t) < 9 or t[0] != "$JS" or t[1] != "ACK":
+        return None
+    if len(t) == 9:
+        return int(t[5]), int(t[4])
+    if len(t) >= 11:
+        return int(t[7]), int(t[6])
+    return None
+
+
 class Delivery(Generic[T]):
     """One decoded message of a durable consumer, to be settled exactly once."""
 
@@ -96,6 +114,11 @@ class Delivery(Generic[T]):
         await self.nak(delay=reader.retry_delay_s * 2 ** (n - 1))
 
 
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 async def _settle(ack: Awaitable[None]) -> None:
     """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
     try:
@@ -116,8 +139,8 @@ class Puller(Generic[T]):
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
         self._buf: list[Msg] = []
-        self._ready = asyncio.Event()
-        """set when a message arrives or a pull request ends"""
+        self._waiter: asyncio.Future | None = None
+        """what `_wait` waits on: done when a message arrives or a pull request ends"""
         self._credit = 0
         """messages the open pull request(s) may still deliver"""
         self._requests = 0
@@ -129,6 +152,7 @@ class Puller(Generic[T]):
         self._refused: str | None = None
         self._last_pull = 0.0
         self._sub: Subscription | None = None
+        self._loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup costs a getpid()
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
@@ -159,7 +183,11 @@ class Puller(Generic[T]):
                 self._credit = 0
             elif msg.subject == self._current:  # a late status of an earlier fetch ends nothing
                 self._credit, self._ended = 0, True
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            _release(self._waiter)
 
     async def _pull(self, n: int, *, expires_s: float | None) -> None:
         """One pull request for `n` messages; without `expires_s` the server answers at once."""
@@ -177,11 +205,15 @@ class Puller(Generic[T]):
         await self._nc.publish(self._next, msgspec.json.encode(request), reply=self._current)
 
     async def _wait(self, timeout: float) -> None:
-        self._ready.clear()
+        """Until the next message or end of a pull request (`_wake`), or `timeout`: a future and
+        a timer, where wait_for(Event.wait()) would make a task per wait (one per burst)."""
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(max(timeout, 0.0), _release, waiter)
         try:
-            await asyncio.wait_for(self._ready.wait(), max(timeout, 0.0))
-        except TimeoutError:
-            pass
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     def _done(self) -> bool:
         return self._ended or time.monotonic() > self._open_until
@@ -230,8 +262,8 @@ class Puller(Generic[T]):
                 self._credit, self._ended = 0, True
                 await asyncio.sleep(IDLE_S)
             raw, self._buf = self._buf[:want], self._buf[want:]
-            if self._buf:
-                self._ready.set()
+            if raw:
+                self.bus.consumed.inc(len(raw))
             deliveries = [d for m in raw if (d := await self._decode(m)) is not None]
             if self.keep_open and deliveries and self._credit <= self.batch // 2:
                 await self._pull(self.batch - self._credit, expires_s=PULL_EXPIRES_S)  # no wait next time
@@ -254,14 +286,11 @@ class Puller(Generic[T]):
                     await d.in_progress()
 
     async def _decode(self, raw: Msg) -> Delivery[T] | None:
-        self.bus.consumed.inc()
-        info = raw.metadata
-        meta = MsgMeta(
-            subject=raw.subject,
-            stream_seq=info.sequence.stream,
-            num_delivered=info.num_delivered,
-            msg_id=(raw.headers or {}).get(MSG_ID_HEADER),
-        )
+        position = stream_position(raw.reply)
+        if position is None:  # a form this reader does not know: nats-py's reading (or its error)
+            position = raw.metadata.sequence.stream, raw.metadata.num_delivered
+        headers = raw.headers
+        meta = MsgMeta(raw.subject, position[0], position[1], headers.get(MSG_ID_HEADER) if headers else None)
         try:
             msg = decode(raw.data, self.msg_type)
         except codec.DecodeError as exc:

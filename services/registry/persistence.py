@@ -371,8 +371,7 @@ class Journal:
                     if not isinstance(exc, Exception):
                         raise
                     return
-                for subject, data in batch.outbox:
-                    await self.bus.send_raw(subject, data)
+                await self.bus.send_all(batch.outbox)
                 if batch.done is not None and not batch.done.done():
                     batch.done.set_result(None)
         finally:

@@ -27,13 +27,16 @@ Throughput comes from batching every step around that rule, not from weakening i
 Writes are compare-and-set on the stream sequence: a second registry for the same run makes
 the first one's next write fail, and it stops instead of interleaving with the other.
 
-Measured (benchmarks/results/registry_h200_host.json, 16 cores): one registry ~6.6k
-decisions/s at ~140 us of its CPU per admission + decision, most of it the seven small messages
-through nats-py; the hot path labels its metrics once, screens logprobs at C speed and runs on
-uvloop. Past one process it scales out as one registry process per run (the ledger, journal,
-streams and policy are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms,
-with the host's CPUs the limit. Splitting one run's capacity across processes is not done: it
-would strand capacity in idle slices, and one run needs far less than a process gives.
+Measured (benchmarks/results/registry*.json): ~105-115 us of registry CPU per admission +
+decision on 2 shared cores, 0.73x main's before the Bus's own reply inbox (PubAcks read by
+msgspec, no per-message future, token or wait_for) and the pull reader's cheap stream position;
+most of what is left is the seven small messages through nats-py. The hot path labels its
+metrics once, counts them per burst, screens logprobs at C speed and runs on uvloop. Past one
+process it scales out as one registry process per run (the ledger, journal, streams and policy
+are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms on 16 cores before
+this round, with the host's CPUs the limit. Splitting one run's capacity across processes is
+not done: it would strand capacity in idle slices, and one run needs far less than a process
+gives.
 """
 
 from __future__ import annotations
@@ -275,6 +278,7 @@ class RegistryService:
     async def _decide_burst(self, deliveries: list[Delivery[Trajectory]]) -> None:
         started = time.perf_counter()
         decided = []  # (delivery, decision, republish?)
+        verdicts: dict[str, int] = {}
         now = self.clock()
         for d in deliveries:
             trajectory = d.msg
@@ -283,7 +287,7 @@ class RegistryService:
                 if first is None:
                     sender = subjects.parse_trajectory(d.meta.subject)[1]
                     decision = self.journal.apply(DecideOp(policy.decision_input(trajectory, sender), now))
-                    metrics.verdict_count(decision.verdict).inc()
+                    verdicts[decision.verdict] = verdicts.get(decision.verdict, 0) + 1
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
                 else:
@@ -296,6 +300,8 @@ class RegistryService:
             # is sent again; the msg_id makes JetStream drop it if the first one got through.
             again = decision.verdict == "accepted" and (first is None or d.meta.num_delivered > 1)
             decided.append((d, decision, again))
+        for verdict, n in verdicts.items():
+            metrics.verdict_count(verdict).inc(n)
         if not decided:
             return
         await self._commit()
@@ -305,8 +311,8 @@ class RegistryService:
         )
         # The decision is a notification (the DECISIONS stream records it); its source of
         # truth is the ledger, and a resent trajectory gets it again.
-        for d, decision, _ in decided:
-            await self.bus.send_raw(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+                                 for d, decision, _ in decided])  # fmt: skip
         failed = set()
         for d, ack in zip(resend, acks):
             if isinstance(ack, BaseException):  # redelivered later, republished then

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import ClassVar
 
 import msgspec
 
 from proto import subjects
+from proto.codec import MAX_MESSAGE_BYTES
 from proto.messages import Message, Name, UnixTime
 from services.common import entry
 from services.common.config_schema import LorabusConfig
@@ -27,6 +29,9 @@ class StatusRequest(Message, kw_only=True):
 class RegistryStatus(Message, kw_only=True):
     """The registry's answer: its ledger (without the remembered trajectory ids, which are
     only counted) and the policy figures derived from it."""
+
+    max_bytes: ClassVar[int] = MAX_MESSAGE_BYTES
+    """the ledger grows with its replicas (up to MAX_REPLICAS) and grants: tens of KB in a busy run"""
 
     run: Name
     ledger: Ledger

@@ -21,7 +21,7 @@ from proto.messages import (
     TrainerStep,
 )
 from services.common import streams
-from services.common.bus import Bus, MsgMeta, Refused
+from services.common.bus import Bus, BusError, MsgMeta, Refused
 from services.common.config_schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
@@ -125,6 +125,34 @@ async def test_same_msg_id_is_stored_once(bus, run):
     assert first == again == 1 and other == 2
     info = await bus.js.stream_info(streams.TRAINER(run))
     assert info.state.messages == 2
+
+
+async def test_publish_all_answers_each_message_in_order(bus, run):
+    first = await bus.publish(subjects.trainer_step(run), step(0, run), msg_id="step-0")
+    msgs = [(subjects.trainer_step(run), codec.encode(step(i, run)), f"step-{i}") for i in range(5)]
+    msgs.insert(2, ("lorabus.nostream.here", b"{}", "lost"))  # no stream captures it
+    acks = await bus.publish_all(msgs, timeout=5.0)
+    assert acks[0] == first  # a duplicate Nats-Msg-Id is acked with the first copy's sequence
+    assert acks[1] == first + 1 and acks[3:] == [first + 2, first + 3, first + 4]
+    assert isinstance(acks[2], nats.js.errors.NoStreamResponseError)
+    # a second batch on the same inbox
+    again = await bus.publish_all([(subjects.trainer_step(run), codec.encode(step(9, run)), "step-9")], timeout=5.0)
+    assert again == [first + 5]
+    info = await bus.js.stream_info(streams.TRAINER(run))
+    assert info.state.messages == 6
+
+
+async def test_publish_all_names_the_acks_that_did_not_come(bus, run):
+    silent = f"lorabus.{run}.silent"  # a core subscriber takes it and never answers
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await bus.subscribe_raw(silent, never_answer)
+    msgs = [(subjects.trainer_step(run), codec.encode(step(0, run)), "s0"), (silent, b"{}", "x")]
+    acks = await bus.publish_all(msgs, timeout=0.5)
+    assert acks[0] == 1 and isinstance(acks[1], nats.errors.TimeoutError)
+    assert not bus._reply_waits  # nothing left waiting for an ack that will never come
 
 
 async def test_durable_resumes_without_redelivering_acked(bus, run):
@@ -323,6 +351,33 @@ async def test_request_serve_round_trip(bus, run):
     [letter] = await dead_letters(bus, "tester", 1)
     assert letter.reason == "validation" and letter.subject == subject
     assert len(seen) == 2
+
+
+async def test_requests_share_one_inbox_and_fail_as_nats_py_does(bus, run):
+    subject = subjects.admission(run)
+
+    async def admit(req: AdmissionRequest) -> AdmissionGrant:
+        await asyncio.sleep(0.001 * (int(req.request_id) % 7))  # answers come back out of order
+        return AdmissionGrant(request_id=req.request_id, grant_id=f"g{req.request_id}", version=0,
+                              lease_expires_at=time.time() + 60)  # fmt: skip
+
+    await bus.serve(subject, AdmissionRequest, admit)
+    asks = [AdmissionRequest(run=run, replica="r0", request_id=str(i)) for i in range(40)]
+    grants = await asyncio.gather(*(bus.request(subject, ask, AdmissionReply) for ask in asks))
+    assert [g.grant_id for g in grants] == [f"g{i}" for i in range(40)]
+
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.request(f"lorabus.{run}.nobody", asks[0], AdmissionReply, timeout=2.0)
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await bus.subscribe_raw(f"lorabus.{run}.silent", never_answer)
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.request(f"lorabus.{run}.silent", asks[0], AdmissionReply, timeout=0.3)
+    with pytest.raises(BusError, match="NoStreamResponseError"):  # a JetStream publish no stream takes
+        await bus.publish(f"lorabus.{run}.nostream", asks[0], timeout=0.5)
+    assert not bus._reply_waits
 
 
 async def test_subscribe_core(bus, run):

@@ -17,6 +17,7 @@ from proto import messages as m
 from services.common.lineage import lineage_problem
 from services.registry import policy as p
 from services.registry.persistence import Snapshot, encode_snapshot
+from services.registry.status import RegistryStatus
 
 RUN = "run1"
 LORA = m.LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"], base_model="tiny")
@@ -64,6 +65,19 @@ def test_each_message_type_has_its_own_size_cap():
         codec.decode(big, m.AdmissionRequest)
     assert codec.max_bytes_of(m.RolloutReport) == 16 * 1024
     assert codec.max_bytes_of(m.Trajectory) == codec.MAX_MESSAGE_BYTES
+
+
+def test_a_full_ledgers_status_is_under_its_cap():
+    """The status reply carries the ledger: with the default 4 KiB cap, 64 replicas made
+    `registry status` (and the registry benchmark) fail to decode the registry's answer."""
+    ledger = p.new_ledger(RUN)
+    for i in range(p.MAX_REPLICAS):
+        p.heard_from(ledger, f"replica-{i:04d}", 1.0)
+    status = RegistryStatus(
+        run=RUN, ledger=ledger, seen_count=0, capacity=0, max_head_offpolicyness=2, consumer_batch_size=2,
+        max_concurrent_rollouts=8, ledger_revision=1, sent_at=1.0,
+    )  # fmt: skip
+    assert codec.decode(codec.encode(status), RegistryStatus).ledger.replicas == ledger.replicas
 
 
 @pytest.mark.parametrize(
