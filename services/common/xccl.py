@@ -12,9 +12,14 @@ world; the store tells the members what is about to be broadcast). Keys:
     g<e>/members            JSON {replica: rank} (rank 0 is the trainer)
     g<e>/plan               JSON {"manifest": [...], "bucket_bytes": n}
     g<e>/pg/...             the process group's own rendezvous (a PrefixStore)
+    g<e>/released/v<N>      how many members are done with version N's staged copy (`add`)
+    g<e>/released/v<N>/all  set by the member whose `add` completes the count
 
-The store is touched only when the membership changes. A version is announced to the members
-by the collective itself: a 4-int64 header broadcast (`version_header` / `end_header`, read
+The store is touched when the membership changes and, once per version and member, after the
+version is servable there (`released`: a scheduling hint that lets the trainer's durable copy
+wait until the members have swapped, so it does not compete with them; it never decides
+anything, a missing hint only delays that copy by `RELEASE_WAIT_S`). A version is announced to
+the members by the collective itself: a 4-int64 header broadcast (`version_header` / `end_header`, read
 back by `read_header`) precedes the buckets, and members block in that receive between
 versions, so no member polls the store and the notification costs one small collective.
 
@@ -36,6 +41,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,7 +80,7 @@ def tensor_nbytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
 
 
-def manifest_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+def manifest_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     """The broadcast order: sorted names, like `adapter_io.to_bytes`."""
     out = []
     for name in sorted(tensors):
@@ -170,6 +176,12 @@ def pack(plan: list[Bucket], tensors: dict[str, torch.Tensor], buffers: list[tor
         torch._foreach_copy_(dst, src)
 
 
+def pack_views(views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """`pack` into views made once by `unpack`, for tensors whose manifest digest equals the
+    plan's (names, shapes, dtypes already match: no per-tensor check, one fused copy)."""
+    torch._foreach_copy_(list(views.values()), [tensors[name].detach() for name in views])
+
+
 def unpack(plan: list[Bucket], buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Views into `buffers` (no copy): valid until the buffers are reused."""
     return {e.name: _view(buf, e) for bucket, buf in zip(plan, buffers, strict=True) for e in bucket.entries}
@@ -206,6 +218,18 @@ def read_header(header: torch.Tensor) -> tuple[str, int, tuple[int, int]]:
 
 
 # --- store and group helpers -----------------------------------------------------------------
+
+
+RELEASE_WAIT_S = 1.0
+"""at most this long the durable copy waits for the members' `released` hints"""
+
+
+def released_key(epoch: int, version: int) -> str:
+    return f"g{epoch}/released/v{version}"
+
+
+def all_released_key(epoch: int, version: int) -> str:
+    return f"{released_key(epoch, version)}/all"
 
 
 def timeout(seconds: float) -> datetime.timedelta:
