@@ -105,19 +105,6 @@ def check_manifest(manifest: list[TensorSpec]) -> None:
             raise ManifestError(f"tensors: {spec.name!r} has a negative dimension {spec.shape}")
 
 
-def check_matches(manifest: list[TensorSpec], tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` are exactly what `manifest` promises (names, shapes, dtypes)."""
-    expected = {s.name: (tuple(s.shape), s.dtype) for s in manifest}
-    got = {n: (tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
-    if expected != got:
-        missing = sorted(set(expected) - set(got))[:3]
-        extra = sorted(set(got) - set(expected))[:3]
-        differ = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])[:3]
-        raise ManifestError(
-            f"tensors do not match the manifest: missing {missing}, unexpected {extra}, other shape/dtype {differ}"
-        )
-
-
 def plan_buckets(manifest: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     """Greedy in manifest order: start a new bucket when the next tensor would overflow it.
     A tensor bigger than `bucket_bytes` gets a bucket of its own (tensors are never split)."""

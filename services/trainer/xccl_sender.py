@@ -290,7 +290,7 @@ class XcclSender:
             raise RuntimeError("object_size: nothing was sent yet")
         return self.layout.size
 
-    def wait_released(self, epoch: int, version: int, within_s: float = xccl.RELEASE_WAIT_S) -> bool:
+    def wait_released(self, epoch: int, version: int, within_s: float | None = None) -> bool:
         """Block until every member of group `epoch` that was sent `version` is done with it
         (the `released` hint, xccl.py) or `within_s` passed; True if they all said so. Called
         by the durable copy's thread before it starts, so that it does not compete with the
@@ -302,7 +302,7 @@ class XcclSender:
         try:
             if self._gate is None:
                 self._gate = xccl.connect_store(self.address, self.port, self.timeout_s)
-            self._gate.wait([key], xccl.timeout(within_s))
+            self._gate.wait([key], xccl.timeout(xccl.RELEASE_WAIT_S if within_s is None else within_s))
             self._gate.delete_key(key)
             self._gate.delete_key(xccl.released_key(epoch, version))
             return True
