@@ -153,7 +153,12 @@ class XcclReceiver:
             st = self._staged.pop(version, None)
             self._cond.notify_all()
         if st is not None and st.claimed:
-            self._hint_released(st.epoch, version, st.members)
+            # a round trip to the trainer's store: not on the caller's thread (the service
+            # calls this from its event loop)
+            hint = threading.Thread(
+                target=self._hint_released, args=(st.epoch, version, st.members), name="xccl-released", daemon=True
+            )
+            hint.start()
 
     def _hint_released(self, epoch: int, version: int, members: int) -> None:
         """Count this member done with `version`; the last one sets the `all` key the trainer's
