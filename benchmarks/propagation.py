@@ -16,14 +16,18 @@ Paths (all through the real proto events on the real nats-server):
   s3      lorabus object path: safetensors bytes -> S3 put -> AdapterReady -> N gets (sha256
           verified) -> parse -> slot copy
   local   the same through the local-directory store
-  xccl    lorabus XCCL path as the trainer runs it: safetensors bytes (the trainer serialises
-          before publishing), then `publish.deliver`: header + bucket broadcast (XcclSender ->
-          XcclReceiver over gloo) beside sha256 + the `announced` marker, the event, and the
-          durable copy to the local directory store in the background (it overlaps the
-          replicas' swap; the next rep waits for it). Replicas swap the staged buckets into the
-          slot when the event arrives
-  xccl_only  the broadcast and the event alone (no serialising, no durable copy): the
-          share of "xccl" that is the safetensors bytes + sha256
+  xccl    lorabus XCCL path as the trainer runs it: the trainer's adapter_state writes the
+          version into the sender's free send set (`fill_views`; here that cast is a copy of
+          the same bytes before t0, where the trainer's own cast happens), then
+          `publish.deliver`: header + bucket broadcast (XcclSender -> XcclReceiver over gloo)
+          beside the `announced` marker, the event, and behind it the durable copy to the
+          local directory store, started when the replicas released the version (the next
+          rep waits for it). Replicas copy the staged views into the slot when the event
+          arrives, ack, then release
+  xccl_eager  the same with the durable copy started at once (no wait for the release)
+  xccl_pack   the same with the trainer's tensors packed into the send set after t0 (the
+          reference path: a resumed checkpoint, the Megatron engine)
+  xccl_only  the broadcast (from the filled send set) and the event alone, no durable copy
   peft    AReaL-style: peft save_pretrained to a shared directory, each replica peft
           load_adapter + set_adapter + delete_adapter of the previous one. peft needs a model to
           load into and the real base models are 3-6 GB per process (x8 on 2 cores): each
@@ -32,8 +36,12 @@ Paths (all through the real proto events on the real nats-server):
 Floors, same run, same bytes:
   s3_raw     one put + N gets of the same number of bytes (no parse, no verify, no copy)
   gloo_bare  one flat buffer broadcast over a bare gloo group (same processes)
-Reported: median of the repetitions; ratios s3/s3_raw, xccl/gloo_bare; the trainer's own cost
-(until its part is done) and its 8-vs-1 replica ratio.
+Reported: median of the repetitions (`--rounds`: the paths are taken in turn that many times,
+so load from other jobs falls on all of them alike); ratios s3/s3_raw, xccl*/gloo_bare; the
+trainer's own cost (until its part is done) and its 8-vs-1 replica ratio; for the xccl paths
+the sender's stages and a per-version timeline (ms after t0 on the one host clock: event
+published, and the slowest replica's header, buckets received, staged, event arrived, taken,
+copied into its slot; the driver's last ack).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 ACK = "bench.ack"
-XCCL_PATHS = ("xccl", "xccl_pack", "xccl_only")
+XCCL_PATHS = ("xccl", "xccl_eager", "xccl_pack", "xccl_only")
 CMD = "bench.cmd.{}"
 EVENT = "bench.adapter"
 
@@ -358,6 +366,7 @@ async def run_bench(args) -> dict:
                             "s3_raw": s3_cfg,
                             "local": local_cfg,
                             "xccl": local_cfg,
+                            "xccl_eager": local_cfg,
                             "xccl_pack": local_cfg,
                             "xccl_only": local_cfg,
                         }.get(path)
@@ -383,6 +392,7 @@ async def run_bench(args) -> dict:
                                 backend="gloo",
                                 bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb),
                                 timeout_s=60,
+                                release_wait_s=0.0 if path == "xccl_eager" else xccl.RELEASE_WAIT_S,
                             )
                         if path == "gloo_bare":
                             bstore = xccl.host_store("127.0.0.1", 0, 60)

@@ -101,8 +101,12 @@ class XcclSender:
         bucket_bytes: int,
         timeout_s: float,
         device: torch.device | str = "cpu",
+        release_wait_s: float = xccl.RELEASE_WAIT_S,
     ):
+        """`release_wait_s`: how long the durable copy waits for the members' swap
+        (`wait_released`); 0 starts it at once (the benchmark's `xccl_eager` compares)."""
         self.address, self.backend = address, backend
+        self.release_wait_s = release_wait_s
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.device = torch.device(device)
         self.store = xccl.host_store(address, port, timeout_s)
@@ -290,19 +294,21 @@ class XcclSender:
             raise RuntimeError("object_size: nothing was sent yet")
         return self.layout.size
 
-    def wait_released(self, epoch: int, version: int, within_s: float | None = None) -> bool:
+    def wait_released(self, epoch: int, version: int) -> bool:
         """Block until every member of group `epoch` that was sent `version` is done with it
-        (the `released` hint, xccl.py) or `within_s` passed; True if they all said so. Called
-        by the durable copy's thread before it starts, so that it does not compete with the
-        members' swap.
+        (the `released` hint, xccl.py) or `release_wait_s` passed; True if they all said so.
+        Called by the durable copy's thread before it starts, so that it does not compete
+        with the members' swap.
 
         Its own store connection, used by this one waiter: a `wait` that times out may leave
         the server answering it later on that connection, so a timed-out one is dropped."""
+        if self.release_wait_s <= 0:
+            return False
         key = xccl.all_released_key(epoch, version)
         try:
             if self._gate is None:
                 self._gate = xccl.connect_store(self.address, self.port, self.timeout_s)
-            self._gate.wait([key], xccl.timeout(xccl.RELEASE_WAIT_S if within_s is None else within_s))
+            self._gate.wait([key], xccl.timeout(self.release_wait_s))
             self._gate.delete_key(key)
             self._gate.delete_key(xccl.released_key(epoch, version))
             return True

@@ -367,25 +367,23 @@ def test_deliver_announces_right_after_the_broadcast_and_seals_the_verified_copy
         rx.close()
 
 
-def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_copy_waits_for_the_swap(
-    tmp_path, monkeypatch
-):
+def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_copy_waits_for_the_swap(tmp_path):
     """The fast path against the reference: a version the trainer wrote into `fill_views`
     (no pack) reaches the member bit for bit like a packed one, the two send sets take turns
     so the set the durable copy reads is never the one being written, and the durable copy
     starts only when the member released the version (or its take came back None), or at the
-    latest after RELEASE_WAIT_S: it is always stored, sealed and verifiable."""
+    latest after `release_wait_s`: it is always stored, sealed and verifiable."""
     import asyncio
 
-    from services.common import adapter_io, durable, xccl
+    from services.common import adapter_io, durable
     from services.common.config_schema import StoreConfig
     from services.common.store import open_store
     from services.rollout.xccl_receiver import XcclReceiver
     from services.trainer import publish as pub
 
-    monkeypatch.setattr(xccl, "RELEASE_WAIT_S", 30.0)  # a copy done within 10 s was released
     store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
     sender = in_process_sender()
+    sender.release_wait_s = 30.0  # so a copy done within 10 s was released
     rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
     sent: list = []
 
@@ -445,7 +443,7 @@ def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_cop
         sender.durable.result(timeout=10)
         assert stored(3) == adapter_io.to_bytes(adapter(3))
 
-        monkeypatch.setattr(xccl, "RELEASE_WAIT_S", 0.3)
+        sender.release_wait_s = 0.3
         deliver(4, filled(4))  # nobody ever takes v4: the copy lands anyway
         sender.durable.result(timeout=10)
         assert stored(4) == adapter_io.to_bytes(adapter(4))
