@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -319,6 +320,7 @@ async def run_bench(args) -> dict:
             await nc.close()
             s3.stop()
             nats_srv.stop()
+            shutil.rmtree(work, ignore_errors=True)
         return {"rows": rows, "summary": propagation_servers.summarize(rows)}
     n_max = max(args.replicas)
     procs = [
@@ -588,6 +590,8 @@ async def run_bench(args) -> dict:
                 p.kill()
         s3.stop()
         nats_srv.stop()
+        # every xccl version leaves a 37 MB durable copy there: GBs per run on a shared disk
+        shutil.rmtree(work, ignore_errors=True)
     results = pooled(results)
     return {"rows": results, "summary": summarize(results)}
 

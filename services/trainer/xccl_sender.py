@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -201,12 +201,34 @@ class XcclSender:
         xccl.abort_group(box)
 
     # --- one version ---
-    def send(self, version: int, tensors: Mapping[str, torch.Tensor]) -> XcclPayload:
+    def send(
+        self, version: int, tensors: Mapping[str, torch.Tensor], beside: Callable[[], object] | None = None
+    ) -> XcclPayload:
         """Broadcast `tensors` as `version` to the current members (see the module docstring).
         `tensors`: the views `fill_views` handed out, written in place (nothing is copied
-        here), or any other tensors, packed into the free send set."""
+        here), or any other tensors, packed into the free send set. `beside`: run once on
+        this thread while the buckets are on the wire (at once if nobody is in the group);
+        what it raises is raised after the broadcast (which it does not affect)."""
+        errors: list[Exception] = []
+        done = False
+
+        def once() -> None:
+            nonlocal done
+            if beside is not None and not done:
+                done = True
+                try:
+                    beside()
+                except Exception as exc:
+                    errors.append(exc)
+
         with self._lock:
-            return self._send(version, tensors)
+            try:
+                payload = self._send(version, tensors, once)
+            finally:
+                once()
+        if errors:
+            raise errors[0]
+        return payload
 
     def _place(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """The send set that holds `tensors` now: theirs when they are a set's views, else the
@@ -227,7 +249,7 @@ class XcclSender:
         st.pack_s, st.packed = time.perf_counter() - t0, True
         return free
 
-    def _send(self, version: int, tensors: Mapping[str, torch.Tensor]) -> XcclPayload:
+    def _send(self, version: int, tensors: Mapping[str, torch.Tensor], beside: Callable[[], None]) -> XcclPayload:
         st = self.stats = SendStats()
         where = self._place(tensors)
         layout = self.layout
@@ -251,8 +273,10 @@ class XcclSender:
             t1 = time.perf_counter()
             self.pg.broadcast(xccl.version_header(version, layout.digest).to(self._flag_device()), 0).wait(wait)
             t2 = time.perf_counter()
-            for buf in layout.sets[where]:
-                self.pg.broadcast(buf, 0).wait(wait)
+            works = [self.pg.broadcast(buf, 0) for buf in layout.sets[where]]
+            beside()  # gloo's/NCCL's own threads move the bytes meanwhile
+            for work in works:
+                work.wait(wait)
             t3 = time.perf_counter()
             flags = torch.zeros(len(self.members) + 1, dtype=torch.int64, device=self._flag_device())
             flags[0] = 1
