@@ -700,6 +700,7 @@ def main() -> int:
     args.replicas = args.replicas or [1, 2, 4, 8]
     args.out = args.out or str(ROOT / f"benchmarks/results/propagation{'_vllm' if args.vllm else ''}.json")
     t0 = time.time()
+    load_before = os.getloadavg()
     out = asyncio.run(run_bench(args))
     out["config"] = {
         "sizes": args.sizes,
@@ -711,6 +712,8 @@ def main() -> int:
         "wall_s": time.time() - t0,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "load_avg_before": load_before,  # 1/5/15 min: other jobs share these cores
+        "load_avg_after": os.getloadavg(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if args.vllm:
