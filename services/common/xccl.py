@@ -19,8 +19,8 @@ The store is touched when the membership changes and, once per version and membe
 version is servable there (`released`: a scheduling hint that lets the trainer's durable copy
 wait until the members have swapped, so it does not compete with them; it never decides
 anything, a missing hint only delays that copy by `RELEASE_WAIT_S`). A version is announced to
-the members by the collective itself: a 4-int64 header broadcast (`version_header` / `end_header`, read
-back by `read_header`) precedes the buckets, and members block in that receive between
+the members by the collective itself: a 4-int64 header broadcast (`version_header` /
+`end_header`, read back by `read_header`) precedes the buckets, and members block in that receive between
 versions, so no member polls the store and the notification costs one small collective.
 
 The process group is a `ProcessGroupGloo` / `ProcessGroupNCCL` object built directly on that

@@ -10,13 +10,15 @@ subject (someone announcing the trainer's next number first) does not stop it.
 Order (`deliver`):
 - object path: serialise, upload, then the event (it never names an object that is not
   stored; it carries the sha256).
-- XCCL with members: the broadcast, and beside it the `announced` marker (content `pending`)
-  that takes the version's number; then at once the event (the members hold the version, the
-  event names the object's uri and size but no sha256); only then, in a background thread
-  (`sender.durable`), the copy is serialised from the very buckets that were broadcast,
-  hashed, uploaded, and the marker sealed with its sha256 (`services.common.durable`: readers
-  wait for the sealed marker and verify against it, so a late joiner still gets a verified
-  object). Nothing is serialised or hashed before the event. The marker keeps the store the
+- XCCL with members: the broadcast, and beside it (on the send's thread, while the buckets
+  are on the wire) the `announced` marker (content `pending`) that takes the version's
+  number; then at once the event (the members hold the version, the event names the object's
+  uri and size but no sha256); only then, in a background thread (`sender.durable`), once the
+  members released the version (their swap is done; at most `xccl.RELEASE_WAIT_S`), the copy
+  is serialised from the very send set that was broadcast, uploaded (the store's put hashes
+  it), and the marker sealed with its sha256 (`services.common.durable`: readers wait for the
+  sealed marker and verify against it, so a late joiner still gets a verified object).
+  Nothing is serialised or hashed before the event. The marker keeps the store the
   ledger of taken version numbers (`parse_adapter_version` counts it), so a trainer dying
   inside the upload window resumes above N instead of re-using N for other weights; if it
   resumes at N (its checkpoint of N, the same weights), `publish_adapter` stores the missing
