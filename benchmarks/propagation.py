@@ -16,14 +16,18 @@ Paths (all through the real proto events on the real nats-server):
   s3      lorabus object path: safetensors bytes -> S3 put -> AdapterReady -> N gets (sha256
           verified) -> parse -> slot copy
   local   the same through the local-directory store
-  xccl    lorabus XCCL path as the trainer runs it: safetensors bytes (the trainer serialises
-          before publishing), then `publish.deliver`: header + bucket broadcast (XcclSender ->
-          XcclReceiver over gloo) beside sha256 + the `announced` marker, the event, and the
-          durable copy to the local directory store in the background (it overlaps the
-          replicas' swap; the next rep waits for it). Replicas swap the staged buckets into the
-          slot when the event arrives
-  xccl_only  the broadcast and the event alone (no serialising, no durable copy): the
-          share of "xccl" that is the safetensors bytes + sha256
+  xccl    lorabus XCCL path as the trainer runs it: the trainer's adapter_state writes the
+          version into the sender's free send set (`fill_views`; here that cast is a copy of
+          the same bytes before t0, where the trainer's own cast happens), then
+          `publish.deliver`: header + bucket broadcast (XcclSender -> XcclReceiver over gloo)
+          beside the `announced` marker, the event, and behind it the durable copy to the
+          local directory store, started when the replicas released the version (the next
+          rep waits for it). Replicas copy the staged views into the slot when the event
+          arrives, ack, then release
+  xccl_eager  the same with the durable copy started at once (no wait for the release)
+  xccl_pack   the same with the trainer's tensors packed into the send set after t0 (the
+          reference path: a resumed checkpoint, the Megatron engine)
+  xccl_only  the broadcast (from the filled send set) and the event alone, no durable copy
   peft    AReaL-style: peft save_pretrained to a shared directory, each replica peft
           load_adapter + set_adapter + delete_adapter of the previous one. peft needs a model to
           load into and the real base models are 3-6 GB per process (x8 on 2 cores): each
@@ -32,8 +36,12 @@ Paths (all through the real proto events on the real nats-server):
 Floors, same run, same bytes:
   s3_raw     one put + N gets of the same number of bytes (no parse, no verify, no copy)
   gloo_bare  one flat buffer broadcast over a bare gloo group (same processes)
-Reported: median of the repetitions; ratios s3/s3_raw, xccl/gloo_bare; the trainer's own cost
-(until its part is done) and its 8-vs-1 replica ratio.
+Reported: median of the repetitions (`--rounds`: the paths are taken in turn that many times,
+so load from other jobs falls on all of them alike); ratios s3/s3_raw, xccl*/gloo_bare; the
+trainer's own cost (until its part is done) and its 8-vs-1 replica ratio; for the xccl paths
+the sender's stages and a per-version timeline (ms after t0 on the one host clock: event
+published, and the slowest replica's header, buckets received, staged, event arrived, taken,
+copied into its slot; the driver's last ack).
 """
 
 from __future__ import annotations
@@ -42,11 +50,14 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 ACK = "bench.ack"
+XCCL_PATHS = ("xccl", "xccl_eager", "xccl_pack", "xccl_only")
 CMD = "bench.cmd.{}"
 EVENT = "bench.adapter"
 
@@ -134,15 +146,15 @@ async def replica_main(index: int, nats_url: str) -> None:
     loop = asyncio.get_running_loop()
     st: dict = {"slot": None, "rx": None, "peft": None, "store": None, "bare": None}
 
-    def ack(tag, via="") -> None:
-        payload = json.dumps({"replica": name, "tag": tag, "via": via}).encode()
+    def ack(tag, via="", stamps=None) -> None:
+        payload = json.dumps({"replica": name, "tag": tag, "via": via, "stamps": stamps or {}}).encode()
         loop.call_soon_threadsafe(asyncio.ensure_future, nc.publish(ACK, payload))
 
     def copy_in(tensors) -> None:
         names = sorted(st["slot"])
         torch._foreach_copy_([st["slot"][n] for n in names], [tensors[n] for n in names])
 
-    def on_event(ev: AdapterReady) -> None:
+    def on_event(ev: AdapterReady, arrived: float) -> None:
         if st["slot"] is None:
             return  # not in this cell
         xp = ev.xccl_payload()
@@ -150,9 +162,14 @@ async def replica_main(index: int, nats_url: str) -> None:
             st["rx"].observe(xp, ev.version)
             got = st["rx"].take(ev.version, xp, wait_s=5.0)
             if got is not None:
+                taken = time.monotonic()
                 copy_in(got)
+                copied = time.monotonic()
+                # servable from here; freeing the staging set (and the trainer's `released`
+                # hint) follows, as in the service
+                ack(ev.version, "xccl", {**st["rx"].stamps, "event": arrived, "taken": taken, "copied": copied})
                 st["rx"].release(ev.version)
-                return ack(ev.version, "xccl")
+                return
             if xp.ranks and name in xp.ranks:
                 print(f"{name}: v{ev.version} listed me but nothing staged", file=sys.stderr)
         if ev.object_payload() is None or st["store"] is None:
@@ -226,9 +243,10 @@ async def replica_main(index: int, nats_url: str) -> None:
             await asyncio.to_thread(handle, json.loads(msg.data))
 
     async def on_adapter(msg) -> None:
+        arrived = time.monotonic()
         ev = codec.decode(msg.data, AdapterReady)
         async with work:
-            await asyncio.to_thread(on_event, ev)
+            await asyncio.to_thread(on_event, ev, arrived)
 
     await nc.subscribe(CMD.format(index), cb=on_cmd)
     await nc.subscribe(EVENT, cb=on_adapter)
@@ -272,16 +290,15 @@ class Acks:
 async def run_bench(args) -> dict:
     import nats
 
-    from benchmarks import workers
-    from benchmarks.adapters import adapter_event
     from proto import codec
-    from proto.messages import LoraSpec
+    from proto.messages import AdapterReady, LoraSpec
     from services.common import adapter_io, xccl
     from services.common.config_schema import StoreConfig
     from services.common.store import open_store
     from services.local.nats_server import start_nats_server
     from services.local.s3_server import start_weed_s3
     from services.trainer.publish import build_payloads, deliver
+    from services.trainer.xccl_sender import XcclSender
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-"))
     nats_srv = start_nats_server(work / "nats")
@@ -303,10 +320,16 @@ async def run_bench(args) -> dict:
             await nc.close()
             s3.stop()
             nats_srv.stop()
+            shutil.rmtree(work, ignore_errors=True)
         return {"rows": rows, "summary": propagation_servers.summarize(rows)}
     n_max = max(args.replicas)
     procs = [
-        workers.spawn([__file__, "--replica", str(i), "--nats", nats_srv.url], work / f"rep{i}.log")
+        subprocess.Popen(
+            [sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stderr=open(work / f"rep{i}.log", "w"),
+        )
         for i in range(n_max)
     ]
     results: list[dict] = []
@@ -338,156 +361,282 @@ async def run_bench(args) -> dict:
             for n in args.replicas:
                 active = list(range(n))
                 bench_paths = list(args.paths)
-                for path in bench_paths + ["s3_raw", "gloo_bare"]:
-                    store_cfg = {
-                        "s3": s3_cfg,
-                        "s3_raw": s3_cfg,
-                        "local": local_cfg,
-                        "xccl": local_cfg,
-                        "xccl_only": local_cfg,
-                    }.get(path)
-                    idle = [i for i in range(n_max) if i not in active]
-                    if idle:
-                        await cmd(idle, "idle", op="idle")
-                    await cmd(
-                        active,
-                        "setup",
-                        op="setup",
-                        manifest=manifest,
-                        size=size,
-                        store=store_cfg,
-                        xccl=path.startswith("xccl"),
-                        peft=path == "peft",
-                    )
-                    times, trainer, vias, sends = [], [], set(), []
-                    sender = None
-                    if path in ("xccl", "xccl_only"):
-                        sender = workers.gloo_sender(args.bucket_mb)
-                    if path == "gloo_bare":
-                        bstore = xccl.host_store("127.0.0.1", 0, 60)
-                        prefix = uuid.uuid4().hex[:6]
-                        for i in active:
-                            await nc.publish(
-                                CMD.format(i),
-                                json.dumps(
-                                    {
-                                        "op": "bare",
-                                        "port": bstore.port,
-                                        "rank": i + 1,
-                                        "world": n + 1,
-                                        "nbytes": nbytes,
-                                        "prefix": prefix,
-                                    }
-                                ).encode(),
+                for _round in range(args.rounds):  # paths taken in turn: load drifts alike
+                    for path in bench_paths + ["s3_raw", "gloo_bare"]:
+                        store_cfg = {
+                            "s3": s3_cfg,
+                            "s3_raw": s3_cfg,
+                            "local": local_cfg,
+                            "xccl": local_cfg,
+                            "xccl_eager": local_cfg,
+                            "xccl_pack": local_cfg,
+                            "xccl_only": local_cfg,
+                        }.get(path)
+                        idle = [i for i in range(n_max) if i not in active]
+                        if idle:
+                            await cmd(idle, "idle", op="idle")
+                        await cmd(
+                            active,
+                            "setup",
+                            op="setup",
+                            manifest=manifest,
+                            size=size,
+                            store=store_cfg,
+                            xccl=path.startswith("xccl"),
+                            peft=path == "peft",
+                        )
+                        times, trainer, vias, sends = [], [], set(), []
+                        sender = None
+                        if path in XCCL_PATHS:
+                            sender = XcclSender(
+                                address="127.0.0.1",
+                                port=0,
+                                backend="gloo",
+                                bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb),
+                                timeout_s=60,
+                                release_wait_s=0.0 if path == "xccl_eager" else xccl.RELEASE_WAIT_S,
                             )
-                        await acks.wait("bare-ready", n)
-                        pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
-                        flat = torch.empty(nbytes, dtype=torch.uint8)
-                    warm = 1  # first put into a bucket, first group, first peft load: cold
-                    for rep in range(warm + reps_n):
-                        version += 1
-                        tag = version
-                        t0 = time.perf_counter()
-                        if path in ("s3", "local"):
-                            store = s3_store if path == "s3" else local_store
-                            data = adapter_io.to_bytes(tensors)
-                            ref = await asyncio.to_thread(
-                                store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
-                            )
-                            ev = adapter_event(version, lora, build_payloads(ref))
-                            await nc.publish(EVENT, codec.encode(ev))
-                        elif path in ("xccl", "xccl_only"):
-
-                            def durable():
-                                return local_store.put_bytes(
-                                    f"bench/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors)
+                        if path == "gloo_bare":
+                            bstore = xccl.host_store("127.0.0.1", 0, 60)
+                            prefix = uuid.uuid4().hex[:6]
+                            for i in active:
+                                await nc.publish(
+                                    CMD.format(i),
+                                    json.dumps(
+                                        {
+                                            "op": "bare",
+                                            "port": bstore.port,
+                                            "rank": i + 1,
+                                            "world": n + 1,
+                                            "nbytes": nbytes,
+                                            "prefix": prefix,
+                                        }
+                                    ).encode(),
                                 )
-
-                            if rep == 0:  # the handle the replicas join from (bench warm-up)
-                                ref = await asyncio.to_thread(durable)
-                                h = sender.handle(xccl.manifest_of(tensors), {})
-                                ev = adapter_event(version, lora, build_payloads(ref, h))
-                                await nc.publish(EVENT, codec.encode(ev))
-                                await acks.wait(tag, n)
-                                await workers.joined(sender, n)
-                                version += 1
-                                tag = version
-                                t0 = time.perf_counter()
-                            if path == "xccl":  # the trainer's own order (publish.deliver)
-
-                                async def publish(payloads, v=version):
-                                    await nc.publish(EVENT, codec.encode(adapter_event(v, lora, payloads)))
-
-                                await deliver(
-                                    local_store,
+                            await acks.wait("bare-ready", n)
+                            pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
+                            flat = torch.empty(nbytes, dtype=torch.uint8)
+                        warm = 1  # first put into a bucket, first group, first peft load: cold
+                        stages: list[dict[str, float]] = []
+                        for rep in range(warm + reps_n):
+                            version += 1
+                            tag = version
+                            src: Mapping[str, torch.Tensor] = tensors
+                            if sender is not None and path != "xccl_pack" and (fill := sender.fill_views()) is not None:
+                                # the trainer's adapter_state(into=fill_views()): its cast lands in
+                                # the send set instead of new tensors (the same one pass), t0 after
+                                xccl.pack_views(fill, tensors)
+                                src = fill
+                            published = [0.0]
+                            t0 = time.perf_counter()
+                            t0m = time.monotonic()
+                            if path in ("s3", "local"):
+                                store = s3_store if path == "s3" else local_store
+                                data = adapter_io.to_bytes(tensors)
+                                ref = await asyncio.to_thread(
+                                    store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
+                                )
+                                ev = AdapterReady(
                                     run="bench",
+                                    trainer_epoch="e0",
+                                    lora_name="bench",
                                     version=version,
-                                    tensors=tensors,
-                                    publish=publish,
-                                    sender=sender,
+                                    trainer_step=version,
+                                    created_at=time.time(),
+                                    lora=lora,
+                                    payloads=build_payloads(ref),
                                 )
-                            else:  # the broadcast alone, no serialising or durable copy at all
-                                xp = await asyncio.to_thread(sender.send, version, tensors)
-                                ev = adapter_event(version, lora, build_payloads(ref, xp))
                                 await nc.publish(EVENT, codec.encode(ev))
-                        elif path == "peft":
-                            d = work / "peft" / f"v{version}"
-                            await asyncio.to_thread(trainer_peft.save_pretrained, str(d))
-                            await cmd(active, None, op="peft", dir=str(d), version=version, ack_tag=tag)
-                        elif path == "s3_raw":
-                            ref = await asyncio.to_thread(s3_store.put_bytes, f"raw/v{version}", raw)
-                            await cmd(active, None, op="raw", uri=ref.uri, ack_tag=tag)
-                        elif path == "gloo_bare":
-                            tag = f"bare{rep}"
-                            await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
-                        t_trainer = time.perf_counter() - t0
-                        t_end, via = await acks.wait(tag, n)
-                        await workers.settled(sender)
-                        vias.update(via)
-                        if rep >= warm:
-                            times.append(t_end - t0)
-                            trainer.append(t_trainer)
-                            if sender is not None:
-                                st = sender.stats
-                                sends.append({"form_s": st.form_s, "pack_s": st.pack_s, "broadcast_s": st.broadcast_s})
-                    if sender is not None:
-                        sender.close()
-                    if path == "gloo_bare":
-                        box, pg = [pg], None
-                        xccl.abort_group(box)
-                        await cmd(active, "bare-end", op="bare_end")
-                    row = {
-                        "size": size,
-                        "bytes": nbytes,
-                        "replicas": n,
-                        "path": path,
-                        "median_s": statistics.median(times),
-                        "min_s": min(times),
-                        "trainer_s": statistics.median(trainer),
-                        "reps": len(times),
-                        "via": sorted(vias),
-                    }
-                    if sends:  # the sender's own share: pack, header + buckets + flag
-                        row["send_s"] = {k: statistics.median(x[k] for x in sends) for k in sends[0]}
-                    results.append(row)
-                    print(
-                        f"{size:>6} n={n} {path:<9} {row['median_s'] * 1e3:8.1f} ms  trainer "
-                        f"{row['trainer_s'] * 1e3:7.1f} ms  via {row['via']}  "
-                        f"{ {k: round(v * 1e3, 1) for k, v in row.get('send_s', {}).items()} or '' }",
-                        flush=True,
-                    )
+                            elif path in XCCL_PATHS:
+
+                                def durable():
+                                    return local_store.put_bytes(
+                                        f"bench/v{version}/adapter_model.safetensors", adapter_io.to_bytes(tensors)
+                                    )
+
+                                if rep == 0:  # the handle the replicas join from (bench warm-up)
+                                    ref = await asyncio.to_thread(durable)
+                                    h = sender.handle(xccl.manifest_of(tensors), {})
+                                    ev = AdapterReady(
+                                        run="bench",
+                                        trainer_epoch="e0",
+                                        lora_name="bench",
+                                        version=version,
+                                        trainer_step=version,
+                                        created_at=time.time(),
+                                        lora=lora,
+                                        payloads=build_payloads(ref, h),
+                                    )
+                                    await nc.publish(EVENT, codec.encode(ev))
+                                    await acks.wait(tag, n)
+                                    deadline = time.monotonic() + 30
+                                    while sender.store.add("join_seq", 0) < n and time.monotonic() < deadline:
+                                        await asyncio.sleep(0.01)
+                                    version += 1
+                                    tag = version
+                                    t0 = time.perf_counter()
+                                    t0m = time.monotonic()
+                                if path != "xccl_only":  # the trainer's own order (publish.deliver)
+
+                                    async def publish(payloads, v=version):
+                                        ev = AdapterReady(
+                                            run="bench",
+                                            trainer_epoch="e0",
+                                            lora_name="bench",
+                                            version=v,
+                                            trainer_step=v,
+                                            created_at=time.time(),
+                                            lora=lora,
+                                            payloads=payloads,
+                                        )
+                                        await nc.publish(EVENT, codec.encode(ev))
+                                        published[0] = time.monotonic()
+
+                                    await deliver(
+                                        local_store,
+                                        run="bench",
+                                        version=version,
+                                        tensors=src,
+                                        publish=publish,
+                                        sender=sender,
+                                    )
+                                else:  # the broadcast alone, no serialising or durable copy at all
+                                    xp = await asyncio.to_thread(sender.send, version, src)
+                                    ev = AdapterReady(
+                                        run="bench",
+                                        trainer_epoch="e0",
+                                        lora_name="bench",
+                                        version=version,
+                                        trainer_step=version,
+                                        created_at=time.time(),
+                                        lora=lora,
+                                        payloads=build_payloads(ref, xp),
+                                    )
+                                    await nc.publish(EVENT, codec.encode(ev))
+                                    published[0] = time.monotonic()
+                            elif path == "peft":
+                                d = work / "peft" / f"v{version}"
+                                await asyncio.to_thread(trainer_peft.save_pretrained, str(d))
+                                await cmd(active, None, op="peft", dir=str(d), version=version, ack_tag=tag)
+                            elif path == "s3_raw":
+                                ref = await asyncio.to_thread(s3_store.put_bytes, f"raw/v{version}", raw)
+                                await cmd(active, None, op="raw", uri=ref.uri, ack_tag=tag)
+                            elif path == "gloo_bare":
+                                tag = f"bare{rep}"
+                                await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
+                            t_trainer = time.perf_counter() - t0
+                            t_end, via = await acks.wait(tag, n)
+                            t_end_m = time.monotonic() - (time.perf_counter() - t_end)
+                            extras = acks.extras.pop(str(tag), [])
+                            if sender is not None and sender.durable is not None:  # not into the next rep
+                                await asyncio.wrap_future(sender.durable)
+                                sender.durable = None
+                            vias.update(via)
+                            if rep >= warm:
+                                times.append(t_end - t0)
+                                trainer.append(t_trainer)
+                                if sender is not None:
+                                    st = sender.stats
+                                    sends.append(
+                                        {
+                                            "form_s": st.form_s,
+                                            "pack_s": st.pack_s,
+                                            "header_s": st.header_s,
+                                            "buckets_s": st.buckets_s,
+                                            "flag_s": st.flag_s,
+                                            "broadcast_s": st.broadcast_s,
+                                        }
+                                    )
+                                    stages.append(stage_stamps(t0m, published[0], extras, t_end_m))
+                        if sender is not None:
+                            sender.close()
+                        if path == "gloo_bare":
+                            box, pg = [pg], None
+                            xccl.abort_group(box)
+                            await cmd(active, "bare-end", op="bare_end")
+                        row = {
+                            "size": size,
+                            "bytes": nbytes,
+                            "replicas": n,
+                            "path": path,
+                            "median_s": statistics.median(times),
+                            "min_s": min(times),
+                            "trainer_s": statistics.median(trainer),
+                            "reps": len(times),
+                            "via": sorted(vias),
+                            "samples": {"times_s": times, "trainer_s": trainer, "send_s": sends, "stages_ms": stages},
+                        }
+                        if sends:  # the sender's own share: pack, header + buckets + flag
+                            row["send_s"] = {k: statistics.median(x[k] for x in sends) for k in sends[0]}
+                            row["stages_ms"] = {k: statistics.median(x[k] for x in stages) for k in stages[0]}
+                        results.append(row)
+                        print(
+                            f"{size:>6} n={n} {path:<9} {row['median_s'] * 1e3:8.1f} ms  trainer "
+                            f"{row['trainer_s'] * 1e3:7.1f} ms  via {row['via']}  "
+                            f"{ {k: round(v * 1e3, 1) for k, v in row.get('send_s', {}).items()} or '' }",
+                            flush=True,
+                        )
+                        if "stages_ms" in row:
+                            print(f"{'':>17} stages (ms after t0, slowest replica): {row['stages_ms']}", flush=True)
     finally:
-        await workers.stop(nc, CMD, procs)
+        for i in range(n_max):
+            await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
+        await nc.flush()
+        await nc.close()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
         s3.stop()
         nats_srv.stop()
+        # every xccl version leaves a 37 MB durable copy there: GBs per run on a shared disk
+        shutil.rmtree(work, ignore_errors=True)
+    results = pooled(results)
     return {"rows": results, "summary": summarize(results)}
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """One row per (size, replicas, path): the samples of every round together."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["size"], r["replicas"], r["path"]), []).append(r)
+    out = []
+    for parts in by.values():
+        sm = {k: [x for p in parts for x in p["samples"][k]] for k in parts[0]["samples"]}
+        row = {**parts[0], "samples": sm, "rounds": len(parts), "reps": len(sm["times_s"])}
+        row.update(
+            median_s=statistics.median(sm["times_s"]),
+            min_s=min(sm["times_s"]),
+            trainer_s=statistics.median(sm["trainer_s"]),
+            via=sorted({v for p in parts for v in p["via"]}),
+        )
+        for key in ("send_s", "stages_ms"):
+            if sm[key]:
+                row[key] = {k: statistics.median(x[k] for x in sm[key]) for k in sm[key][0]}
+        out.append(row)
+    return out
+
+
+def stage_stamps(t0: float, published: float, extras: list[dict], end: float) -> dict[str, float]:
+    """One version's timeline in ms after t0 (time.monotonic, one clock for every process on
+    the host): the event's publish on the trainer and, per stage, the slowest replica's
+    stamp (header received, buckets received, staged, event arrived, taken, copied into its
+    slot), then the last ack at the driver."""
+    out = {"published": (published - t0) * 1e3}
+    for key in ("header", "received", "staged", "event", "taken", "copied"):
+        got = [x["stamps"][key] for x in extras if key in x.get("stamps", {})]
+        if got:
+            out[key] = (max(got) - t0) * 1e3
+    out["acked"] = (end - t0) * 1e3
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     by = {(r["size"], r["replicas"], r["path"]): r for r in rows}
     out = []
     for (size, n, path), r in by.items():
-        if path not in ("s3", "local", "xccl", "xccl_only", "peft"):
+        if path not in ("s3", "local", *XCCL_PATHS, "peft"):
             continue
         floor = by.get((size, n, "gloo_bare" if path.startswith("xccl") else "s3_raw"))
         one = by.get((size, 1, path))
@@ -530,6 +679,7 @@ def main() -> int:
     ap.add_argument("--replicas", nargs="*", type=int, default=None)
     ap.add_argument("--paths", nargs="*", default=["s3", "local", "xccl", "xccl_only", "peft"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="take the paths in turn this many times, reps each")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--vllm", action="store_true", help="the vLLM server cells only (propagation_servers.py)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/propagation[_vllm].json")
@@ -550,16 +700,20 @@ def main() -> int:
     args.replicas = args.replicas or [1, 2, 4, 8]
     args.out = args.out or str(ROOT / f"benchmarks/results/propagation{'_vllm' if args.vllm else ''}.json")
     t0 = time.time()
+    load_before = os.getloadavg()
     out = asyncio.run(run_bench(args))
     out["config"] = {
         "sizes": args.sizes,
         "replicas": args.replicas,
         "paths": args.paths,
         "reps": args.reps,
+        "rounds": args.rounds,
         "bucket_mb": args.bucket_mb,
         "wall_s": time.time() - t0,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "load_avg_before": load_before,  # 1/5/15 min: other jobs share these cores
+        "load_avg_after": os.getloadavg(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if args.vllm:

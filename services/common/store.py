@@ -68,7 +68,7 @@ class ObjectStore(Protocol):
     uri: str
 
     def uri_for(self, key: str) -> str: ...
-    def put_bytes(self, key: str, data: bytes) -> ObjectRef: ...
+    def put_bytes(self, key: str, data: bytes | memoryview) -> ObjectRef: ...
     def put_file(self, key: str, path: str | os.PathLike) -> ObjectRef: ...
     def get_bytes(self, uri: str, *, sha256: str | None = None, size: int | None = None) -> bytes: ...
     def get_file(
@@ -230,7 +230,7 @@ class LocalStore:
             raise StoreError(f"{self.uri}/{key}: resolves outside the store ({path.resolve()})")
         return path
 
-    def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+    def put_bytes(self, key: str, data: bytes | memoryview) -> ObjectRef:
         path = self._path(key)
         uri = self.uri_for(key)
 
@@ -447,7 +447,7 @@ class S3Store:
             raise StoreError(f"{uri}: outside this store ({self.uri}); open the store for it")
         return validate_key(uri[len(self.uri) + 1 :])
 
-    def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+    def put_bytes(self, key: str, data: bytes | memoryview) -> ObjectRef:
         name = self._object_name(key)
         uri = self.uri_for(key)
         self._call(

@@ -12,10 +12,15 @@ world; the store tells the members what is about to be broadcast). Keys:
     g<e>/members            JSON {replica: rank} (rank 0 is the trainer)
     g<e>/plan               JSON {"manifest": [...], "bucket_bytes": n}
     g<e>/pg/...             the process group's own rendezvous (a PrefixStore)
+    g<e>/released/v<N>      how many members are done with version N's staged copy (`add`)
+    g<e>/released/v<N>/all  set by the member whose `add` completes the count
 
-The store is touched only when the membership changes. A version is announced to the members
-by the collective itself: a 4-int64 header broadcast (`version_header` / `end_header`, read
-back by `read_header`) precedes the buckets, and members block in that receive between
+The store is touched when the membership changes and, once per version and member, after the
+version is servable there (`released`: a scheduling hint that lets the trainer's durable copy
+wait until the members have swapped, so it does not compete with them; it never decides
+anything, a missing hint only delays that copy by `RELEASE_WAIT_S`). A version is announced to
+the members by the collective itself: a 4-int64 header broadcast (`version_header` /
+`end_header`, read back by `read_header`) precedes the buckets, and members block in that receive between
 versions, so no member polls the store and the notification costs one small collective.
 
 The process group is a `ProcessGroupGloo` / `ProcessGroupNCCL` object built directly on that
@@ -36,6 +41,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,7 +80,7 @@ def tensor_nbytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
 
 
-def manifest_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+def manifest_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     """The broadcast order: sorted names, like `adapter_io.to_bytes`."""
     out = []
     for name in sorted(tensors):
@@ -97,19 +103,6 @@ def check_manifest(manifest: list[TensorSpec]) -> None:
             raise ManifestError(f"tensors: {spec.name!r} has dtype {spec.dtype!r}; use one of {sorted(DTYPES)}")
         if any(d < 0 for d in spec.shape):
             raise ManifestError(f"tensors: {spec.name!r} has a negative dimension {spec.shape}")
-
-
-def check_matches(manifest: list[TensorSpec], tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` are exactly what `manifest` promises (names, shapes, dtypes)."""
-    expected = {s.name: (tuple(s.shape), s.dtype) for s in manifest}
-    got = {n: (tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
-    if expected != got:
-        missing = sorted(set(expected) - set(got))[:3]
-        extra = sorted(set(got) - set(expected))[:3]
-        differ = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])[:3]
-        raise ManifestError(
-            f"tensors do not match the manifest: missing {missing}, unexpected {extra}, other shape/dtype {differ}"
-        )
 
 
 def plan_buckets(manifest: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
@@ -170,6 +163,12 @@ def pack(plan: list[Bucket], tensors: dict[str, torch.Tensor], buffers: list[tor
         torch._foreach_copy_(dst, src)
 
 
+def pack_views(views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """`pack` into views made once by `unpack`, for tensors whose manifest digest equals the
+    plan's (names, shapes, dtypes already match: no per-tensor check, one fused copy)."""
+    torch._foreach_copy_(list(views.values()), [tensors[name].detach() for name in views])
+
+
 def unpack(plan: list[Bucket], buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Views into `buffers` (no copy): valid until the buffers are reused."""
     return {e.name: _view(buf, e) for bucket, buf in zip(plan, buffers, strict=True) for e in bucket.entries}
@@ -206,6 +205,18 @@ def read_header(header: torch.Tensor) -> tuple[str, int, tuple[int, int]]:
 
 
 # --- store and group helpers -----------------------------------------------------------------
+
+
+RELEASE_WAIT_S = 1.0
+"""at most this long the durable copy waits for the members' `released` hints"""
+
+
+def released_key(epoch: int, version: int) -> str:
+    return f"g{epoch}/released/v{version}"
+
+
+def all_released_key(epoch: int, version: int) -> str:
+    return f"{released_key(epoch, version)}/all"
 
 
 def timeout(seconds: float) -> datetime.timedelta:

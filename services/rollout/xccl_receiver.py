@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from proto.messages import XcclPayload
+from proto.messages import TensorSpec, XcclPayload
 from services.common import xccl
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,12 @@ class Staged:
     group: str
     digest: str
     buffers: list[torch.Tensor]
+    views: dict[str, torch.Tensor]
+    """every tensor's view into `buffers` (made once per staging set)"""
+    epoch: int
     claimed: bool = False
+    members: int = 0
+    """how many members the event named (for the `released` hint)"""
 
 
 class _Retarget(Exception):
@@ -73,15 +78,24 @@ class XcclReceiver:
         self.group: str | None = None
         """the group this replica is in now (None between sessions)"""
         self.plan: list[xccl.Bucket] = []
+        self.manifest: list[TensorSpec] = []
+        self.bucket_bytes = 0
         self.staging_device = torch.device("cpu")
         self.digest = ""
         self._sets: list[list[torch.Tensor]] = []
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        """id(staging set) -> its tensor views"""
         self._staged: dict[int, Staged] = {}
         self._pg: dist.ProcessGroup | None = None
+        self._store: dist.TCPStore | None = None
+        """the session's store connection (also used by `release`, from the service's thread)"""
+        self._epoch = 0
         self.sessions = 0
         self.joined: tuple[str, int] | None = None
         """the trainer handle this replica last registered with"""
         self.last_receive_s = 0.0
+        self.stamps: dict[str, float] = {}
+        """time.monotonic() of the last version's stages (header, received, staged)"""
         self._thread = threading.Thread(target=self._run, name=f"xccl-{replica}", daemon=True)
         self._thread.start()
 
@@ -103,7 +117,6 @@ class XcclReceiver:
         when this replica does not hold exactly what the event describes."""
         if self.replica not in payload.ranks:
             return None
-        digest = xccl.manifest_digest(payload.tensors, payload.bucket_bytes)
         deadline = time.monotonic() + wait_s
         with self._cond:
             # the trainer publishes after our flag came back, so the commit is at most a few
@@ -114,19 +127,50 @@ class XcclReceiver:
                     break
                 self._cond.wait(left)
             st = self._staged.get(version)
-            if st is None or st.group != payload.group_name or st.digest != digest:
-                return None
-            for v in [v for v in self._staged if v < version and not self._staged[v].claimed]:
-                del self._staged[v]
-            st.claimed = True
-            tensors = xccl.unpack(self.plan, st.buffers)
-        xccl.check_matches(payload.tensors, tensors)
-        return tensors
+            # the staged views were cut from this very manifest (`_prepare`), so equal
+            # manifests (one C-level comparison) mean the views match the event exactly
+            if (
+                st is not None
+                and st.group == payload.group_name
+                and st.digest == self.digest
+                and payload.bucket_bytes == self.bucket_bytes
+                and payload.tensors == self.manifest
+            ):
+                for v in [v for v in self._staged if v < version and not self._staged[v].claimed]:
+                    del self._staged[v]
+                st.claimed, st.members = True, len(payload.ranks)
+                return dict(st.views)  # the caller's own dict: the cached one stays as cut
+            in_group = self._epoch if self.group == payload.group_name else None
+        # this replica takes the object copy: the trainer's durable copy need not wait for it
+        if in_group is not None:
+            self._hint_released(in_group, version, len(payload.ranks))
+        return None
 
     def release(self, version: int) -> None:
+        """Done with the staged copy of `version` (the engine holds it now, or refused it):
+        its buffers are free, and the trainer hears it (`released` hint, xccl.py)."""
         with self._cond:
-            self._staged.pop(version, None)
+            st = self._staged.pop(version, None)
             self._cond.notify_all()
+        if st is not None and st.claimed:
+            # a round trip to the trainer's store: not on the caller's thread (the service
+            # calls this from its event loop)
+            hint = threading.Thread(
+                target=self._hint_released, args=(st.epoch, version, st.members), name="xccl-released", daemon=True
+            )
+            hint.start()
+
+    def _hint_released(self, epoch: int, version: int, members: int) -> None:
+        """Count this member done with `version`; the last one sets the `all` key the trainer's
+        durable copy waits for. Best effort: a lost hint only delays that copy."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            if store.add(xccl.released_key(epoch, version), 1) == members:
+                store.set(xccl.all_released_key(epoch, version), "1")
+        except Exception as exc:  # the trainer went away: nothing waits for the hint
+            log.info("xccl %s: released hint for v%d not delivered (%s)", self.replica, version, exc)
 
     def close(self, wait_s: float = 1.0) -> None:
         with self._cond:
@@ -178,6 +222,7 @@ class XcclReceiver:
     def _session(self, target: tuple[str, int]) -> None:
         # a short connect timeout: a dead trainer's address must not keep us from a new one
         store = xccl.connect_store(*target, min(self.timeout_s, 1.0))
+        self._store = store
         self.sessions += 1
         store.set(f"join/{store.add('join_seq', 1)}", self.replica)
         self.joined = target
@@ -196,7 +241,7 @@ class XcclReceiver:
             self._pg = pg = xccl.new_group(plan_doc["backend"], pg_store, f"g{epoch}/pg", rank, world, self.timeout_s)
             group: str = members["group"]
             with self._cond:
-                self.group = group
+                self.group, self._epoch = group, epoch
                 self._cond.notify_all()
             log.info("xccl %s: in group %s as rank %d of %d", self.replica, self.group, rank, world)
             header = torch.zeros(xccl.HEADER_LEN, dtype=torch.int64, device=self.staging_device)
@@ -219,8 +264,6 @@ class XcclReceiver:
     def _prepare(self, plan_doc: dict) -> None:
         if plan_doc["digest"] == self.digest and self._sets:
             return
-        from proto.messages import TensorSpec
-
         manifest = [TensorSpec(name=n, shape=s, dtype=d) for n, s, d in plan_doc["manifest"]]
         if xccl.manifest_digest(manifest, plan_doc["bucket_bytes"]) != plan_doc["digest"]:
             raise xccl.ManifestError("g<e>/plan: its digest does not match its manifest")
@@ -230,7 +273,9 @@ class XcclReceiver:
         with self._cond:
             self._staged.clear()
             self.digest = plan_doc["digest"]
+            self.manifest, self.bucket_bytes = manifest, plan_doc["bucket_bytes"]
             self._sets = [xccl.alloc_buckets(self.plan, self.staging_device) for _ in range(2)]
+            self._views = {id(b): xccl.unpack(self.plan, b) for b in self._sets}
 
     def _free_set(self) -> list[torch.Tensor]:
         with self._cond:
@@ -248,12 +293,14 @@ class XcclReceiver:
         self, pg: dist.ProcessGroup, group: str, version: int, digest: tuple[int, int], rank: int, world: int
     ) -> None:
         t0 = time.perf_counter()
+        self.stamps = {"header": time.monotonic()}
         buffers = self._free_set()
         wait = xccl.timeout(self.timeout_s)
         for buf in buffers:
             pg.broadcast(buf, 0).wait(wait)
         if self.staging_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+        self.stamps["received"] = time.monotonic()
         # a header of another layout than our plan: receive its bytes (the collective must
         # complete) but never stage them; the flag tells the trainer to list us out
         ok = digest == xccl.digest_ints(self.digest)
@@ -262,12 +309,15 @@ class XcclReceiver:
         flags[rank] = 1 if ok else 0
         pg.allreduce(flags).wait(wait)
         if ok and int(flags[0]) == 1:
+            views = self._views.get(id(buffers)) or xccl.unpack(self.plan, buffers)
             with self._cond:
-                self._staged[version] = Staged(version, group, self.digest, buffers)
+                self._staged[version] = Staged(version, group, self.digest, buffers, views, self._epoch)
                 self._cond.notify_all()
+        self.stamps["staged"] = time.monotonic()
         self.last_receive_s = time.perf_counter() - t0
 
     def _end_session(self) -> None:
+        self._store = None
         box, self._pg = [self._pg], None
         xccl.abort_group(box)
         with self._cond:

@@ -7,6 +7,9 @@ weights that never change); the LoRA tensors are fp32 masters whatever the base 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -17,6 +20,8 @@ from services.common.adapter_io import DTYPES, dtype_name, standardize_key
 from services.common.config_schema import ActorConfig
 from services.common.lora_targets import for_backend
 from services.trainer.precision import upcast
+
+log = logging.getLogger(__name__)
 
 
 def lora_config(actor: ActorConfig) -> LoraConfig:
@@ -82,17 +87,44 @@ def lora_parameters(model: nn.Module, adapter: str | None = None) -> list[tuple[
 
 
 def adapter_state(
-    model: nn.Module, dtype: torch.dtype | None = None, adapter: str | None = None
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    adapter: str | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Only the LoRA tensors, full (gathered under FSDP2) and on CPU, under PEFT-standard keys
     (`base_model.model.<module>.lora_A.weight`, no adapter-name segment). Never the base.
-    `dtype`: cast to it (once, before the copy to CPU); None keeps the fp32 masters."""
+    `dtype`: cast to it (once, before the copy to CPU); None keeps the fp32 masters.
+
+    `into`: tensors to write the result into instead of new ones (the XCCL sender's free send
+    set, `XcclSender.fill_views`: the cast lands in the send buckets, so the broadcast needs
+    no pack copy); returned as they are. Used only if it has exactly these names, shapes and
+    the target dtype (checked before any gather: a rank must not leave the collective loop
+    half way), else ignored."""
+    params = [(standardize_key(name), p) for name, p in lora_parameters(model, adapter)]
+    if into is not None and not _fits(into, params, dtype):
+        log.warning("adapter_state: `into` is not this adapter's layout; new tensors instead")
+        into = None
     state: dict[str, torch.Tensor] = {}
-    for name, p in lora_parameters(model, adapter):
+    for key, p in params:
         full = _full(p.detach())
+        if into is not None:
+            state[key] = into[key]
+            state[key].copy_(full)
+            continue
         cast = full.to(dtype) if dtype is not None else full
-        state[standardize_key(name)] = cast.cpu() if cast is not full else full.cpu().clone()
+        state[key] = cast.cpu() if cast is not full else full.cpu().clone()
     return state
+
+
+def _fits(into: Mapping[str, torch.Tensor], params: list[tuple[str, nn.Parameter]], dtype: torch.dtype | None) -> bool:
+    if len(into) != len(params):
+        return False
+    for key, p in params:
+        t = into.get(key)
+        if t is None or t.shape != p.shape or t.dtype != (dtype or p.dtype):
+            return False
+    return True
 
 
 def wrapped_module_names(model: nn.Module, adapter: str | None = None) -> list[str]:

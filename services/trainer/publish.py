@@ -10,13 +10,15 @@ subject (someone announcing the trainer's next number first) does not stop it.
 Order (`deliver`):
 - object path: serialise, upload, then the event (it never names an object that is not
   stored; it carries the sha256).
-- XCCL with members: the broadcast, and beside it the `announced` marker (content `pending`)
-  that takes the version's number; then at once the event (the members hold the version, the
-  event names the object's uri and size but no sha256); only then, in a background thread
-  (`sender.durable`), the copy is serialised from the very buckets that were broadcast,
-  hashed, uploaded, and the marker sealed with its sha256 (`services.common.durable`: readers
-  wait for the sealed marker and verify against it, so a late joiner still gets a verified
-  object). Nothing is serialised or hashed before the event. The marker keeps the store the
+- XCCL with members: the broadcast, and beside it (on the send's thread, while the buckets
+  are on the wire) the `announced` marker (content `pending`) that takes the version's
+  number; then at once the event (the members hold the version, the event names the object's
+  uri and size but no sha256); only then, in a background thread (`sender.durable`), once the
+  members released the version (their swap is done; at most `xccl.RELEASE_WAIT_S`), the copy
+  is serialised from the very send set that was broadcast, uploaded (the store's put hashes
+  it), and the marker sealed with its sha256 (`services.common.durable`: readers wait for the
+  sealed marker and verify against it, so a late joiner still gets a verified object).
+  Nothing is serialised or hashed before the event. The marker keeps the store the
   ledger of taken version numbers (`parse_adapter_version` counts it), so a trainer dying
   inside the upload window resumes above N instead of re-using N for other weights; if it
   resumes at N (its checkpoint of N, the same weights), `publish_adapter` stores the missing
@@ -35,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from proto import codec, subjects
@@ -164,9 +166,23 @@ def _store_and_seal(store: ObjectStore, run: str, version: int, weights: bytes) 
 
 
 def _store_in_background(
-    store: ObjectStore, run: str, version: int, tensors: dict[str, torch.Tensor], size: int
+    store: ObjectStore,
+    run: str,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    size: int,
+    buffer: torch.Tensor,
+    first: Callable[[], object],
 ) -> concurrent.futures.Future:
-    """Serialise, hash, upload and seal `tensors` in a thread; the future holds the ref."""
+    """After `first()` returns (the members' swap is done: `XcclSender.wait_released`),
+    serialise `tensors` into `buffer`, upload, and seal the marker with the sha256, in a
+    thread; the future holds the ref.
+
+    Serialised with `adapter_io.serialize_into` (warm buffer, torch copies): `to_bytes` here
+    held the GIL ~25-35 ms at 37 MB, and the trainer's event loop (and, in the benchmark,
+    the process timing the replicas) stalled behind it. Hashed once, by the store's put, from
+    that private buffer: nothing else writes it, so a second hash of the same memory (as the
+    object path does to check a put against bytes it hashed first) would only repeat it."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     key = adapter_key(run, version)
 
@@ -176,10 +192,13 @@ def _store_in_background(
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
-            weights = adapter_io.to_bytes(tensors)
-            if len(weights) != size:
-                raise RuntimeError(f"{key}: serialised to {len(weights)} bytes, the event announced {size}")
-            fut.set_result(_store_and_seal(store, run, version, weights))
+            first()
+            data = adapter_io.serialize_into(tensors, buffer)
+            if data.numel() != size:
+                raise RuntimeError(f"{key}: serialised to {data.numel()} bytes, the event announced {size}")
+            ref = store.put_bytes(key, data.numpy().data)
+            _seal(store, run, version, ref.sha256)
+            fut.set_result(ref)
         except BaseException as exc:  # surfaced at the next version / close
             log.error("durable copy %s failed: %r", key, exc)
             fut.set_exception(exc)
@@ -193,7 +212,7 @@ async def deliver(
     *,
     run: str,
     version: int,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     publish: Callable[[list[Payload]], Awaitable[None]],
     sender: XcclSender | None = None,
     weights: bytes | None = None,
@@ -216,21 +235,29 @@ async def deliver(
     previous, sender.durable = sender.durable, None
     if previous is not None:  # one upload in flight at most; its failure stops the trainer
         await asyncio.wrap_future(previous)
-    _, xp = await asyncio.gather(
-        asyncio.to_thread(_claim, store, run, version),
-        asyncio.to_thread(sender.send, version, tensors),
-    )
+    # the marker is written while the buckets are on the wire (one thread: a second one
+    # starting beside the send cost ~1 ms before the header on 2 shared cores)
+    xp = await asyncio.to_thread(sender.send, version, tensors, lambda: _claim(store, run, version))
     if not xp.ranks:  # nobody holds it yet: everyone reads the object, so store it first
         ref = await asyncio.to_thread(_store_and_seal, store, run, version, await serialised())
         payloads = build_payloads(ref, xp)
         await publish(payloads)
         return payloads
-    size = adapter_io.serialized_size(tensors)
+    size = sender.object_size()
     payloads = [ObjectPayload(uri=store.uri_for(key), bytes=size), xp]
     await publish(payloads)
-    # the buckets hold exactly what was broadcast and stay untouched until the next send,
-    # which waits for this future
-    sender.durable = _store_in_background(store, run, version, sender.last_sent(), size)
+    # the send set holds exactly what was broadcast and is not written again before the next
+    # `deliver`, which waits for this future
+    epoch = sender.epoch
+    sender.durable = _store_in_background(
+        store,
+        run,
+        version,
+        sender.last_sent(),
+        size,
+        sender.durable_buffer(),
+        lambda: sender.wait_released(epoch, version),
+    )
     return payloads
 
 
@@ -239,7 +266,7 @@ async def _repair(
     event: AdapterReady | None,
     run: str,
     version: int,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     weights: bytes | None,
 ) -> None:
     """A version announced before its durable copy was sealed (XCCL) by a trainer that then
@@ -276,7 +303,7 @@ async def publish_adapter(
     epoch: str,
     lora_name: str,
     version: int,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     lora: LoraSpec,
     trainer_step: int,
     sender: XcclSender | None = None,

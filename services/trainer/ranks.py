@@ -17,7 +17,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
@@ -118,11 +118,13 @@ class Followers:
 def run_step(
     engine: TrainEngine,
     work: Work,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
-    optimizer state when the step is checkpointed)."""
+    optimizer state when the step is checkpointed). `into` (rank 0 under XCCL): where the
+    adapter is written (`TrainEngine.adapter_state`)."""
     stats = engine.train_step(work.groups, head_version=work.version)
-    adapter = engine.adapter_state()
+    adapter = engine.adapter_state(into)
     optim = engine.optimizer_state() if work.save_checkpoint else None
     return stats, adapter, optim
 

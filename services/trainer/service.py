@@ -295,7 +295,9 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     step_index = engine.step
     work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
     await asyncio.to_thread(followers.send, work)
-    stats, adapter, optim = await asyncio.to_thread(run_step, engine, work)
+    # under XCCL the adapter is written straight into the sender's free send set
+    into = ctx.sender.fill_views() if ctx.sender is not None else None
+    stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
     version += 1
     t0 = time.perf_counter()
     ids = [g.trajectory_id for g in groups]

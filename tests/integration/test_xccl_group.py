@@ -367,6 +367,91 @@ def test_deliver_announces_right_after_the_broadcast_and_seals_the_verified_copy
         rx.close()
 
 
+def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_copy_waits_for_the_swap(tmp_path):
+    """The fast path against the reference: a version the trainer wrote into `fill_views`
+    (no pack) reaches the member bit for bit like a packed one, the two send sets take turns
+    so the set the durable copy reads is never the one being written, and the durable copy
+    starts only when the member released the version (or its take came back None), or at the
+    latest after `release_wait_s`: it is always stored, sealed and verifiable."""
+    import asyncio
+
+    from services.common import adapter_io, durable
+    from services.common.config_schema import StoreConfig
+    from services.common.store import open_store
+    from services.rollout.xccl_receiver import XcclReceiver
+    from services.trainer import publish as pub
+
+    store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
+    sender = in_process_sender()
+    sender.release_wait_s = 30.0  # so a copy done within 10 s was released
+    rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
+    sent: list = []
+
+    def deliver(version: int, tensors) -> tuple:
+        async def publish(payloads):
+            sent.append(payloads)
+
+        asyncio.run(pub.deliver(store, run="run", version=version, tensors=tensors, publish=publish, sender=sender))
+        return tuple(sent[-1])
+
+    def filled(seed: int):
+        views = sender.fill_views()
+        assert views is not None
+        for name, t in adapter(seed).items():
+            views[name].copy_(t)
+        return views
+
+    def stored(version: int) -> bytes:
+        obj = sent[-1][0]
+        assert obj.uri == store.uri_for(pub.adapter_key("run", version))
+        return durable.read(store, obj)
+
+    try:
+        assert sender.fill_views() is None  # no layout before the first version
+        _, handle = deliver(0, adapter(0))
+        rx.observe(handle, 0)
+        wait_joins(sender, 1)
+
+        v1 = filled(1)
+        _, xp = deliver(1, v1)
+        assert xp.ranks == {"r0": 1} and not sender.stats.packed and sender.stats.pack_s == 0
+        time.sleep(0.3)
+        assert not sender.durable.done()  # the member has not swapped yet
+        got = rx.take(1, xp)
+        assert got is not None and digest(got) == digest(adapter(1))
+        rx.release(1)
+        sender.durable.result(timeout=10)
+        assert stored(1) == adapter_io.to_bytes(adapter(1))
+
+        v2 = filled(2)  # the other set: writing it leaves v1's (what its copy read) as sent
+        assert {t.data_ptr() for t in v2.values()}.isdisjoint(t.data_ptr() for t in sender.last_sent().values())
+        assert digest(sender.last_sent()) == digest(adapter(1))
+        _, xp2 = deliver(2, v2)
+        # an event this member cannot use (other shapes): None, and the copy need not wait
+        other = msgspec.structs.replace(
+            xp2, tensors=[*xp2.tensors[:-1], msgspec.structs.replace(xp2.tensors[-1], shape=[1])]
+        )
+        assert rx.take(2, other) is None
+        sender.durable.result(timeout=10)
+        assert stored(2) == adapter_io.to_bytes(adapter(2))
+
+        _, xp3 = deliver(3, adapter(3))  # the reference path: packed into the free set
+        assert sender.stats.packed and xp3.ranks == {"r0": 1}
+        got = rx.take(3, xp3)
+        assert got is not None and digest(got) == digest(adapter(3))
+        rx.release(3)
+        sender.durable.result(timeout=10)
+        assert stored(3) == adapter_io.to_bytes(adapter(3))
+
+        sender.release_wait_s = 0.3
+        deliver(4, filled(4))  # nobody ever takes v4: the copy lands anyway
+        sender.durable.result(timeout=10)
+        assert stored(4) == adapter_io.to_bytes(adapter(4))
+    finally:
+        sender.close()
+        rx.close()
+
+
 def test_a_resumed_trainer_stores_and_seals_a_copy_its_predecessor_announced_but_never_stored(tmp_path):
     import asyncio
 

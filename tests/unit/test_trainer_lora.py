@@ -158,3 +158,33 @@ def test_adapter_key_parsing():
     assert parse_adapter_version("run1", adapter_key("run1", 12)) == 12
     assert parse_adapter_version("run1", "run1/adapters/v1/adapter_config.json") is None
     assert parse_adapter_version("run1", "run10/adapters/v1/adapter_model.safetensors") is None
+
+
+def test_adapter_state_into_the_send_set_writes_what_it_would_return_and_ignores_a_foreign_layout():
+    """The XCCL fast path (`into` = the sender's free send set) against the reference path
+    (new tensors): the same values, cast the same way, in the very tensors handed in."""
+    from services.common import xccl
+
+    actor = ActorConfig(lora_rank=2, target_modules=["q_proj", "v_proj"], dtype="bfloat16")
+    model = wrap_lora(tiny_qwen2(), actor)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.5)
+    reference = adapter_state(model, torch.bfloat16)
+    plan = xccl.plan_buckets(xccl.manifest_of(reference), 256)  # several buckets, gaps between
+    into = xccl.unpack(plan, xccl.alloc_buckets(plan))
+    got = adapter_state(model, torch.bfloat16, into=into)
+    assert list(got) == list(reference)
+    assert all(got[k] is into[k] for k in got)  # written in place, nothing new
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+    wrong = dict(into)
+    wrong.popitem()  # one tensor short: not this adapter's layout
+    before = {k: t.clone() for k, t in wrong.items()}
+    fresh = adapter_state(model, torch.bfloat16, into=wrong)
+    assert all(fresh[k] is not wrong.get(k) for k in fresh)
+    assert all(torch.equal(fresh[k], reference[k]) for k in reference)
+    assert all(torch.equal(wrong[k], before[k]) for k in wrong)
+    fp32 = adapter_state(model, into=into)  # the masters' dtype is not the set's: ignored
+    assert {t.dtype for t in fp32.values()} == {torch.float32}

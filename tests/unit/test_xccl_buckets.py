@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.messages import TensorSpec
-from services.common import xccl
+from services.common import adapter_io, xccl
 
 DT = list(xccl.DTYPES)
 
@@ -115,10 +115,43 @@ def test_pack_refuses_a_tensor_that_is_not_the_planned_one():
         xccl.pack(plan, {"a": torch.zeros(3, 2)}, xccl.alloc_buckets(plan))
 
 
-def test_check_matches_names_the_difference():
-    m = [TensorSpec(name="a", shape=[2], dtype="float32")]
-    xccl.check_matches(m, {"a": torch.zeros(2)})
-    with pytest.raises(xccl.ManifestError, match="missing \\['a'\\]"):
-        xccl.check_matches(m, {"b": torch.zeros(2)})
-    with pytest.raises(xccl.ManifestError, match="shape/dtype \\['a'\\]"):
-        xccl.check_matches(m, {"a": torch.zeros(2, dtype=torch.bfloat16)})
+@settings(max_examples=60, deadline=None)
+@given(manifest=specs_strategy(), bucket_bytes=st.integers(16, 2048))
+def test_packing_into_cached_views_is_the_reference_pack(manifest, bucket_bytes):
+    g = torch.Generator().manual_seed(1)
+    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
+    plan = xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
+    reference, fast = xccl.alloc_buckets(plan), xccl.alloc_buckets(plan)
+    for b in reference + fast:  # the gaps too: alloc leaves them undefined
+        b.zero_()
+    xccl.pack(plan, tensors, reference)
+    xccl.pack_views(xccl.unpack(plan, fast), tensors)
+    assert all(torch.equal(a, b) for a, b in zip(reference, fast, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(manifest=specs_strategy(), bucket_bytes=st.integers(16, 2048), slack=st.integers(0, 64))
+def test_the_durable_copy_serialised_from_the_send_set_is_to_bytes(manifest, bucket_bytes, slack):
+    """`serialize_into` (the durable copy's path: warm buffer, one copy per run of adjacent
+    tensors) against `to_bytes` (the reference), from loose tensors and from bucket views,
+    gaps between them included."""
+    g = torch.Generator().manual_seed(2)
+    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
+    reference = adapter_io.to_bytes(tensors)
+    plan = xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
+    bufs = xccl.alloc_buckets(plan)
+    xccl.pack(plan, tensors, bufs)
+    out = torch.full((len(reference) + slack,), 7, dtype=torch.uint8)
+    for source in (tensors, xccl.unpack(plan, bufs)):
+        got = adapter_io.serialize_into(source, out)
+        assert got.numel() == len(reference) and bytes(got.numpy()) == reference
+    assert adapter_io.serialized_size(tensors) == len(reference)
+
+
+def test_serialize_into_takes_non_contiguous_tensors_and_refuses_a_short_buffer():
+    t = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(), "b": torch.ones(3, dtype=torch.bfloat16)}
+    reference = adapter_io.to_bytes(t)
+    out = torch.empty(len(reference), dtype=torch.uint8)
+    assert bytes(adapter_io.serialize_into(t, out).numpy()) == reference
+    with pytest.raises(ValueError, match="a CPU uint8 buffer of"):
+        adapter_io.serialize_into(t, out[:-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -104,8 +105,11 @@ class TrainEngine(Protocol):
         """One step on `groups` (every rank passes the same batch); collective."""
         ...
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The whole adapter as PEFT-standard fp32 tensors on CPU; collective."""
+    def adapter_state(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The whole adapter as PEFT-standard tensors on CPU in the published dtype; collective.
+        `into`: tensors of exactly that layout to write it into (the XCCL sender's free send
+        set: then the broadcast needs no pack copy); an engine may ignore it and return new
+        ones, which the sender then packs."""
         ...
 
     def optimizer_state(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -244,10 +245,11 @@ class FSDP2Engine:
 
     # --- adapter and checkpoint state ----------------------------------------------------
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The full adapter on CPU in the serving dtype (`lora_spec().dtype`), cast once from
-        the fp32 masters (a collective under FSDP2: call on every rank)."""
-        return adapter_state(self.model, self.dtype, self.adapter)
+        the fp32 masters (a collective under FSDP2: call on every rank); written into `into`
+        when it fits (`lora.adapter_state`)."""
+        return adapter_state(self.model, self.dtype, self.adapter, into)
 
     def lora_spec(self) -> LoraSpec:
         return self.lora

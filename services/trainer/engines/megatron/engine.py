@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -221,8 +222,9 @@ class MegatronEngine:
         dist.all_gather_object(gathered, local, group=self.tp_group)
         return merge_tp(gathered)
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The whole adapter as PEFT-standard tensors (what is published); call on every rank."""
+    def adapter_state(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The whole adapter as PEFT-standard tensors (what is published); call on every rank.
+        `into` is ignored: `to_hf` builds new tensors anyway (the XCCL sender packs them)."""
         return to_hf(self.bridge_adapter_state(), self.shape)
 
     def lora_spec(self) -> LoraSpec:
