@@ -95,8 +95,11 @@ def _pow2(n: int) -> int:
 def fused_config(rows: int, n: int, k: int, groups: int, sr: int) -> FusedConfig | None:
     """The tiles `linear_fused` runs with for this shape, or None: use the two kernels."""
     key = (rows, n, k, groups, sr)
-    if key in TUNED:
-        return TUNED[key]
+    return TUNED[key] if key in TUNED else default_config(rows, n, sr)
+
+
+def default_config(rows: int, n: int, sr: int) -> FusedConfig:
+    """Tiles for a shape nobody measured."""
     # decode batches (rows <= 64) fit one row block, so each weight tile is read once; narrow
     # layers get narrower column tiles so that more programs share the memory traffic
     bm = min(64, max(16, _pow2(rows)))
