@@ -27,9 +27,11 @@ from services.rollout import lora_kernels
 from services.rollout.lora_kernels import FusedConfig
 from services.rollout.lora_slots import LoraSlots, SlotGroup
 
-TILES = [(16, 128, 4), (16, 256, 4), (32, 64, 4), (32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4),
-         (64, 128, 8), (128, 64, 4), (128, 128, 8)]  # fmt: skip
-"""(columns, input features, warps) per candidate; rows come from the batch"""
+TILES = [(16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 4), (32, 128, 4, 2), (32, 128, 4, 4), (64, 64, 4, 3),
+         (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)]  # fmt: skip
+"""(columns, input features, warps, stages) per candidate; rows come from the batch. Stages are
+cut to what shared memory holds; those of 112 KB or less let two programs share a
+multiprocessor."""
 
 Key = tuple[int, int, int, int, int]
 
@@ -42,8 +44,9 @@ def candidates(rows: int, n: int, sr: int) -> list[FusedConfig]:
     """The heuristic's tiles first, then the grid of TILES at the heuristic's row block."""
     first = lora_kernels.default_config(rows, n, sr)
     out = [first]
-    for bn, bk, warps in TILES:
-        config = lora_kernels.with_stages(FusedConfig(first.bm, bn, bk, warps), sr)
+    for bn, bk, warps, stages in TILES:
+        config = lora_kernels.with_stages(FusedConfig(first.bm, bn, bk, warps), sr, budget=200 * 1024)
+        config = config._replace(stages=min(stages, config.stages))
         if config not in out:
             out.append(config)
     return out

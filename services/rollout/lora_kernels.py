@@ -74,9 +74,6 @@ TUNED: dict[tuple[int, int, int, int, int], FusedConfig | None] = {}
 """(rows, N, in, members, S * r) -> the config measured fastest for that shape, or None where
 cuBLAS plus the two kernels measured faster. Empty unless a benchmark filled it."""
 
-_SMEM_BUDGET = 160 * 1024
-"""bytes of shared memory the pipeline stages may take (the H100/H200 allow 227 KB a block)"""
-
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `correct_kernel_` runs here: Triton on a CUDA device in half precision, or
@@ -110,10 +107,11 @@ def default_config(rows: int, n: int, sr: int) -> FusedConfig:
     return with_stages(FusedConfig(bm, bn, bk, warps), sr)
 
 
-def with_stages(config: FusedConfig, sr: int) -> FusedConfig:
-    """`config` with as many pipeline stages (2-4) as its tiles of x, W and A fit in shared memory."""
+def with_stages(config: FusedConfig, sr: int, budget: int = 112 * 1024) -> FusedConfig:
+    """`config` with as many pipeline stages (2-4) as its tiles of x, W and A fit in `budget`
+    bytes of shared memory (112 KB: two programs share a multiprocessor of an H100/H200)."""
     stage = 2 * config.bk * (config.bm + config.bn + max(16, _pow2(sr)))
-    return config._replace(stages=max(2, min(4, _SMEM_BUDGET // stage)))
+    return config._replace(stages=max(2, min(4, budget // stage)))
 
 
 def correct_reference_(
