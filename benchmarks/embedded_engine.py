@@ -2,6 +2,8 @@
 
     python benchmarks/embedded_engine.py --out results.json          # CUDA, Qwen2.5-1.5B shape
     python benchmarks/embedded_engine.py --tiny --out tiny.json      # CPU smoke run
+    TRITON_INTERPRET=1 python benchmarks/embedded_engine.py --tiny --static-cpu --skip-peft \
+        --profile --out tiny.json    # CPU dry run of every GPU variant, kernels interpreted (~4 min)
 
 Random weights from the Qwen2.5-1.5B config (bf16), LoRA r=16 on all linear layers (37 MB).
 Every generation variant runs through the same decode loop (`services.rollout.sampling`), so
@@ -10,9 +12,14 @@ the differences are the LoRA serving path alone:
   slots_head     our slots, every row on the merged head version
   slots_mixed25  our slots, 25% of rows pinned to an older version (low-rank correction)
   slots_mixed3   our slots, 50% head, 25% each on two older versions
-  slots_*_torch  the same mixes with the correction in plain torch (the reference path)
-                 instead of the Triton kernels (`services.rollout.lora_kernels`) in the
-                 captured graphs; eager forwards always run the torch path
+  slots_*_graphs the correction as two Triton kernels beside the layer's cuBLAS matmul
+                 (`services.rollout.lora_kernels`: shrink on a side stream, then the expand)
+  slots_*_fused  one Triton GEMM per group doing the matmul and the correction, where the
+                 per-shape tuning (`benchmarks/lora_tuning.py`, run first, figures under
+                 "fused_tuning") measured it faster; the two kernels elsewhere
+  slots_*_fusedall  the fused GEMM for every shape, with each shape's fastest tiles
+  slots_*_torch  the correction in plain torch (the reference path) in the captured graphs
+                 (eager forwards on a GPU always run the torch path)
   peft_unmerged  peft with one unmerged adapter
   peft_mixed2    peft, two adapters mixed in the batch through `adapter_names`
 Each of base and slots_* runs twice: eager (DynamicCache, one Python forward per step) and
@@ -39,10 +46,12 @@ from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import lora_tuning  # noqa: E402
 from benchmarks.adapters import random_lora  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
 from benchmarks.timing import device_name, median_ms, sync, timed  # noqa: E402
 from services.common.lora_targets import HF_LINEAR  # noqa: E402
+from services.rollout import lora_kernels  # noqa: E402
 from services.rollout.lora_slots import LoraSlots  # noqa: E402
 from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
 
@@ -168,6 +177,18 @@ def run_peft(model, versions, rows, device, args, res, tps, peft_loads, swaps, r
         return pm.unload()
 
 
+def kernel_profile(fn, device: torch.device) -> str:
+    """The kernels `fn` ran, by self device time (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=30)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke run)")
@@ -178,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swaps", type=int, default=None)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="kernel tables (torch profiler) of 32-token decodes into the JSON: head, 25%% older (two kernels, fused)",
+    )
     ap.add_argument("--skip-peft", action="store_true", help="leave out the peft variants (unchanged by our code)")
     ap.add_argument(
         "--static-cpu",
@@ -308,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     res["slots_swap_ms_p50_from_pinned_host"] = median_ms(host_total_s)
     res["slots_copy_ms_p50"] = median_ms(copy_s)
     res["slots_merge_ms_p50"] = median_ms(merge_s)
-    res["correction"] = "triton" if slots.routing.kernel else "torch"
+    res["correction"] = slots.routing.correction
     head = slots.head
+    assert head is not None
     older = sorted(v for v in slots.versions() if v != head)
 
     def routed(row_versions):
@@ -324,69 +351,97 @@ def main(argv: list[str] | None = None) -> int:
     mixed25 = mixes["slots_mixed25"]
     for name, mix in mixes.items():
         got = attempt(name, lambda: tokens_per_s(model, rows, device, step_context=routed(mix)))
-        if got is None and slots.routing.kernel:
+        if got is None and slots.routing.correction != "torch":
             # a kernel that does not run here must not cost the other figures: the reference
-            slots.routing.kernel = False
+            slots.routing.correction = "torch"
             res["correction"] = "torch (kernel failed)"
             got = attempt(f"{name}_torch", lambda: tokens_per_s(model, rows, device, step_context=routed(mix)))
         if got:
             tps[name] = got
             print(f"{name} eager {got:.0f} tok/s", flush=True)
+    kernels = slots.routing.correction != "torch"
+
+    # the fused kernel's tiles (and where it beats the two kernels), measured per group shape
+    tuning = None
+    if kernels:
+        tuning = attempt("fused_tuning", lambda: lora_tuning.tune(slots, mixes["slots_mixed3"], device, capture))
+        if tuning:
+            res["fused_tuning"] = tuning.report
     if use_graphs and "base_graphs" in tps:
-        slot_graphs = DecodeGraphs(model, capture=capture)
-        for name, mix in mixes.items():
-            got = attempt(
-                f"{name}_graphs",
-                lambda: tokens_per_s(model, rows, device, step_context=routed(mix), graphs=slot_graphs, repeats=3),
-            )
-            if got:
-                tps[f"{name}_graphs"] = got
-                print(f"{name} graphs {got:.0f} tok/s", flush=True)
-        res["graph_captures_slots"] = slot_graphs.captures
+        # Each correction in its own graphs, one after another: "" the two kernels beside cuBLAS
+        # (the reference where kernels do not run), "_fused" the tuned choice per shape,
+        # "_fusedall" the fastest fused tiles for every shape, "_torch" the reference.
+        variants: list[tuple[str, lora_kernels.Correction, dict]] = [("", slots.routing.correction, {})]
+        if tuning:
+            variants += [("_fused", "fused", tuning.chosen), ("_fusedall", "fused", tuning.best_fused)]
+        if kernels:
+            variants.append(("_torch", "torch", {}))
         check = rows[: min(16, batch)]
         mix3 = mixes["slots_mixed3"]
         mix_check = [mix3[i * batch // len(check)] for i in range(len(check))]  # every version present
-        res["slots_mixed3_graphs_vs_eager"] = attempt(
-            "slots_graphs_check",
-            lambda: agreement(
-                decode(model, check, step_context=routed(mix_check)),
-                decode(model, check, step_context=routed(mix_check), graphs=slot_graphs),
-            ),
-        )
-        del slot_graphs
-        if slots.routing.kernel:
-            # the same mixes through the torch reference correction, in their own graphs
-            slots.routing.kernel = False
-            ref_graphs = DecodeGraphs(model, capture=capture)
-            for name in ("slots_mixed25", "slots_mixed3"):
+        for suffix, correction, tuned in variants:
+            slots.routing.correction = correction
+            lora_kernels.TUNED.clear()
+            lora_kernels.TUNED.update(tuned)
+            slot_graphs = DecodeGraphs(model, capture=capture)
+            for name in mixes if not suffix else ("slots_mixed25", "slots_mixed3"):
                 got = attempt(
-                    f"{name}_torch_graphs",
+                    f"{name}{suffix}_graphs",
                     lambda: tokens_per_s(
-                        model, rows, device, step_context=routed(mixes[name]), graphs=ref_graphs, repeats=3
+                        model, rows, device, step_context=routed(mixes[name]), graphs=slot_graphs, repeats=3
                     ),
                 )
                 if got:
-                    tps[f"{name}_torch_graphs"] = got
-                    print(f"{name} torch graphs {got:.0f} tok/s", flush=True)
-            del ref_graphs
-            slots.routing.kernel = True
+                    tps[f"{name}{suffix}_graphs"] = got
+                    print(f"{name}{suffix} graphs {got:.0f} tok/s", flush=True)
+            if not suffix:
+                res["graph_captures_slots"] = slot_graphs.captures
+            if suffix in ("", "_fused"):
+                res[f"slots_mixed3{suffix}_graphs_vs_eager"] = attempt(
+                    f"slots{suffix}_graphs_check",
+                    lambda: agreement(
+                        decode(model, check, step_context=routed(mix_check)),
+                        decode(model, check, step_context=routed(mix_check), graphs=slot_graphs),
+                    ),
+                )
+            for name in ("slots_head", "slots_mixed25") if args.profile and suffix in ("", "_fused") else ():
+                if name == "slots_head" and suffix:
+                    continue  # no row corrected: the same graph whatever the correction
+                short = [Row(prompt=r.prompt, max_new_tokens=32, seed=r.seed) for r in rows]
+                decode(model, short, step_context=routed(mixes[name]), graphs=slot_graphs)  # captures
+                res.setdefault("profile", {})[f"{name}{suffix}_graphs"] = attempt(
+                    f"profile_{name}{suffix}",
+                    lambda: kernel_profile(
+                        lambda: decode(model, short, step_context=routed(mixes[name]), graphs=slot_graphs), device
+                    ),
+                )
+            del slot_graphs
+        slots.routing.correction = variants[0][1]
+        lora_kernels.TUNED.clear()
 
-    # the kernel against the reference correction, op by op on the first layer's groups
-    if slots.routing.kernel:
-        from services.rollout import lora_kernels
+    # the kernels against the reference correction, op by op on the first layer's groups
+    if kernels:
 
         def kernel_vs_reference() -> dict:
             cols = slots.columns(mixes["slots_mixed3"])
-            worst = 0.0
+            assert cols is not None
+            worst = {"two_kernels": 0.0, "fused": 0.0}
             for group in slots.groups[:4]:
+                n, groups = group.segs[-1], len(group.segs) - 1
                 x = torch.randn(batch, group.in_features, device=device, dtype=dtype)
-                y0 = torch.randn(batch, group.segs[-1], device=device, dtype=dtype)
+                y0 = torch.nn.functional.linear(x, group.weight, group.bias)
                 want, got = y0.clone(), y0.clone()
                 lora_kernels.correct_reference_(want, x, group._a_all, group._bt_all, group.segs, cols, 1)
                 lora_kernels.correct_kernel_(got, x, group._a_all, group._bt_all, group._segs_dev, cols, 1)
+                config = lora_kernels.default_config(batch, n, cols.shape[1])
+                if tuning and tuning.best_fused:
+                    config = tuning.best_fused.get((batch, n, group.in_features, groups, cols.shape[1]), config)
+                fused = lora_kernels.linear_fused(x, group.weight, group.bias, group._a_all, group._bt_all,
+                                                  group._segs_dev, cols, 1, config)  # fmt: skip
                 size = (want.float() - y0.float()).abs().max().item()
-                worst = max(worst, (got.float() - want.float()).abs().max().item() / size)
-            return {"max_abs_diff_over_max_correction": worst}
+                for key, out in (("two_kernels", got), ("fused", fused)):
+                    worst[key] = max(worst[key], (out.float() - want.float()).abs().max().item() / size)
+            return {f"{key}_max_abs_diff_over_max_correction": value for key, value in worst.items()}
 
         res["kernel_vs_reference"] = attempt("kernel_vs_reference", kernel_vs_reference)
 

@@ -1,4 +1,4 @@
-"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, two ways.
+"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, three ways.
 
 One call corrects a *group* of sibling linear layers that read the same input (q/k/v, or
 gate/up), whose outputs sit side by side in one `y [rows, N]`:
@@ -13,15 +13,24 @@ matmul for the whole group, one mask multiply, one expand per member. `correct_k
 Triton kernels for the whole group whatever G is: a split-K shrink that writes masked partial
 sums, then an expand that sums them and adds t @ Bt into y. The kernels skip blocks of 16 rows
 that are all on the head and load only the A rows of slots that a block uses, so their cost
-follows the rows to correct rather than the batch. Neither path reads the mask on the host, so
-both can be captured in a CUDA graph. Each is also split in its two phases (`shrink_*`,
-`expand_*`): the shrink reads x only, so a captured graph runs it on a side stream beside the
-layer's own matmul (`lora_slots.SlotGroup`). On the H200 the two give the same decode speed in
-graphs (benchmarks/results/embedded_engine_h200.json); eager forwards use the reference, since
-a Triton launch costs ~20 us of Python.
+follows the rows to correct rather than the batch. Each is also split in its two phases
+(`shrink_*`, `expand_*`): the shrink reads x only, so a captured graph runs it on a side
+stream beside the layer's own matmul (`lora_slots.SlotGroup`); the expand still waits for that
+matmul, one small kernel per group on the critical path.
 
-Invariant: the two functions compute the same sum (to the rounding of the model's dtype);
-tests/unit/test_lora_kernels.py checks the kernel against the reference under Triton's
+`linear_fused` takes the layer's matmul in too: one Triton GEMM computes
+y = x @ W^T + bias + ((x @ A_g^T) * C) @ Bt, each program accumulating its tile of x @ W^T and
+its rows' x @ A_g^T (A of the tile's member g) in the same loop over the input features, and
+adding the expand in its epilogue: one launch per group, no kernel waiting on another. Its tile
+shapes come from `fused_config` (measured ones in `TUNED`, filled by
+benchmarks/embedded_engine.py, before a heuristic); where the measurement found the cuBLAS
+matmul plus the two kernels faster for a shape, `TUNED` says None and the group keeps those.
+
+None of the paths reads the mask on the host, so all can be captured in a CUDA graph. Eager
+forwards on a GPU use the reference, since a Triton launch costs ~20 us of Python.
+
+Invariant: the three compute the same y (to the rounding of the model's dtype);
+tests/unit/test_lora_kernels.py checks the kernels against the reference under Triton's
 interpreter on CPU.
 """
 
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -45,6 +55,25 @@ BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
 
+Correction = Literal["torch", "triton", "fused"]
+"""how captured graphs correct mixed rows: the reference, the two kernels beside cuBLAS, or
+`linear_fused` (where `fused_config` gives a config; the two kernels elsewhere)"""
+
+
+class FusedConfig(NamedTuple):
+    """Tiles of `linear_fused`: rows, output columns and input features per program step."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 3
+
+
+TUNED: dict[tuple[int, int, int, int, int], FusedConfig | None] = {}
+"""(rows, N, in, members, S * r) -> the config measured fastest for that shape, or None where
+cuBLAS plus the two kernels measured faster. Empty unless a benchmark filled it."""
+
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `correct_kernel_` runs here: Triton on a CUDA device in half precision, or
@@ -54,6 +83,35 @@ def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def fused_config(rows: int, n: int, k: int, groups: int, sr: int) -> FusedConfig | None:
+    """The tiles `linear_fused` runs with for this shape, or None: use the two kernels."""
+    key = (rows, n, k, groups, sr)
+    return TUNED[key] if key in TUNED else default_config(rows, n, sr)
+
+
+def default_config(rows: int, n: int, sr: int) -> FusedConfig:
+    """Tiles for a shape nobody measured."""
+    # decode batches (rows <= 64) fit one row block, so each weight tile is read once; narrow
+    # layers get narrower column tiles so that more programs share the memory traffic
+    bm = min(64, max(16, _pow2(rows)))
+    bn = 64 if n >= 4096 else 32
+    bk = 128 if _pow2(sr) <= 64 else 64
+    # the rows' x @ A^T accumulator [bm, S * r] lives in registers beside the output tile's
+    warps = 8 if bm * _pow2(sr) >= 64 * 256 else 4
+    return with_stages(FusedConfig(bm, bn, bk, warps), sr)
+
+
+def with_stages(config: FusedConfig, sr: int, budget: int = 112 * 1024) -> FusedConfig:
+    """`config` with as many pipeline stages (2-4) as its tiles of x, W and A fit in `budget`
+    bytes of shared memory (112 KB: two programs share a multiprocessor of an H100/H200)."""
+    stage = 2 * config.bk * (config.bm + config.bn + max(16, _pow2(sr)))
+    return config._replace(stages=max(2, min(4, budget // stage)))
 
 
 def correct_reference_(
@@ -130,6 +188,37 @@ def expand_kernel_(
         y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
         G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
     )  # fmt: skip
+
+
+def linear_fused(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    segs: torch.Tensor,
+    cols: torch.Tensor,
+    rows_per_mask: int,
+    config: FusedConfig,
+) -> torch.Tensor:
+    """x [rows, in] @ w^T + bias plus the group's correction, [rows, N], one Triton kernel;
+    `segs` is an int32 tensor on the device."""
+    assert triton is not None
+    rows, k = x.shape
+    n, groups, sr = w.shape[0], segs.shape[0] - 1, cols.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    # members' column tiles one after another; each member may end in a partial tile
+    tiles = triton.cdiv(n, config.bn) + groups - 1
+    _fused[(triton.cdiv(rows, config.bm), tiles)](
+        x, w, w if bias is None else bias, a, cols, bt, segs, y, rows, k, rows_per_mask,
+        x.stride(0), w.stride(0), a.stride(0), bt.stride(0), y.stride(0),
+        G=groups, SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), HAS_BIAS=bias is not None,
+        EVEN_K=k % config.bk == 0, BM=config.bm, BN=config.bn, BK=config.bk,
+        num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return y
 
 
 if triton is not None:
@@ -214,3 +303,69 @@ if triton is not None:
             inside = row_on[:, None] & n_in[None, :]
             y = tl.load(where, mask=inside, other=0.0)
             tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=inside)
+
+    @triton.jit
+    def _fused(
+        x_ptr, w_ptr, bias_ptr, a_ptr, c_ptr, bt_ptr, seg_ptr, y_ptr, M, K, rows_per_mask,
+        stride_x, stride_w, stride_a, stride_bt, stride_y,
+        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # which member's columns this program writes: tiles never straddle two members, so the
+        # tile needs one member's A; programs past the last tile find none and write nothing
+        g = pid_n * 0
+        start = pid_n * 0
+        end = pid_n * 0
+        first = pid_n * 0
+        for i in tl.static_range(G):
+            lo = tl.load(seg_ptr + i)
+            hi = tl.load(seg_ptr + i + 1)
+            count = (hi - lo + BN - 1) // BN
+            mine = ((pid_n >= first) & (pid_n < first + count)).to(tl.int32)
+            g += i * mine
+            start += mine * (lo + (pid_n - first) * BN)
+            end += mine * hi
+            first += count
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_in = rows < M
+        ns = start + tl.arange(0, BN)
+        n_in = ns < end
+        c, row_on, col_on = _mask_block(c_ptr, rows, row_in, rows_per_mask, SR, SR_PAD)
+        cols = tl.arange(0, SR_PAD)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        t = tl.zeros((BM, SR_PAD), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_in = ks < K
+            if EVEN_K:
+                xt = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None], other=0.0)
+                wt = tl.load(w_ptr + ns[None, :] * stride_w + ks[:, None], mask=n_in[None, :], other=0.0)
+            else:
+                xt = tl.load(
+                    x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
+                )
+                wt = tl.load(
+                    w_ptr + ns[None, :] * stride_w + ks[:, None], mask=n_in[None, :] & k_in[:, None], other=0.0
+                )
+            # rows of slots no row of the block uses are never read
+            at = tl.load(
+                a_ptr + (g * SR + cols)[None, :] * stride_a + ks[:, None],
+                mask=col_on[None, :] & k_in[:, None],
+                other=0.0,
+            )
+            acc += tl.dot(xt, wt)
+            t += tl.dot(xt, at)
+        b = tl.load(
+            bt_ptr + cols[:, None] * stride_bt + ns[None, :],
+            mask=col_on[:, None] & n_in[None, :],
+            other=0.0,
+        )
+        acc += tl.dot((t * c).to(b.dtype), b)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + ns, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + ns[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=row_in[:, None] & n_in[None, :],
+        )

@@ -18,10 +18,11 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   rewrites C.
 - Siblings that read the same input (q/k/v, gate/up: Megatron's fused layers) form one
   `SlotGroup`: one matmul for their base outputs and one correction for all of them
-  (`lora_kernels`), and in a captured CUDA graph the correction's shrink runs on a side stream
-  beside the group's matmul. A decoder layer then puts 4 matmuls + 4 expands on the critical
-  path instead of 7 matmuls + 21 correction kernels (with three small kernels per module the
-  mixed-batch cost was 0.78x the graph base; now 0.88-0.89x).
+  (`lora_kernels`). In a captured CUDA graph the correction is either two kernels, the shrink
+  on a side stream beside the group's matmul and the expand after it (a decoder layer then puts
+  4 matmuls + 4 expands on the critical path instead of 7 matmuls + 21 correction kernels:
+  0.88-0.89x the graph base, against 0.78x with three small kernels per module), or, with
+  `correction="fused"`, one Triton GEMM per group that does the matmul and the correction.
 - Re-merging on a head change recomputes W from a pristine copy `w0` with one fused `addmm`
   per module, so there is no drift however many versions pass. Memory cost: one extra copy of
   every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in bf16), plus the
@@ -50,14 +51,14 @@ _PEFT_PREFIX = "base_model.model."
 class Routing:
     """What every SlotGroup of a model reads during a forward: the sign mask C ([batch,
     slots * rank], or None when every row is on the head; set around each forward by
-    `LoraSlots.route`), which correction captured graphs record (the Triton kernels or the
-    torch reference), and the side stream their shrinks run on."""
+    `LoraSlots.route`), which correction captured graphs (and CPU forwards) run
+    (`lora_kernels.Correction`), and the side stream the two-kernel path's shrinks run on."""
 
-    __slots__ = ("cols", "kernel", "_side")
+    __slots__ = ("cols", "correction", "_side")
 
-    def __init__(self, kernel: bool) -> None:
+    def __init__(self, correction: lora_kernels.Correction) -> None:
         self.cols: torch.Tensor | None = None
-        self.kernel = kernel
+        self.correction: lora_kernels.Correction = correction
         self._side: torch.cuda.Stream | None = None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -122,27 +123,37 @@ class SlotGroup:
         if cols is None:
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
+        n, groups = self.segs[-1], len(self.segs) - 1
         # rows of x are (batch row, position) pairs: the mask is per batch row
         per_row = x2.shape[0] // cols.shape[0]
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # eager: a Triton launch costs ~20 us of Python, more than the work it replaces
-            y = F.linear(x, self.weight, self.bias)
-            lora_kernels.correct_reference_(y.view(-1, self.segs[-1]), x2, self._a_all, self._bt_all, self.segs, cols,
-                                            per_row)  # fmt: skip
-            return y
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        correction = self.routing.correction
+        if x.is_cuda and not capturing:
+            # eager on a GPU: a Triton launch costs ~20 us of Python, more than the work it replaces
+            correction = "torch"
+        if correction == "fused":
+            config = lora_kernels.fused_config(x2.shape[0], n, self.in_features, groups, cols.shape[1])
+            if config is not None:
+                y2 = lora_kernels.linear_fused(x2, self.weight, self.bias, self._a_all, self._bt_all, self._segs_dev,
+                                               cols, per_row, config)  # fmt: skip
+                return y2.view(*x.shape[:-1], n)
+            correction = "triton"  # measured faster for this shape (lora_kernels.TUNED)
+        kernel = correction == "triton"
         # In a captured graph the shrink reads only x, so it runs on a side stream beside the
         # layer's matmul; only the expand waits for both.
-        main, side = torch.cuda.current_stream(), self.routing.side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            if self.routing.kernel:
-                t = lora_kernels.shrink_kernel(x2, self._a_all, cols, per_row, len(self.segs) - 1)
+        streams = (torch.cuda.current_stream(), self.routing.side_stream(x.device)) if capturing else None
+        if streams is not None:
+            streams[1].wait_stream(streams[0])
+        with torch.cuda.stream(streams[1]) if streams is not None else contextlib.nullcontext():
+            if kernel:
+                t = lora_kernels.shrink_kernel(x2, self._a_all, cols, per_row, groups)
             else:
                 t = lora_kernels.shrink_reference(x2, self._a_all, cols, per_row)
         y = F.linear(x, self.weight, self.bias)
-        main.wait_stream(side)
-        y2 = y.view(-1, self.segs[-1])
-        if self.routing.kernel:
+        if streams is not None:
+            streams[0].wait_stream(streams[1])
+        y2 = y.view(-1, n)
+        if kernel:
             lora_kernels.expand_kernel_(y2, t, self._bt_all, self._segs_dev, cols, per_row)
         else:
             lora_kernels.expand_reference_(y2, t, self._bt_all, self.segs)
@@ -227,10 +238,17 @@ def module_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Te
 class LoraSlots:
     """The slot pool of one model: install once, then load/unload/set_head/route."""
 
-    def __init__(self, model: nn.Module, modules: Sequence[str], rank: int, slots: int, kernel: bool | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Sequence[str],
+        rank: int,
+        slots: int,
+        correction: lora_kernels.Correction | None = None,
+    ):
         self.rank = rank
         self.table = SlotTable(slots)
-        self.routing = Routing(kernel=False)
+        self.routing = Routing("torch")
         self.head: int | None = None
         self._scale: dict[int, float] = {}
         self.layers: dict[str, SlotLinear] = {}
@@ -265,7 +283,15 @@ class LoraSlots:
         first = layers[0] if layers else None
         self._device = first.a.device if first else torch.device("cpu")
         self._dtype = first.a.dtype if first else torch.float32
-        self.routing.kernel = lora_kernels.kernel_available(self._device, self._dtype) if kernel is None else kernel
+        available = lora_kernels.kernel_available(self._device, self._dtype)
+        if correction is None:
+            correction = "triton" if available else "torch"
+        elif correction != "torch" and not available:
+            raise ValueError(
+                f"correction: {correction!r} needs Triton on a CUDA device in half precision (here "
+                f"{self._device}, {self._dtype}); pass 'torch' or leave it None"
+            )
+        self.routing.correction = correction
         # One mask buffer per batch size, rewritten in place, so its address is stable for
         # CUDA graphs; `_cols_key` says what each one holds now.
         self._cols: dict[int, torch.Tensor] = {}
@@ -273,15 +299,20 @@ class LoraSlots:
 
     @classmethod
     def install(
-        cls, model: nn.Module, tensors: dict[str, torch.Tensor], slots: int, kernel: bool | None = None
+        cls,
+        model: nn.Module,
+        tensors: dict[str, torch.Tensor],
+        slots: int,
+        correction: lora_kernels.Correction | None = None,
     ) -> LoraSlots:
-        """Create slots shaped after the first adapter that arrives. `kernel`: correct mixed
-        rows with the Triton kernel (None: where it runs, see `lora_kernels.kernel_available`)."""
+        """Create slots shaped after the first adapter that arrives. `correction`: how mixed
+        rows are corrected (None: the two Triton kernels where they run, see
+        `lora_kernels.kernel_available`, else the torch reference)."""
         mods = module_tensors(tensors)
         if not mods:
             raise ValueError("adapter has no LoRA tensors")
         rank = next(iter(mods.values()))[0].shape[0]
-        return cls(model, list(mods), rank, slots, kernel)
+        return cls(model, list(mods), rank, slots, correction)
 
     # --- versions ---
     def versions(self) -> list[int]:

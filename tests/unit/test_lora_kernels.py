@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,57 +37,90 @@ def interpreted() -> None:
 
     assert lora_kernels.kernel_available(torch.device("cpu"), torch.float32)
     checks = 0
-    # members' widths, slots, rank, in_features (above K_CHUNK: several split-K programs),
-    # rows per mask row (prefill positions), and which rows are corrected
-    for widths, slots, rank, k, per_row, head in [
-        ([40, 16, 16], 3, 4, 1100, 2, 2),  # q/k/v-like, padded slot width (12 -> 16)
-        ([72, 72], 4, 4, 64, 1, 0),  # gate/up-like
-        ([24], 2, 8, 40, 3, None),  # alone; no head merged: rows add their own version only
+    # members' widths (odd ones: tiles that end inside a member), slots, rank, in_features
+    # (above K_CHUNK: several split-K programs; not a multiple of the fused kernel's BK), rows
+    # per mask row (prefill positions), the head's slot, bias, and the fused kernel's tiles
+    for widths, n_slots, rank, k, per_row, head, bias, tiles in [
+        ([40, 16, 16], 3, 4, 1100, 2, 2, True, (16, 32, 128)),  # q/k/v-like, padded slot width (12 -> 16)
+        ([72, 72], 4, 4, 64, 1, 0, False, (32, 16, 32)),  # gate/up-like
+        ([24], 2, 8, 40, 3, None, True, (16, 16, 16)),  # alone; no head merged: rows add their own version only
+        ([48, 24], 2, 16, 96, 1, 1, True, (64, 32, 64)),  # rank 16
+        ([40], 2, 64, 80, 1, 0, False, (16, 16, 32)),  # rank 64: x @ A^T accumulator [rows, 128]
     ]:
-        g = torch.Generator().manual_seed(len(widths))
+        g = torch.Generator().manual_seed(len(widths) * 100 + rank)
         batch = 37  # three blocks of 16 rows, the first all on the head, the last partial
         segs = [0]
         for w in widths:
             segs.append(segs[-1] + w)
         x = torch.randn(batch * per_row, k, generator=g)
-        a = torch.randn(len(widths) * slots * rank, k, generator=g) / k**0.5
-        bt = torch.randn(slots * rank, segs[-1], generator=g)
-        signs = torch.zeros(batch, slots)
+        w = torch.randn(segs[-1], k, generator=g) / k**0.5
+        b = torch.randn(segs[-1], generator=g) if bias else None
+        a = torch.randn(len(widths) * n_slots * rank, k, generator=g) / k**0.5
+        bt = torch.randn(n_slots * rank, segs[-1], generator=g)
+        signs = torch.zeros(batch, n_slots)
         for row in range(16, batch):
             if row % 4:  # some rows of the corrected blocks stay on the head
-                own = row % slots
+                own = row % n_slots
                 signs[row, own] = 1.0
                 if head is not None and own != head:
                     signs[row, head] = -1.0
         cols = signs.repeat_interleave(rank, dim=1)
-        y = torch.randn(batch * per_row, segs[-1], generator=g)
+        segs_dev = torch.tensor(segs, dtype=torch.int32)
+        y = torch.nn.functional.linear(x, w, b)
         want, got = y.clone(), y.clone()
         lora_kernels.correct_reference_(want, x, a, bt, segs, cols, per_row)
-        lora_kernels.correct_kernel_(got, x, a, bt, torch.tensor(segs, dtype=torch.int32), cols, per_row)
+        lora_kernels.correct_kernel_(got, x, a, bt, segs_dev, cols, per_row)
         assert (want - y).abs().max() > 0.1  # the correction is not nothing
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(got[: 16 * per_row], y[: 16 * per_row])  # rows on the head untouched
+        config = lora_kernels.with_stages(lora_kernels.FusedConfig(*tiles), n_slots * rank)
+        fused = lora_kernels.linear_fused(x, w, b, a, bt, segs_dev, cols, per_row, config)
+        torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
         checks += 1
-    # a whole model: kernel and reference paths give the same logits for a mixed batch
+    # a whole model: the three corrections give the same logits for a mixed batch
     from services.rollout.lora_slots import LoraSlots
     from tests.fixtures.tiny import random_lora, tiny_qwen2
 
     models = {}
-    for kernel in (True, False):
+    for correction in ("torch", "triton", "fused"):
         model = tiny_qwen2(0)
         adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
-        slots = LoraSlots.install(model, adapters[0], slots=3, kernel=kernel)
+        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
         for v in range(3):
             slots.load(v, adapters[v], 2.0)
         slots.set_head(2)
-        models[kernel] = (model, slots)
+        models[correction] = (model, slots)
     ids = torch.randint(0, 97, (20, 5), generator=torch.Generator().manual_seed(5))
     mix = [0] * 5 + [1] * 5 + [2] * 10
     logits = {}
-    for kernel, (model, slots) in models.items():
+    for correction, (model, slots) in models.items():
         with torch.no_grad(), slots.route(mix):
-            logits[kernel] = model(input_ids=ids).logits
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+            logits[correction] = model(input_ids=ids).logits
+    with torch.no_grad(), models["torch"][1].route([2] * 20):
+        head_only = models["torch"][0](input_ids=ids).logits
+    assert (logits["torch"][:10] - head_only[:10]).abs().max() > 1e-2  # older rows are corrected
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-5, rtol=1e-5)
+    # a shape measured faster with the two kernels: the fused path hands it to them
+    model, slots = models["fused"]
+    group = slots.groups[0]
+    key = (20 * 5, group.segs[-1], group.in_features, len(group.segs) - 1, slots.table.slots * slots.rank)
+    lora_kernels.TUNED[key] = None
+    fused_kernel, fused_shapes = lora_kernels.linear_fused, []
+
+    def counted(x: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
+        fused_shapes.append(w.shape)
+        return fused_kernel(x, w, *rest)
+
+    lora_kernels.linear_fused = counted  # type: ignore[assignment]
+    try:
+        with torch.no_grad(), slots.route(mix):
+            torch.testing.assert_close(model(input_ids=ids).logits, logits["torch"], atol=1e-5, rtol=1e-5)
+    finally:
+        del lora_kernels.TUNED[key]
+        lora_kernels.linear_fused = fused_kernel
+    # every group but those of the first group's shape (one per layer) ran fused
+    assert len(fused_shapes) == len(slots.groups) - 2 and group.weight.shape not in fused_shapes
     checks += 1
     print(f"checked {checks}")
 
@@ -99,7 +133,7 @@ def test_siblings_share_one_matmul_and_a_lone_call_recomputes():
 
     model = tiny_qwen2(0)
     pristine = copy.deepcopy(model)
-    slots = LoraSlots.install(model, random_lora(model, 1, 4, 0.2), slots=2, kernel=False)
+    slots = LoraSlots.install(model, random_lora(model, 1, 4, 0.2), slots=2, correction="torch")
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group
     assert attn.o_proj.group is not attn.q_proj.group

@@ -1,0 +1,170 @@
+"""Time a slot pool's group forwards shape by shape, and choose the fused kernel's tiles.
+
+A model's groups come in a few shapes (Qwen2: q/k/v, o, gate/up, down), each repeated once per
+decoder layer. For every shape, one captured CUDA graph runs the forwards of that shape's groups
+in every layer, so that weights come from HBM as in a decode step rather than from L2, under:
+  matmul        no row corrected: the layer's cuBLAS matmul alone (the head-only cost)
+  two_kernels   cuBLAS + the split-K shrink on a side stream + the expand (`correction="triton"`)
+  torch         cuBLAS + the torch reference correction, shrink on the side stream
+  fused <tiles> `lora_kernels.linear_fused` with those tiles, one kernel per group
+and reports microseconds per group forward (median of the replays). `tune` writes the fastest
+fused tiles of each shape into `lora_kernels.TUNED`, or None where `two_kernels` was faster.
+On CPU (`--tiny` under TRITON_INTERPRET=1) each forward runs once, eagerly: a smoke run of the
+same code, whose figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from services.rollout import lora_kernels
+from services.rollout.lora_kernels import FusedConfig
+from services.rollout.lora_slots import LoraSlots, SlotGroup
+
+TILES = [(16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 4), (32, 128, 4, 2), (32, 128, 4, 4), (64, 64, 4, 3),
+         (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)]  # fmt: skip
+"""(columns, input features, warps, stages) per candidate; rows come from the batch. Stages are
+cut to what shared memory holds; those of 112 KB or less let two programs share a
+multiprocessor."""
+
+Key = tuple[int, int, int, int, int]
+
+
+def label(config: FusedConfig) -> str:
+    return f"fused {config.bm}x{config.bn}x{config.bk} w{config.warps} s{config.stages}"
+
+
+def candidates(rows: int, n: int, sr: int) -> list[FusedConfig]:
+    """The heuristic's tiles first, then the grid of TILES at the heuristic's row block."""
+    first = lora_kernels.default_config(rows, n, sr)
+    out = [first]
+    for bn, bk, warps, stages in TILES:
+        config = lora_kernels.with_stages(FusedConfig(first.bm, bn, bk, warps), sr, budget=200 * 1024)
+        config = config._replace(stages=min(stages, config.stages))
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def shapes(slots: LoraSlots) -> dict[str, list[SlotGroup]]:
+    """Groups by shape, named after the first layer's members (e.g. 'q_proj+k_proj+v_proj')."""
+    names: dict[int, list[str]] = {}
+    for path, layer in slots.layers.items():
+        names.setdefault(id(layer.group), []).append(path.rsplit(".", 1)[-1])
+    by_shape: dict[tuple[int, int, int], list[SlotGroup]] = {}
+    for group in slots.groups:
+        by_shape.setdefault((group.segs[-1], group.in_features, len(group.segs) - 1), []).append(group)
+    return {"+".join(names[id(groups[0])]): groups for groups in by_shape.values()}
+
+
+def time_forwards(groups: Sequence[SlotGroup], x: torch.Tensor, capture: bool, replays: int = 10) -> float:
+    """Microseconds per group forward: one graph holding every group's forward, replayed."""
+    if not capture:
+        t0 = time.perf_counter()
+        for group in groups:
+            group._forward(x)
+        return 1e6 * (time.perf_counter() - t0) / len(groups)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for group in groups:
+            group._forward(x)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return 1000 * statistics.median(times) / len(groups)
+
+
+class Tuning(NamedTuple):
+    report: dict
+    """figures (us per group forward by shape and variant), choices and errors, for the JSON"""
+    chosen: dict[Key, FusedConfig | None]
+    """what `tune` put in `lora_kernels.TUNED`"""
+    best_fused: dict[Key, FusedConfig]
+    """the fastest fused tiles of every shape (for a run that fuses every shape)"""
+
+
+def measure(
+    us: dict[str, float],
+    errors: dict[str, str],
+    variant: str,
+    groups: Sequence[SlotGroup],
+    x: torch.Tensor,
+    capture: bool,
+    warm: Callable[[], object],
+) -> None:
+    """us[variant] = the groups' time under the routing as it is set now, or an error."""
+    try:
+        warm()  # compiles outside the capture
+        us[variant] = time_forwards(groups, x, capture)
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit must not end the tuning
+        errors[variant] = f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def tune(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bool) -> Tuning:
+    """Time every shape under every variant for a batch on the versions `mix` (some rows off
+    the head) and fill `lora_kernels.TUNED` with the choice."""
+    rows, sr = len(mix), slots.table.slots * slots.rank
+    was = slots.routing.correction
+    report: dict = {"rows": rows, "us_per_group_forward": {}, "chosen": {}, "best_fused": {}, "errors": {}}
+    chosen: dict[Key, FusedConfig | None] = {}
+    best_fused: dict[Key, FusedConfig] = {}
+    try:
+        for name, groups in shapes(slots).items():
+            g0 = groups[0]
+            n, k, members = g0.segs[-1], g0.in_features, len(g0.segs) - 1
+            key = (rows, n, k, members, sr)
+            x = torch.randn(rows, k, device=device, dtype=g0.weight.dtype)
+            us: dict[str, float] = {}
+            errors: dict[str, str] = {}
+            report["us_per_group_forward"][name] = us
+            measure(us, errors, "matmul", groups, x, capture, lambda: None)  # no route: no correction
+            with slots.route(mix):
+                cols = slots.routing.cols
+                assert cols is not None, "tune: every row of the mix is on the head; nothing to correct"
+                slots.routing.correction = "triton"
+                measure(us, errors, "two_kernels", groups, x, capture,
+                        lambda: lora_kernels.correct_kernel_(g0.weight.new_zeros(rows, n), x, g0._a_all, g0._bt_all,
+                                                             g0._segs_dev, cols, 1))  # fmt: skip
+                slots.routing.correction = "torch"
+                measure(us, errors, "torch", groups, x, capture, lambda: None)
+                slots.routing.correction = "fused"
+                for config in candidates(rows, n, sr):
+                    lora_kernels.TUNED[key] = config
+                    measure(us, errors, label(config), groups, x, capture,
+                            partial(lora_kernels.linear_fused, x, g0.weight, g0.bias, g0._a_all, g0._bt_all,
+                                    g0._segs_dev, cols, 1, config))  # fmt: skip
+                    if label(config) in us and (
+                        key not in best_fused or us[label(config)] < us[label(best_fused[key])]
+                    ):
+                        best_fused[key] = config
+            best = best_fused.get(key)
+            pick = chosen[key] = best if best and us[label(best)] < us.get("two_kernels", float("inf")) else None
+            report["chosen"][name] = label(pick) if pick else "two_kernels"
+            report["best_fused"][name] = label(best) if best else None
+            if errors:
+                report["errors"][name] = errors
+            nan = float("nan")
+            print(
+                f"{name:<24} us per group: matmul {us.get('matmul', nan):6.1f}, two kernels "
+                f"{us.get('two_kernels', nan):6.1f}, torch {us.get('torch', nan):6.1f}, best "
+                f"{us[label(best)] if best else nan:6.1f} ({report['best_fused'][name]}); {len(errors)} errors",
+                flush=True,
+            )
+    finally:
+        slots.routing.correction = was
+        lora_kernels.TUNED.clear()
+    lora_kernels.TUNED.update(chosen)
+    return Tuning(report, chosen, best_fused)
