@@ -52,7 +52,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -290,15 +289,16 @@ class Acks:
 async def run_bench(args) -> dict:
     import nats
 
+    from benchmarks import workers
+    from benchmarks.adapters import adapter_event
     from proto import codec
-    from proto.messages import AdapterReady, LoraSpec
+    from proto.messages import LoraSpec
     from services.common import adapter_io, xccl
     from services.common.config_schema import StoreConfig
     from services.common.store import open_store
     from services.local.nats_server import start_nats_server
     from services.local.s3_server import start_weed_s3
     from services.trainer.publish import build_payloads, deliver
-    from services.trainer.xccl_sender import XcclSender
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-"))
     nats_srv = start_nats_server(work / "nats")
@@ -324,12 +324,7 @@ async def run_bench(args) -> dict:
         return {"rows": rows, "summary": propagation_servers.summarize(rows)}
     n_max = max(args.replicas)
     procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--replica", str(i), "--nats", nats_srv.url],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            stderr=open(work / f"rep{i}.log", "w"),
-        )
+        workers.spawn([__file__, "--replica", str(i), "--nats", nats_srv.url], work / f"rep{i}.log")
         for i in range(n_max)
     ]
     results: list[dict] = []
@@ -388,14 +383,7 @@ async def run_bench(args) -> dict:
                         times, trainer, vias, sends = [], [], set(), []
                         sender = None
                         if path in XCCL_PATHS:
-                            sender = XcclSender(
-                                address="127.0.0.1",
-                                port=0,
-                                backend="gloo",
-                                bucket_bytes=xccl.bucket_bytes_of(args.bucket_mb),
-                                timeout_s=60,
-                                release_wait_s=0.0 if path == "xccl_eager" else xccl.RELEASE_WAIT_S,
-                            )
+                            sender = workers.gloo_sender(args.bucket_mb, 0.0 if path == "xccl_eager" else None)
                         if path == "gloo_bare":
                             bstore = xccl.host_store("127.0.0.1", 0, 60)
                             prefix = uuid.uuid4().hex[:6]
@@ -436,18 +424,10 @@ async def run_bench(args) -> dict:
                                 ref = await asyncio.to_thread(
                                     store.put_bytes, f"bench/v{version}/adapter_model.safetensors", data
                                 )
-                                ev = AdapterReady(
-                                    run="bench",
-                                    trainer_epoch="e0",
-                                    lora_name="bench",
-                                    version=version,
-                                    trainer_step=version,
-                                    created_at=time.time(),
-                                    lora=lora,
-                                    payloads=build_payloads(ref),
-                                )
+                                ev = adapter_event(version, lora, build_payloads(ref))
                                 await nc.publish(EVENT, codec.encode(ev))
                             elif path in XCCL_PATHS:
+                                assert sender is not None  # made above for every XCCL path
 
                                 def durable():
                                     return local_store.put_bytes(
@@ -457,21 +437,10 @@ async def run_bench(args) -> dict:
                                 if rep == 0:  # the handle the replicas join from (bench warm-up)
                                     ref = await asyncio.to_thread(durable)
                                     h = sender.handle(xccl.manifest_of(tensors), {})
-                                    ev = AdapterReady(
-                                        run="bench",
-                                        trainer_epoch="e0",
-                                        lora_name="bench",
-                                        version=version,
-                                        trainer_step=version,
-                                        created_at=time.time(),
-                                        lora=lora,
-                                        payloads=build_payloads(ref, h),
-                                    )
+                                    ev = adapter_event(version, lora, build_payloads(ref, h))
                                     await nc.publish(EVENT, codec.encode(ev))
                                     await acks.wait(tag, n)
-                                    deadline = time.monotonic() + 30
-                                    while sender.store.add("join_seq", 0) < n and time.monotonic() < deadline:
-                                        await asyncio.sleep(0.01)
+                                    await workers.joined(sender, n)
                                     version += 1
                                     tag = version
                                     t0 = time.perf_counter()
@@ -479,16 +448,7 @@ async def run_bench(args) -> dict:
                                 if path != "xccl_only":  # the trainer's own order (publish.deliver)
 
                                     async def publish(payloads, v=version):
-                                        ev = AdapterReady(
-                                            run="bench",
-                                            trainer_epoch="e0",
-                                            lora_name="bench",
-                                            version=v,
-                                            trainer_step=v,
-                                            created_at=time.time(),
-                                            lora=lora,
-                                            payloads=payloads,
-                                        )
+                                        ev = adapter_event(v, lora, payloads)
                                         await nc.publish(EVENT, codec.encode(ev))
                                         published[0] = time.monotonic()
 
@@ -502,16 +462,7 @@ async def run_bench(args) -> dict:
                                     )
                                 else:  # the broadcast alone, no serialising or durable copy at all
                                     xp = await asyncio.to_thread(sender.send, version, src)
-                                    ev = AdapterReady(
-                                        run="bench",
-                                        trainer_epoch="e0",
-                                        lora_name="bench",
-                                        version=version,
-                                        trainer_step=version,
-                                        created_at=time.time(),
-                                        lora=lora,
-                                        payloads=build_payloads(ref, xp),
-                                    )
+                                    ev = adapter_event(version, lora, build_payloads(ref, xp))
                                     await nc.publish(EVENT, codec.encode(ev))
                                     published[0] = time.monotonic()
                             elif path == "peft":
@@ -528,9 +479,7 @@ async def run_bench(args) -> dict:
                             t_end, via = await acks.wait(tag, n)
                             t_end_m = time.monotonic() - (time.perf_counter() - t_end)
                             extras = acks.extras.pop(str(tag), [])
-                            if sender is not None and sender.durable is not None:  # not into the next rep
-                                await asyncio.wrap_future(sender.durable)
-                                sender.durable = None
+                            await workers.settled(sender)
                             vias.update(via)
                             if rep >= warm:
                                 times.append(t_end - t0)
@@ -579,15 +528,7 @@ async def run_bench(args) -> dict:
                         if "stages_ms" in row:
                             print(f"{'':>17} stages (ms after t0, slowest replica): {row['stages_ms']}", flush=True)
     finally:
-        for i in range(n_max):
-            await nc.publish(CMD.format(i), json.dumps({"op": "exit"}).encode())
-        await nc.flush()
-        await nc.close()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await workers.stop(nc, CMD, procs)
         s3.stop()
         nats_srv.stop()
         # every xccl version leaves a 37 MB durable copy there: GBs per run on a shared disk

@@ -48,13 +48,19 @@ async def stop(nc: Client, cmd: str, procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def gloo_sender(bucket_mb: float) -> XcclSender:
-    """The trainer's XCCL sender over gloo on this host, on a free port."""
+def gloo_sender(bucket_mb: float, release_wait_s: float | None = None) -> XcclSender:
+    """The trainer's XCCL sender over gloo on this host, on a free port; `release_wait_s`
+    (default the service's) is how long its durable copy waits for the replicas' release."""
     from services.common import xccl
     from services.trainer.xccl_sender import XcclSender
 
     return XcclSender(
-        address="127.0.0.1", port=0, backend="gloo", bucket_bytes=xccl.bucket_bytes_of(bucket_mb), timeout_s=60
+        address="127.0.0.1",
+        port=0,
+        backend="gloo",
+        bucket_bytes=xccl.bucket_bytes_of(bucket_mb),
+        timeout_s=60,
+        release_wait_s=xccl.RELEASE_WAIT_S if release_wait_s is None else release_wait_s,
     )
 
 
