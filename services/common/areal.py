@@ -664,7 +664,9 @@ def _norm_common(x: _Translator, key: str, eps: set[float]) -> None:
 
 def _megatron(x: _Translator) -> None:
     m = "actor.megatron"
-    if x.get("actor.backend", "").startswith("megatron"):
+    # the backend as translated: from actor.backend or the deprecated allocation_mode, and
+    # absent where either was missing or refused (already reported)
+    if x.t.tree.get("actor", {}).get("backend") == "megatron":
         x.to(f"{m}.bridge_type", "actor.megatron.bridge_type", default="mbridge")
         x.to(f"{m}.use_distributed_optimizer", "actor.megatron.use_distributed_optimizer")
         x.to(f"{m}.gradient_accumulation_fusion", "actor.megatron.gradient_accumulation_fusion")

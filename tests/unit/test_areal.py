@@ -359,3 +359,21 @@ def test_areal_tiny_example_is_the_tiny_task(monkeypatch):
         "actor.ppo.norm_eps": (1e-5, 1e-6),  # AReaL's default epsilon
         "valid_dataset.split": ("test", "train"),  # AReaL's default; builtin:arith:valid names its own
     }
+
+
+def test_megatron_options_follow_the_translated_backend():
+    """actor.backend: null is reported as missing (it raised AttributeError), and a Megatron
+    trainer named only by the deprecated allocation_mode still gets its actor.megatron keys."""
+    common = {"experiment_name": "e", "trial_name": "t", "actor": {"path": "m"}}
+    missing = areal.translate({**common, "actor": {"path": "m", "backend": None}})
+    assert any(p.startswith("actor.backend: missing") for p in missing.problems), missing.problems
+
+    by_mode = areal.translate(
+        {
+            **common,
+            "allocation_mode": "vllm:d2+megatron:d2t2",
+            "actor": {"path": "m", "megatron": {"bridge_type": "megatron-bridge"}},
+        }
+    )
+    assert by_mode.tree["actor"]["backend"] == "megatron"
+    assert by_mode.tree["actor"]["megatron"]["bridge_type"] == "megatron-bridge"
