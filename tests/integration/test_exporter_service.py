@@ -25,12 +25,13 @@ from proto.messages import AdapterReady, DeadLetter, ExportDone, LoraSpec, Objec
 from services.common import adapter_io, streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig, StoreConfig
+from services.common.lora_targets import HF_LINEAR
 from services.common.store import open_store
 from tests.fixtures.service_process import ServiceProcess
 from tests.fixtures.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(HF_LINEAR)
 RANK, ALPHA = 4, 8.0
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 MODEL = Qwen3Config(

@@ -36,6 +36,7 @@ from services.common.config_schema import (
     StoreConfig,
 )
 from services.common.data import Prompt
+from services.common.lora_targets import HF_LINEAR
 from services.common.store import LocalStore
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.embedded import EmbeddedEngine
@@ -43,7 +44,7 @@ from services.rollout.service import RolloutService
 from tests.fixtures.tiny import tiny_qwen2
 from tests.fixtures.waiting import wait_until
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(HF_LINEAR)
 RANK, ALPHA, EOS, KEEP = 4, 8.0, 96, 2
 SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
 

@@ -7,11 +7,12 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
+from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import GenRequest
 from services.rollout.engines.embedded import EmbeddedEngine
 from tests.fixtures.tiny import tiny_qwen2
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(HF_LINEAR)
 RANK, ALPHA, EOS = 4, 8.0, 96
 SPEC = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=TARGETS, base_model="tiny")
 

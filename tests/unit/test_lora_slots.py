@@ -4,12 +4,13 @@ import pytest
 import torch
 from torch import nn
 
+from services.common.lora_targets import HF_LINEAR
 from services.rollout.lora_slots import LoraSlots, SlotLinear
 from services.rollout.versions import NoFreeSlot
 from tests.fixtures.tiny import merged_reference as tiny_merged
 from tests.fixtures.tiny import random_lora, tiny_qwen2
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = HF_LINEAR
 RANK, SCALE = 4, 2.0
 
 

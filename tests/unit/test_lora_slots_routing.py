@@ -10,11 +10,12 @@ import itertools
 import pytest
 import torch
 
+from services.common.lora_targets import HF_LINEAR
 from services.rollout.lora_slots import LoraSlots
 from services.rollout.sampling import DecodeGraphs, Row, decode, static_unsupported
 from tests.fixtures.tiny import merged_reference, random_lora, tiny_qwen2
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = HF_LINEAR
 RANK, SCALE, VOCAB = 4, 2.0, 97
 
 

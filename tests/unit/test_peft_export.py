@@ -15,6 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.common.config_schema import StoreConfig
+from services.common.lora_targets import HF_LINEAR
 from services.common.megatron_to_hf import ModelShape
 from services.exporter.peft_dir import (
     existing_sha256,
@@ -24,7 +25,7 @@ from services.exporter.peft_dir import (
     write_export,
 )
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(HF_LINEAR)
 RANK, ALPHA = 4, 8.0
 SMALL = dict(
     vocab_size=80,

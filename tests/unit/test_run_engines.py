@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
+from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.engines.http import AdapterDirs, Http
 from services.rollout.engines.vllm import VllmEngine
@@ -19,7 +20,7 @@ from services.rollout.run_engines import KEY_STRIDE, RunEngines, RunKeys
 from tests.fixtures.tiny import tiny_qwen2
 from tests.unit.test_embedded_engine import EOS, REQS, assert_same
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL = list(HF_LINEAR)
 
 
 def adapter(base, rank: int, alpha: float, targets: list[str], seed: int) -> tuple[bytes, LoraSpec]:
