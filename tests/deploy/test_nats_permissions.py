@@ -507,6 +507,20 @@ async def test_rollout_cannot_take_over_the_trainers_durable(server, passwords, 
         await reg.close()
 
 
+def user_config(tmp_path, server, run: str, user: str, password: str):
+    """A lorabus config file for `run` that connects as `user` (what an operator's tool loads)."""
+    config = tmp_path / f"{user}.yaml"
+    config.write_text(f"""
+experiment_name: {run}
+trial_name: t
+run: {run}
+bus: {{url: "{server.url}", user: {user}, password: "{password}"}}
+actor: {{path: examples/tiny/model}}
+train_dataset: {{path: "builtin:arith"}}
+""")
+    return config
+
+
 async def test_a_heartbeat_naming_another_replica_is_refused_by_the_registry(
     server, passwords, run, registry, tmp_path
 ):
@@ -534,15 +548,7 @@ async def test_a_heartbeat_naming_another_replica_is_refused_by_the_registry(
         await wait_until(refused, 30, what="the registry's dead letter")
     finally:
         await admin.close()
-    config = tmp_path / "operator.yaml"
-    config.write_text(f"""
-experiment_name: {run}
-trial_name: t
-run: {run}
-bus: {{url: "{server.url}", user: operator, password: "{passwords["NATS_OPERATOR_PASSWORD"]}"}}
-actor: {{path: examples/tiny/model}}
-train_dataset: {{path: "builtin:arith"}}
-""")
+    config = user_config(tmp_path, server, run, "operator", passwords["NATS_OPERATOR_PASSWORD"])
     status = await fetch_status(load_config(config), timeout=10.0)
     assert "sglang-0" not in status.ledger.replicas
 
@@ -562,15 +568,7 @@ async def test_the_registry_health_check_is_allowed_to_ask(server, passwords, ru
     user = next(a.split("=", 1)[1] for a in check if a.startswith("bus.user="))
     password_env = next(a.split("=", 1)[1] for a in check if a.startswith("bus.password_env="))
     await streams_ready(server, passwords, run, registry)
-    config = tmp_path / "health.yaml"
-    config.write_text(f"""
-experiment_name: {run}
-trial_name: t
-run: {run}
-bus: {{url: "{server.url}", user: {user}, password: "{passwords[password_env]}"}}
-actor: {{path: examples/tiny/model}}
-train_dataset: {{path: "builtin:arith"}}
-""")
+    config = user_config(tmp_path, server, run, user, passwords[password_env])
     status = await fetch_status(load_config(config), timeout=10.0)
     assert status.ledger is not None
 
@@ -600,15 +598,7 @@ async def test_operator_runs_lorabus_watch_and_registry_status_but_publishes_no_
     from services.registry.status import fetch_status
 
     await streams_ready(server, passwords, run, registry)
-    config = tmp_path / "operator.yaml"
-    config.write_text(f"""
-experiment_name: {run}
-trial_name: t
-run: {run}
-bus: {{url: "{server.url}", user: operator, password: "{passwords["NATS_OPERATOR_PASSWORD"]}"}}
-actor: {{path: examples/tiny/model}}
-train_dataset: {{path: "builtin:arith"}}
-""")
+    config = user_config(tmp_path, server, run, "operator", passwords["NATS_OPERATOR_PASSWORD"])
     cfg = load_config(config)
     status = await fetch_status(cfg, timeout=10.0)
     assert status.ledger is not None
