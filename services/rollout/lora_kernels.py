@@ -55,9 +55,14 @@ BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
 
-Correction = Literal["torch", "triton", "fused"]
-"""how captured graphs correct mixed rows: the reference, the two kernels beside cuBLAS, or
-`linear_fused` (where `fused_config` gives a config; the two kernels elsewhere)"""
+Correction = Literal["torch", "triton", "stacked", "fused"]
+"""how captured graphs correct a group's mixed rows: the reference, the two kernels beside
+cuBLAS, the shrink stacked into the layer's matmul plus one expand (`expand_stacked_`), or
+`linear_fused`"""
+
+Mode = Literal["auto", "torch", "triton", "stacked", "fused"]
+"""what a slot pool is told: one correction for every group, or "auto": per group shape, what
+`choose` says (the measured choice in `TUNED`, else `DEFAULT_CHOICE`)"""
 
 
 class FusedConfig(NamedTuple):
@@ -70,9 +75,20 @@ class FusedConfig(NamedTuple):
     stages: int = 3
 
 
-TUNED: dict[tuple[int, int, int, int, int], FusedConfig | None] = {}
-"""(rows, N, in, members, S * r) -> the config measured fastest for that shape, or None where
-cuBLAS plus the two kernels measured faster. Empty unless a benchmark filled it."""
+Choice = Literal["torch", "triton", "stacked"] | FusedConfig
+"""a group's correction: a path, or the fused GEMM with these tiles"""
+
+Key = tuple[int, int, int, int, int]
+"""a group shape: (rows, N, in, members, S * r)"""
+
+TUNED: dict[Key, Choice] = {}
+"""the choice measured fastest for a shape (benchmarks/lora_tuning.py fills it). Empty unless
+something measured."""
+
+DEFAULT_CHOICE: Choice = "stacked"
+"""where nothing was measured: on the H200 (Qwen2.5-1.5B, r=16, 4 slots, 64 rows) the stacked
+matmul was the fastest or within a microsecond of it for every shape (benchmarks/results/
+embedded_engine_h200.json, "fused_tuning")."""
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -89,10 +105,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def fused_config(rows: int, n: int, k: int, groups: int, sr: int) -> FusedConfig | None:
-    """The tiles `linear_fused` runs with for this shape, or None: use the two kernels."""
-    key = (rows, n, k, groups, sr)
-    return TUNED[key] if key in TUNED else default_config(rows, n, sr)
+def choose(mode: Mode, key: Key) -> Choice:
+    """The correction a group of shape `key` runs under `mode`."""
+    if mode == "auto":
+        return TUNED.get(key, DEFAULT_CHOICE)
+    if mode == "fused":
+        tuned = TUNED.get(key)
+        return tuned if isinstance(tuned, FusedConfig) else default_config(key[0], key[1], key[4])
+    return mode
 
 
 def default_config(rows: int, n: int, sr: int) -> FusedConfig:
@@ -181,12 +201,41 @@ def expand_kernel_(
     y: torch.Tensor, partial: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
 ) -> None:
     """y += (sum of the partials) @ Bt, every member in one kernel."""
-    assert triton is not None
     splits, rows, width = partial.shape
-    n, groups, sr = y.shape[1], segs.shape[0] - 1, cols.shape[1]
+    groups = segs.shape[0] - 1
+    _launch_expand(y, partial, partial.stride(0), partial.stride(1), width // groups, splits, False, bt, segs, cols,
+                   rows_per_mask)  # fmt: skip
+
+
+def expand_stacked_(
+    y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
+) -> None:
+    """y += (t * C) @ Bt, every member in one kernel, for the unmasked shrink t [rows, G * S * r]
+    that the stacked matmul left beside y (both may be column views of one tensor)."""
+    groups = segs.shape[0] - 1
+    _launch_expand(y, t, 0, t.stride(0), t.shape[1] // groups, 1, True, bt, segs, cols, rows_per_mask)
+
+
+def _launch_expand(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    stride_split: int,
+    stride_row: int,
+    member_width: int,
+    splits: int,
+    mask_t: bool,
+    bt: torch.Tensor,
+    segs: torch.Tensor,
+    cols: torch.Tensor,
+    rows_per_mask: int,
+) -> None:
+    assert triton is not None
+    rows, n = y.shape
+    groups, sr = segs.shape[0] - 1, cols.shape[1]
     _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
-        y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
-        G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
+        y, t, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits, stride_split, stride_row,
+        member_width, G=groups, SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), MASK_T=mask_t, BM=BLOCK_M,
+        BN=BLOCK_N,
     )  # fmt: skip
 
 
@@ -269,9 +318,13 @@ if triton is not None:
 
     @triton.jit
     def _expand(
-        y_ptr, p_ptr, c_ptr, bt_ptr, seg_ptr, M, N, rows_per_mask, stride_y, stride_bt, splits,
-        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        y_ptr, p_ptr, c_ptr, bt_ptr, seg_ptr, M, N, rows_per_mask, stride_y, stride_bt, splits, stride_ps, stride_pm,
+        member_width,
+        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, MASK_T: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr,
     ):  # fmt: skip
+        """y += t @ Bt per member; t is the sum of `splits` partials (member g's columns from
+        g * member_width), masked already or, with MASK_T, multiplied by the signs here."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         row_in = rows < M
@@ -288,10 +341,12 @@ if triton is not None:
                     t = tl.zeros((BM, SR_PAD), dtype=tl.float32)
                     for s in range(splits):
                         t += tl.load(
-                            p_ptr + (s * M + rows)[:, None] * (G * SR_PAD) + (g * SR_PAD + cols)[None, :],
-                            mask=row_on[:, None],
+                            p_ptr + s * stride_ps + rows[:, None] * stride_pm + (g * member_width + cols)[None, :],
+                            mask=row_on[:, None] & col_on[None, :],
                             other=0.0,
-                        )
+                        ).to(tl.float32)
+                    if MASK_T:
+                        t = t * c
                     mine = n_in & (ns >= lo) & (ns < hi)
                     b = tl.load(
                         bt_ptr + cols[:, None] * stride_bt + ns[None, :],
