@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 fused = lora_kernels.linear_fused(x, group.weight, group.bias, group._a_all, group._bt_all,
                                                   group._segs_dev, cols, 1, config)  # fmt: skip
                 stacked = torch.nn.functional.linear(x, group._stacked, group._stacked_bias)
-                lora_kernels.expand_stacked_(stacked[:, :n], stacked[:, n:], group._bt_all, group._segs_dev, cols, 1)
+                lora_kernels.expand_stacked_(stacked[:, :n], stacked[:, n:], group._bt_all, group.segs, cols, 1)
                 size = (want.float() - y0.float()).abs().max().item()
                 for key, out in (("two_kernels", got), ("stacked", stacked[:, :n]), ("fused", fused)):
                     worst[key] = max(worst[key], (out.float() - want.float()).abs().max().item() / size)

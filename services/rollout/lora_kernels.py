@@ -54,6 +54,8 @@ BLOCK_N = 128
 BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
+STACKED_BN = 64
+"""output columns per `expand_stacked_` program: more programs, each with less to load"""
 
 Correction = Literal["torch", "triton", "stacked", "fused"]
 """how captured graphs correct a group's mixed rows: the reference, the two kernels beside
@@ -201,41 +203,34 @@ def expand_kernel_(
     y: torch.Tensor, partial: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
 ) -> None:
     """y += (sum of the partials) @ Bt, every member in one kernel."""
+    assert triton is not None
     splits, rows, width = partial.shape
-    groups = segs.shape[0] - 1
-    _launch_expand(y, partial, partial.stride(0), partial.stride(1), width // groups, splits, False, bt, segs, cols,
-                   rows_per_mask)  # fmt: skip
+    n, groups, sr = y.shape[1], segs.shape[0] - 1, cols.shape[1]
+    _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+        y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
+        G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
+    )  # fmt: skip
 
 
 def expand_stacked_(
-    y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: torch.Tensor, cols: torch.Tensor, rows_per_mask: int
+    y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int], cols: torch.Tensor, rows_per_mask: int
 ) -> None:
     """y += (t * C) @ Bt, every member in one kernel, for the unmasked shrink t [rows, G * S * r]
-    that the stacked matmul left beside y (both may be column views of one tensor)."""
-    groups = segs.shape[0] - 1
-    _launch_expand(y, t, 0, t.stride(0), t.shape[1] // groups, 1, True, bt, segs, cols, rows_per_mask)
-
-
-def _launch_expand(
-    y: torch.Tensor,
-    t: torch.Tensor,
-    stride_split: int,
-    stride_row: int,
-    member_width: int,
-    splits: int,
-    mask_t: bool,
-    bt: torch.Tensor,
-    segs: torch.Tensor,
-    cols: torch.Tensor,
-    rows_per_mask: int,
-) -> None:
+    that the stacked matmul left beside y (both may be column views of one tensor). `segs`
+    are host ints (at most three members): they are compiled in, so the kernel's loads do not
+    wait on a load of the segment table."""
     assert triton is not None
     rows, n = y.shape
-    groups, sr = segs.shape[0] - 1, cols.shape[1]
-    _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
-        y, t, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits, stride_split, stride_row,
-        member_width, G=groups, SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), MASK_T=mask_t, BM=BLOCK_M,
-        BN=BLOCK_N,
+    groups, sr = len(segs) - 1, cols.shape[1]
+    if groups > 3:
+        raise ValueError(f"segs: {len(segs) - 1} members, expand_stacked_ takes at most 3 (q/k/v); split the group")
+    bounds = list(segs[1:]) + [n] * (3 - groups)
+    bm = min(64, max(16, _pow2(rows)))
+    tiles = max(triton.cdiv(segs[g + 1] - segs[g], STACKED_BN) for g in range(groups))
+    _expand_stacked[(triton.cdiv(rows, bm), tiles, groups)](
+        y, t, cols, bt, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0),
+        B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), BM=bm,
+        BN=STACKED_BN,
     )  # fmt: skip
 
 
@@ -318,13 +313,9 @@ if triton is not None:
 
     @triton.jit
     def _expand(
-        y_ptr, p_ptr, c_ptr, bt_ptr, seg_ptr, M, N, rows_per_mask, stride_y, stride_bt, splits, stride_ps, stride_pm,
-        member_width,
-        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, MASK_T: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr,
+        y_ptr, p_ptr, c_ptr, bt_ptr, seg_ptr, M, N, rows_per_mask, stride_y, stride_bt, splits,
+        G: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ):  # fmt: skip
-        """y += t @ Bt per member; t is the sum of `splits` partials (member g's columns from
-        g * member_width), masked already or, with MASK_T, multiplied by the signs here."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         row_in = rows < M
@@ -341,12 +332,10 @@ if triton is not None:
                     t = tl.zeros((BM, SR_PAD), dtype=tl.float32)
                     for s in range(splits):
                         t += tl.load(
-                            p_ptr + s * stride_ps + rows[:, None] * stride_pm + (g * member_width + cols)[None, :],
-                            mask=row_on[:, None] & col_on[None, :],
+                            p_ptr + (s * M + rows)[:, None] * (G * SR_PAD) + (g * SR_PAD + cols)[None, :],
+                            mask=row_on[:, None],
                             other=0.0,
-                        ).to(tl.float32)
-                    if MASK_T:
-                        t = t * c
+                        )
                     mine = n_in & (ns >= lo) & (ns < hi)
                     b = tl.load(
                         bt_ptr + cols[:, None] * stride_bt + ns[None, :],
@@ -358,6 +347,36 @@ if triton is not None:
             inside = row_on[:, None] & n_in[None, :]
             y = tl.load(where, mask=inside, other=0.0)
             tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=inside)
+
+    @triton.jit
+    def _expand_stacked(
+        y_ptr, t_ptr, c_ptr, bt_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt,
+        B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        """One program: a tile of member g's columns for BM rows. Its four loads (signs, t, Bt,
+        y) depend on nothing loaded, so they are in flight together: at decode sizes the kernel
+        costs about one memory round trip (skipping head-only row blocks first, as `_expand`
+        does, costs two more)."""
+        pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        lo = (g >= 1).to(tl.int32) * B1 + (g >= 2).to(tl.int32) * (B2 - B1)
+        hi = B1 + (g >= 1).to(tl.int32) * (B2 - B1) + (g >= 2).to(tl.int32) * (B3 - B2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_in = rows < M
+        cols = tl.arange(0, SR_PAD)
+        col_in = cols < SR
+        ns = lo + pid_n * BN + tl.arange(0, BN)
+        n_in = ns < hi
+        in_t = row_in[:, None] & col_in[None, :]
+        c = tl.load(c_ptr + (rows // rows_per_mask)[:, None] * SR + cols[None, :], mask=in_t, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + rows[:, None] * stride_t + (g * SR + cols)[None, :], mask=in_t, other=0.0)
+        b = tl.load(bt_ptr + cols[:, None] * stride_bt + ns[None, :], mask=col_in[:, None] & n_in[None, :], other=0.0)
+        where = y_ptr + rows[:, None] * stride_y + ns[None, :]
+        y = tl.load(where, mask=row_in[:, None] & n_in[None, :], other=0.0)
+        acc = tl.dot((t.to(tl.float32) * c).to(b.dtype), b)
+        # rows on the head (all-zero signs) are left as they are
+        row_on = tl.max((c != 0).to(tl.int32), axis=1) > 0
+        tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=(row_in & row_on)[:, None] & n_in[None, :])
 
     @triton.jit
     def _fused(

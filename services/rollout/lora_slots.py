@@ -176,7 +176,7 @@ class SlotGroup:
         ya = F.linear(x2, self._stacked, self._stacked_bias)
         y2, t = ya[:, :n], ya[:, n:]
         if lora_kernels.kernel_available(x.device, x.dtype):
-            lora_kernels.expand_stacked_(y2, t, self._bt_all, self._segs_dev, cols, per_row)
+            lora_kernels.expand_stacked_(y2, t, self._bt_all, self.segs, cols, per_row)
         else:
             sr = cols.shape[1]
             masked = t.unflatten(0, (cols.shape[0], per_row)).unflatten(-1, (-1, sr)) * cols[:, None, None, :]

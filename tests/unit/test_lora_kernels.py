@@ -77,7 +77,7 @@ def interpreted() -> None:
         # column views of one tensor, and one kernel masks and expands it in place
         b_stacked = None if b is None else torch.cat([b, b.new_zeros(len(a))])
         ya = torch.nn.functional.linear(x, torch.cat([w, a]), b_stacked)
-        lora_kernels.expand_stacked_(ya[:, : segs[-1]], ya[:, segs[-1] :], bt, segs_dev, cols, per_row)
+        lora_kernels.expand_stacked_(ya[:, : segs[-1]], ya[:, segs[-1] :], bt, segs, cols, per_row)
         torch.testing.assert_close(ya[:, : segs[-1]], want, atol=1e-4, rtol=1e-4)
         config = lora_kernels.with_stages(lora_kernels.FusedConfig(*tiles), n_slots * rank)
         fused = lora_kernels.linear_fused(x, w, b, a, bt, segs_dev, cols, per_row, config)
