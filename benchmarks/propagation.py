@@ -171,14 +171,17 @@ async def replica_main(index: int, nats_url: str) -> None:
                 taken = time.monotonic()
                 if st["adopt"]:  # the staged set is the version's slot now: no copy
                     st["slot"], previous, st["held"] = got, st["held"], ev.version
-                    rx.adopt(ev.version)
                 else:
                     copy_in(got)
                 copied = time.monotonic()
-                # servable from here; freeing the set (and the trainer's `released` hint, sent
-                # by `adopt` already when the set was adopted) follows, as in the service
+                # servable from here; the trainer's `released` hint and freeing a set follow,
+                # as in the service
                 ack(ev.version, "xccl", {**rx.stamps, "event": arrived, "taken": taken, "copied": copied})
-                rx.release(previous if st["adopt"] else ev.version)
+                if st["adopt"]:
+                    rx.adopt(ev.version)
+                    rx.release(previous)
+                else:
+                    rx.release(ev.version)
                 return
             if xp.ranks and name in xp.ranks:
                 print(f"{name}: v{ev.version} listed me but nothing staged", file=sys.stderr)
