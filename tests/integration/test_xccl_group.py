@@ -128,7 +128,7 @@ def replica_main(name: str, kill_after: int | None, adopt: bool = False) -> None
             _emit({"joined": rx.joined})
         elif cmd["cmd"] == "status":
             head = slots.head
-            held = {}
+            held: dict[str, torch.Tensor] = {}
             if adopt and adopted is not None:
                 head, held = adopted
             elif head is not None:
