@@ -6,9 +6,12 @@ One run on this machine with the real nats-server and the real S3 server (`weed 
 adapters of ~4 MB (Qwen2.5-0.5B r=4), 37 MB (Qwen2.5-1.5B r=16, the issue's 18.5 M params)
 and ~148 MB (Qwen2.5-1.5B r=64), all-linear, bf16; 1, 2, 4, 8 replicas. A replica is a process
 holding a preallocated slot buffer of the adapter's shape; "serves it" = the replica has the
-version's AdapterReady event and the version's tensors are copied into that buffer (the
-embedded engine's in-place slot copy; the head re-merge, a GEMM per module on the GPU, is
-timed by gpu_xccl_single.py), acked on NATS. That is the moment it can serve a request naming
+version's AdapterReady event and the version's tensors are in its slot: copied into that
+buffer (the embedded engine's in-place slot copy; the head re-merge, a GEMM per module on the
+GPU, is timed by gpu_xccl_single.py), or, on the XCCL paths but xccl_copy, the receiver's
+staging set the version landed in adopted as the slot (`XcclReceiver.adopt`: a slot store
+that holds the tensors as they arrive, no copy; the previous version's set is released to the
+receiver), acked on NATS. That is the moment it can serve a request naming
 version N: no request names N before the event (the registry grants from events), and the
 XCCL replicas hold the staged bytes earlier, at the end of the broadcast.
 
@@ -22,8 +25,11 @@ Paths (all through the real proto events on the real nats-server):
           `publish.deliver`: header + bucket broadcast (XcclSender -> XcclReceiver over gloo)
           beside the `announced` marker, the event, and behind it the durable copy to the
           local directory store, started when the replicas released the version (the next
-          rep waits for it). Replicas copy the staged views into the slot when the event
-          arrives, ack, then release
+          rep waits for it). Replicas adopt the staged set as the slot when the event
+          arrives, ack, then release the previous version's set
+  xccl_copy  the same, but the replicas copy the staged views into their preallocated slot
+          and release the set at once (the embedded engine's way: its slots are stacked for
+          its fused correction)
   xccl_eager  the same with the durable copy started at once (no wait for the release)
   xccl_pack   the same with the trainer's tensors packed into the send set after t0 (the
           reference path: a resumed checkpoint, the Megatron engine)
@@ -65,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 ACK = "bench.ack"
-XCCL_PATHS = ("xccl", "xccl_eager", "xccl_pack", "xccl_only")
+XCCL_PATHS = ("xccl", "xccl_copy", "xccl_eager", "xccl_pack", "xccl_only")
 CMD = "bench.cmd.{}"
 EVENT = "bench.adapter"
 
@@ -157,17 +163,25 @@ async def replica_main(index: int, nats_url: str) -> None:
         if st["slot"] is None:
             return  # not in this cell
         xp = ev.xccl_payload()
-        if xp is not None and st["rx"] is not None:
-            st["rx"].observe(xp, ev.version)
-            got = st["rx"].take(ev.version, xp, wait_s=5.0)
+        rx = st["rx"]
+        if xp is not None and rx is not None:
+            rx.observe(xp, ev.version)
+            got = rx.take(ev.version, xp, wait_s=5.0)
             if got is not None:
                 taken = time.monotonic()
-                copy_in(got)
+                if st["adopt"]:  # the staged set is the version's slot now: no copy
+                    st["slot"], previous, st["held"] = got, st["held"], ev.version
+                else:
+                    copy_in(got)
                 copied = time.monotonic()
-                # servable from here; freeing the staging set (and the trainer's `released`
-                # hint) follows, as in the service
-                ack(ev.version, "xccl", {**st["rx"].stamps, "event": arrived, "taken": taken, "copied": copied})
-                st["rx"].release(ev.version)
+                # servable from here; the trainer's `released` hint and freeing a set follow,
+                # as in the service
+                ack(ev.version, "xccl", {**rx.stamps, "event": arrived, "taken": taken, "copied": copied})
+                if st["adopt"]:
+                    rx.adopt(ev.version)
+                    rx.release(previous)
+                else:
+                    rx.release(ev.version)
                 return
             if xp.ranks and name in xp.ranks:
                 print(f"{name}: v{ev.version} listed me but nothing staged", file=sys.stderr)
@@ -199,6 +213,7 @@ async def replica_main(index: int, nats_url: str) -> None:
                 st["rx"].close()
             st["slot"] = {n: torch.zeros(s, dtype=xccl.DTYPES[d]) for n, s, d in cmd["manifest"]}
             st["rx"] = XcclReceiver(name, timeout_s=60) if cmd.get("xccl") else None
+            st["adopt"], st["held"] = bool(cmd.get("adopt")), -1
             st["store"] = open_store(StoreConfig(**cmd["store"])) if cmd.get("store") else None
             st["peft"] = peft_wrap(cmd["size"]) if cmd.get("peft") else None
             st["peft_prev"] = None
@@ -363,6 +378,7 @@ async def run_bench(args) -> dict:
                             "s3_raw": s3_cfg,
                             "local": local_cfg,
                             "xccl": local_cfg,
+                            "xccl_copy": local_cfg,
                             "xccl_eager": local_cfg,
                             "xccl_pack": local_cfg,
                             "xccl_only": local_cfg,
@@ -378,6 +394,7 @@ async def run_bench(args) -> dict:
                             size=size,
                             store=store_cfg,
                             xccl=path.startswith("xccl"),
+                            adopt=path.startswith("xccl") and path != "xccl_copy",
                             peft=path == "peft",
                         )
                         times, trainer, vias, sends = [], [], set(), []

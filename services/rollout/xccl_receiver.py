@@ -8,15 +8,25 @@ Lifecycle of the thread (one session per trainer handle, i.e. master address/por
     group, allocate two staging sets of buckets from g<e>/plan -> block in the header receive
     (no timeout: the trainer may train for hours; its death closes the connection) -> on a
     VERSION header receive every bucket into a free staging set (now within `timeout_s`),
-    all-reduce our flag, and only if the trainer's flag says it sent everything mark the
-    version staged; on an END header leave for the next group.
+    mark the version staged once every byte is in, and send the trainer our flag (a gather
+    to rank 0: 1 staged, 0 refused); on an END header leave for the next group.
 
 Nothing is loaded into the engine here. The service calls `take(version, payload)` when the
-version's event arrives and copies the staged views into a version slot; a staged version is
-therefore always complete (a torn broadcast never reaches `staged`), and an event whose
-group, digest or ranks do not match what was staged gets None: the object copy then.
+version's event arrives. A staged version is always complete: a receive that fails or is cut
+off (a torn broadcast) raises before `staged` and ends the session. It is servable only once
+the trainer says it sent everything: the event, published after the trainer's broadcast and
+gather completed without error, names this replica in `ranks`; an event whose group, digest or
+ranks do not match what was staged gets None (the object copy then), and its set is reused.
 Any failure ends the session (group dropped, staging forgotten) and a new one re-joins, so
 the trainer re-forms the group with this replica at its next version.
+
+A staging set taken by the caller stays the caller's until `release`: a consumer whose slot
+store holds tensors as they come (the benchmark's replica) keeps the set as the version's slot
+(`adopt`, then `release` when it unloads the version: no copy), and a consumer that copies
+into slots of its own layout (the embedded engine: stacked, transposed and pre-scaled for its
+fused correction; a server's adapter directory) releases right after the copy. A set held by
+the caller is never received into: a new version lands in a free set (a new one is allocated
+when the caller holds them all).
 
 A thread blocked in the header receive cannot be woken from this process (gloo has no local
 cancel): `close` does not wait for it (it is a daemon thread), and a retarget to a new trainer
@@ -51,6 +61,8 @@ class Staged:
     claimed: bool = False
     members: int = 0
     """how many members the event named (for the `released` hint)"""
+    hinted: bool = False
+    """the `released` hint went out (`adopt` sends it before the set is released)"""
 
 
 class _Retarget(Exception):
@@ -113,14 +125,16 @@ class XcclReceiver:
                 self._cond.notify_all()
 
     def take(self, version: int, payload: XcclPayload, wait_s: float = 2.0) -> dict[str, torch.Tensor] | None:
-        """The staged tensors of `version` (views; call `release` after copying them), or None
-        when this replica does not hold exactly what the event describes."""
+        """The staged tensors of `version` (views of a set that stays the caller's until
+        `release`: copy them and release, or `adopt` them as the version's slot), or None when
+        this replica does not hold exactly what the event describes."""
         if self.replica not in payload.ranks:
             return None
         deadline = time.monotonic() + wait_s
         with self._cond:
-            # the trainer publishes after our flag came back, so the commit is at most a few
-            # instructions behind the event: wait briefly, and only while in that group
+            # the trainer publishes after our flag came back and we stage before sending it,
+            # so the version is staged when its event arrives; the wait covers a re-delivered
+            # event racing a re-join, and lasts only while in that group
             while version not in self._staged and self.group == payload.group_name:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -146,19 +160,34 @@ class XcclReceiver:
             self._hint_released(in_group, version, len(payload.ranks))
         return None
 
+    def adopt(self, version: int) -> None:
+        """The caller serves the taken views of `version` as they are (its slot is this set):
+        the trainer hears that the swap is done (`released` hint), and the set stays out of
+        the receiver's use until `release(version)`."""
+        with self._cond:
+            st = self._staged.get(version)
+            if st is None or not st.claimed or st.hinted:
+                return
+            st.hinted = True
+        self._hint_in_background(st)
+
     def release(self, version: int) -> None:
-        """Done with the staged copy of `version` (the engine holds it now, or refused it):
-        its buffers are free, and the trainer hears it (`released` hint, xccl.py)."""
+        """Done with the staged copy of `version` (the engine holds a copy now, refused it, or
+        unloaded the adopted version): its buffers are free, and the trainer hears it
+        (`released` hint, xccl.py) unless `adopt` told it already."""
         with self._cond:
             st = self._staged.pop(version, None)
             self._cond.notify_all()
-        if st is not None and st.claimed:
-            # a round trip to the trainer's store: not on the caller's thread (the service
-            # calls this from its event loop)
-            hint = threading.Thread(
-                target=self._hint_released, args=(st.epoch, version, st.members), name="xccl-released", daemon=True
-            )
-            hint.start()
+        if st is not None and st.claimed and not st.hinted:
+            self._hint_in_background(st)
+
+    def _hint_in_background(self, st: Staged) -> None:
+        # a round trip to the trainer's store: not on the caller's thread (the service calls
+        # this from its event loop)
+        hint = threading.Thread(
+            target=self._hint_released, args=(st.epoch, st.version, st.members), name="xccl-released", daemon=True
+        )
+        hint.start()
 
     def _hint_released(self, epoch: int, version: int, members: int) -> None:
         """Count this member done with `version`; the last one sets the `all` key the trainer's
@@ -254,7 +283,7 @@ class XcclReceiver:
                     log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, value)
                     break
                 xccl.set_timeout(pg, self.timeout_s)
-                self._receive(pg, group, value, digest, rank, world)
+                self._receive(pg, group, value, digest)
             box, self._pg = [self._pg], None
             xccl.abort_group(box)
             with self._cond:
@@ -278,20 +307,23 @@ class XcclReceiver:
             self._views = {id(b): xccl.unpack(self.plan, b) for b in self._sets}
 
     def _free_set(self) -> list[torch.Tensor]:
+        """A set nobody reads: not staged, or staged and never taken (the oldest such version
+        goes first); a set the caller holds (taken, not yet released) is never handed out."""
         with self._cond:
             used = {id(s.buffers) for s in self._staged.values()}
             for buffers in self._sets:
                 if id(buffers) not in used:
                     return buffers
-            # both staged and unclaimed versions pile up: the oldest unclaimed one goes
             for v in sorted(self._staged):
                 if not self._staged[v].claimed:
                     return self._staged.pop(v).buffers
-        return xccl.alloc_buckets(self.plan, self.staging_device)  # unreachable while loads are serial
+            # the caller holds every set (adopted versions): one more, kept for the layout
+            buffers = xccl.alloc_buckets(self.plan, self.staging_device)
+            self._sets.append(buffers)
+            self._views[id(buffers)] = xccl.unpack(self.plan, buffers)
+            return buffers
 
-    def _receive(
-        self, pg: dist.ProcessGroup, group: str, version: int, digest: tuple[int, int], rank: int, world: int
-    ) -> None:
+    def _receive(self, pg: dist.ProcessGroup, group: str, version: int, digest: tuple[int, int]) -> None:
         t0 = time.perf_counter()
         self.stamps = {"header": time.monotonic()}
         buffers = self._free_set()
@@ -302,18 +334,20 @@ class XcclReceiver:
             torch.cuda.current_stream().synchronize()
         self.stamps["received"] = time.monotonic()
         # a header of another layout than our plan: receive its bytes (the collective must
-        # complete) but never stage them; the flag tells the trainer to list us out
+        # complete) but never stage them; the flag tells the trainer to list us out. Staged
+        # before the flag goes out: the event that names us (sent after the trainer has every
+        # flag) finds it staged. Not servable yet: only that event makes it so (`take`).
         ok = digest == xccl.digest_ints(self.digest)
-        flag_device = self.staging_device
-        flags = torch.zeros(world, dtype=torch.int64, device=flag_device)
-        flags[rank] = 1 if ok else 0
-        pg.allreduce(flags).wait(wait)
-        if ok and int(flags[0]) == 1:
+        if ok:
             views = self._views.get(id(buffers)) or xccl.unpack(self.plan, buffers)
             with self._cond:
                 self._staged[version] = Staged(version, group, self.digest, buffers, views, self._epoch)
                 self._cond.notify_all()
         self.stamps["staged"] = time.monotonic()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.staging_device)
+        pg.gather([], [flag], opts).wait(wait)
         self.last_receive_s = time.perf_counter() - t0
 
     def _end_session(self) -> None:

@@ -9,7 +9,7 @@ Per version (`send`, blocking; publish.py runs it in a thread):
     engine's cast lands in the buckets, no pack), or else packed into the free set
     broadcast the header [VERSION, version, digest]   (members block in this receive between
                                                         versions: the collective notifies them)
-    broadcast every bucket; all-reduce one flag per rank ("I have every byte")
+    broadcast every bucket; gather one flag per member ("I have every byte")
 
 Two send sets per layout, used in turn: the durable copy of version N reads N's set (publish.py)
 while the trainer writes N+1 into the other; N+2 comes back to N's set only after the next
@@ -278,12 +278,9 @@ class XcclSender:
             for work in works:
                 work.wait(wait)
             t3 = time.perf_counter()
-            flags = torch.zeros(len(self.members) + 1, dtype=torch.int64, device=self._flag_device())
-            flags[0] = 1
-            self.pg.allreduce(flags).wait(wait)
+            got = self._gather_flags(self.pg, wait)
             t4 = time.perf_counter()
             st.header_s, st.buckets_s, st.flag_s, st.broadcast_s = t2 - t1, t3 - t2, t4 - t3, t4 - t1
-            got = flags.cpu().tolist()
             ranks = {name: r for name, r in self.members.items() if got[r] == 1}
             if len(ranks) < len(self.members):
                 log.warning(
@@ -351,6 +348,17 @@ class XcclSender:
             pinned = self.device.type == "cuda"
             layout.durable_buffer = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pinned)
         return layout.durable_buffer
+
+    def _gather_flags(self, pg, wait) -> list[int]:
+        """Every rank's flag (1: "I staged every byte"; ours, rank 0's, is 1): a gather to us,
+        one message per member, where an all-reduce took several rounds on every rank
+        (0.3 vs 0.8 ms for 2 members on 2 CPU cores)."""
+        device = self._flag_device()
+        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(len(self.members) + 1)]
+        opts = torch.distributed.GatherOptions()
+        opts.rootRank = 0
+        pg.gather([flags], [torch.ones(1, dtype=torch.int64, device=device)], opts).wait(wait)
+        return [int(x) for x in torch.cat(flags).cpu().tolist()]
 
     def _flag_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")

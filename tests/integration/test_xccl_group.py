@@ -4,7 +4,8 @@ and SIGKILL of a replica or of the trainer in the middle of a broadcast.
 Replicas (and, for the trainer-death case, the trainer) are child processes running this file
 (`python test_xccl_group.py replica|trainer ...`) driven by JSON lines on stdin/stdout; each
 replica holds a real `LoraSlots` pool on a small model, so "serves version v" is checked on the
-slot contents themselves (the head slot's A/B re-read and hashed), not on a flag.
+slot contents themselves (the head slot's A/B re-read and hashed), not on a flag; with `--adopt`
+its slot is the staging set the version landed in (`XcclReceiver.adopt`), re-read alike.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _emit(obj) -> None:
     sys.stdout.flush()
 
 
-def replica_main(name: str, kill_after: int | None) -> None:
+def replica_main(name: str, kill_after: int | None, adopt: bool = False) -> None:
     from proto.messages import XcclPayload
     from services.common import xccl
     from services.rollout.lora_slots import LoraSlots
@@ -91,6 +92,8 @@ def replica_main(name: str, kill_after: int | None) -> None:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     rx = XcclReceiver(name, timeout_s=TIMEOUT_S)
+    adopted: tuple[int, dict[str, torch.Tensor]] | None = None
+    """--adopt: the version served and its slot, the staging set it landed in"""
     _emit({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -103,6 +106,13 @@ def replica_main(name: str, kill_after: int | None) -> None:
                 _emit({"version": v, "via": "none"})
                 continue
             sha = digest(got)
+            if adopt:
+                previous, adopted = adopted, (v, got)
+                rx.adopt(v)
+                if previous is not None:
+                    rx.release(previous[0])
+                _emit({"version": v, "via": "xccl", "sha": sha})
+                continue
             for old in [x for x in slots.versions() if x != slots.head]:
                 slots.unload(old)
             slots.load(v, got, 1.0)
@@ -118,8 +128,10 @@ def replica_main(name: str, kill_after: int | None) -> None:
             _emit({"joined": rx.joined})
         elif cmd["cmd"] == "status":
             head = slots.head
-            held = {}
-            if head is not None:
+            held: dict[str, torch.Tensor] = {}
+            if adopt and adopted is not None:
+                head, held = adopted
+            elif head is not None:
                 s = slots.table.slot_of(head)
                 for path, layer in slots.layers.items():
                     held[f"base_model.model.{path}.lora_A.weight"] = layer.a[s, :RANK].clone()
@@ -273,9 +285,12 @@ def test_a_replica_killed_mid_broadcast_does_not_hang_the_trainer_and_the_surviv
         sender.close()
 
 
-def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_version(children):
+@pytest.mark.parametrize("slot", ["copy", "adopt"])
+def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_version(children, slot):
+    """Copied into a LoraSlots slot or adopted as the slot: the torn v2 lands in a free staging
+    set, is never staged and never handed over, even to an event that names this replica."""
     trainer = children("trainer", "--kill-version", "2", "--kill-after", "2")
-    replica = children("replica", "r0")
+    replica = children("replica", "r0", *(["--adopt"] if slot == "adopt" else []))
     handle = trainer.ask(version=0, seed=0)["payload"]
     replica.event(0, handle)
     assert replica.ask(cmd="wait_joined", port=handle["master_port"])["joined"]
@@ -290,7 +305,9 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_replica_on_its_previous_versi
     while (status := replica.ask(cmd="status"))["group"] is not None and time.monotonic() < deadline:
         time.sleep(0.1)  # the receiver notices the dead peer and drops the partial v2
     assert status["head"] == 1 and status["head_sha"] == digest(v1), status
-    assert status["staged"] == [] and status["group"] is None, status
+    # an adopted v1 stays with the replica (its set is its slot); nothing else is staged
+    assert status["staged"] == ([1] if slot == "adopt" else []) and status["group"] is None, status
+    assert replica.event(2, p1)["via"] == "none"  # an event naming r0 for the torn v2: refused
 
     # a restarted trainer has a new handle: the replica joins it from the next event
     trainer2 = children("trainer")
@@ -452,6 +469,51 @@ def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_cop
         rx.close()
 
 
+def test_an_adopted_staging_set_serves_as_the_slot_and_is_never_received_into_until_released():
+    """`adopt` against the copy (the reference path): the adopted views hold exactly what a
+    copy of them holds; the trainer hears the swap at `adopt`, not at `release`; while the
+    caller holds sets, new versions land in other ones (a new set when it holds them all), so
+    an adopted version is never overwritten; after `release` its set is received into again."""
+    from services.rollout.xccl_receiver import XcclReceiver
+
+    sender = in_process_sender()
+    sender.release_wait_s = 5.0
+    rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
+    try:
+        rx.observe(sender.send(0, adapter(0)), 0)
+        wait_joins(sender, 1)
+        held: dict[int, dict[str, torch.Tensor]] = {}
+        for v in (1, 2, 3):
+            xp = sender.send(v, adapter(v))
+            assert xp.ranks == {"r0": 1}, sender.stats
+            got = rx.take(v, xp)
+            assert got is not None
+            copied = {n: t.clone() for n, t in got.items()}  # the copying consumer's slot
+            assert digest(got) == digest(copied) == digest(adapter(v))
+            t0 = time.monotonic()
+            rx.adopt(v)
+            assert sender.wait_released(sender.epoch, v) and time.monotonic() - t0 < 2.0
+            held[v] = got
+        assert len(rx._sets) == 3  # the caller holds every set: one more was made for v3
+        ptrs = {v: {t.data_ptr() for t in views.values()} for v, views in held.items()}
+        assert ptrs[1].isdisjoint(ptrs[2]) and ptrs[2].isdisjoint(ptrs[3]) and ptrs[1].isdisjoint(ptrs[3])
+        xp4 = sender.send(4, adapter(4))  # nobody takes v4: it lands in a fourth set, not a held one
+        for v, views in held.items():
+            assert digest(views) == digest(adapter(v)), f"adopted v{v} was overwritten"
+        rx.release(1)
+        rx.release(2)
+        xp5 = sender.send(5, adapter(5))  # an unclaimed v4 and two released sets: any of them
+        got5 = rx.take(5, xp5)
+        assert got5 is not None and digest(got5) == digest(adapter(5))
+        assert rx.take(4, xp4) is None  # older than a taken version and never claimed: gone
+        assert digest(held[3]) == digest(adapter(3))
+        rx.release(3)
+        rx.release(5)
+    finally:
+        sender.close()
+        rx.close()
+
+
 def test_a_resumed_trainer_stores_and_seals_a_copy_its_predecessor_announced_but_never_stored(tmp_path):
     import asyncio
 
@@ -489,8 +551,9 @@ if __name__ == "__main__":
     ap.add_argument("name", nargs="?", default="r0")
     ap.add_argument("--kill-after", type=int, default=None)
     ap.add_argument("--kill-version", type=int, default=None)
+    ap.add_argument("--adopt", action="store_true")
     a = ap.parse_args()
     if a.role == "replica":
-        replica_main(a.name, a.kill_after)
+        replica_main(a.name, a.kill_after, a.adopt)
     else:
         trainer_main(a.kill_after, a.kill_version)
