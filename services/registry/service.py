@@ -46,10 +46,10 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from proto import codec, subjects
@@ -62,7 +62,7 @@ from proto.messages import (
     Trajectory,
 )
 from services.common import streams
-from services.common.bus import Bus, MsgMeta, decode
+from services.common.bus import Bus, MsgMeta, Raw, decode
 from services.common.pull import Delivery, Puller
 from services.registry import metrics, policy
 from services.registry.persistence import (
@@ -129,6 +129,7 @@ class RegistryService:
         self._journal: Journal | None = None
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
         self._puller: Puller[Trajectory] | None = None
         self._accepted = subjects.accepted(self.run)
@@ -169,7 +170,7 @@ class RegistryService:
                                                     batch=PULL_BATCH, keep_open=True)  # fmt: skip
         self._puller = puller
         self._tasks.append(asyncio.create_task(self._trajectory_loop(puller), name="registry-trajectories"))
-        self._subs.append(await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry"))
+        self._subs.append(await bus.subscribe_direct(subjects.admission(run), self._on_admission, queue="registry"))
         self._subs.append(await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status))
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
 
@@ -237,11 +238,13 @@ class RegistryService:
 
     # --- admissions -------------------------------------------------------------------------
 
-    async def _on_admission(self, msg: Msg) -> None:
+    def _on_admission(self, msg: Raw) -> None:
+        """Runs in the connection's read loop (`Bus.subscribe_direct`): decides at once, and
+        leaves what must wait (a denial's send, a dead letter) to a task."""
         try:
             request = decode(msg.data, AdmissionRequest)
         except codec.DecodeError as exc:
-            await self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
+            self._later(self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data))
             return
         if self.journal.fatal is not None:
             return  # stopping: the service's `failed` says why
@@ -249,7 +252,7 @@ class RegistryService:
             reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_token()))
         except Exception as exc:
             log.exception("registry: admission failed")
-            await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
+            self._later(self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data))
             return
         if not msg.reply:
             return
@@ -259,7 +262,12 @@ class RegistryService:
             self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
             metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
-            await self.bus.send_raw(msg.reply, self._encode(reply))
+            self._later(self.bus.send_raw(msg.reply, self._encode(reply)))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._sending.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._sending.discard)
 
     # --- trajectories -----------------------------------------------------------------------
 
