@@ -161,6 +161,24 @@ class Raw(msgspec.Struct, gc=False):
 
 OnRaw = Callable[[Raw], None]
 
+_PLAIN_HEADERS = b"NATS/1.0\r\n"  # a header block without an inline status
+
+
+def read_headers(block: bytes) -> dict[str, str] | None:
+    """nats-py's reading of a header block without an inline status (`Client._process_headers`
+    through `_parse_header_lines`, without its per-character whitespace scan): `Name: value`
+    lines, names ASCII without whitespace, values UTF-8; None when there are none."""
+    out: dict[str, str] = {}
+    for line in block[len(_PLAIN_HEADERS) :].split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep or not name.isascii():
+            continue
+        key = name.strip().decode()
+        if key and key.split() != [key]:  # whitespace inside the name
+            continue
+        out[key] = value.strip().decode("utf-8", "replace")
+    return out or None
+
 
 class _Client(Client):
     """nats-py's client, plus direct subscriptions (`Bus.subscribe_direct`): each of their
@@ -193,8 +211,12 @@ class _Client(Client):
             return
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
-        # nats-py's own reading of the header block (inline status lines included)
-        parsed = await self._process_headers(headers) if headers else None
+        if not headers:
+            parsed = None
+        elif headers.startswith(_PLAIN_HEADERS):
+            parsed = read_headers(headers)
+        else:  # an inline status (a pull's 408, a 503): nats-py's own reading
+            parsed = await self._process_headers(headers)
         try:
             on_raw(Raw(subject.decode(), reply.decode(), data, parsed))
         except Exception:  # never into the read loop: that would drop the connection

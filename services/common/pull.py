@@ -48,8 +48,9 @@ NO_WAIT_S = 1.0
 IDLE_S = 0.5
 """pause after a pull request the server refused (deleted durable, no responders)"""
 _ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end of a pull
-# what nats-py's Msg.ack/in_progress/term/nak send on a delivery's reply subject
-ACK, IN_PROGRESS, TERM = b"+ACK", b"+WPI", b"+TERM"
+# what nats-py's Msg.ack/in_progress/term/nak send on a delivery's reply subject (an empty
+# body is an ack)
+ACK, IN_PROGRESS, TERM = b"", b"+WPI", b"+TERM"
 
 
 def nak_payload(delay: float | None) -> bytes:

@@ -19,8 +19,9 @@ Throughput comes from batching every step around that rule, not from weakening i
   it. Denials promise nothing and leave at once.
 - Trajectories: one pull loop keeps a pull request of `PULL_BATCH` open (the server delivers
   as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
-  for one commit, republishes the accepted ones' original bytes with async JetStream
-  publishes (all PubAcks gathered), publishes the decisions, then acks each message.
+  for one commit, publishes the decisions and republishes the accepted ones' original bytes
+  with async JetStream publishes (one write for both), then, with every PubAck gathered,
+  acks each message.
   The pull request stays open between bursts (`Bus.pull(keep_open=True)`); the delivery
   policy (dead letters, retries) is the bus's, as for every consumer.
 
@@ -313,14 +314,15 @@ class RegistryService:
         if not decided:
             return
         await self._commit()
+        # The decision is a notification (the DECISIONS stream records it); its source of
+        # truth is the ledger, just stored, so it leaves now, in the same write as the accepted
+        # copies, not a PubAck round trip later; a resent trajectory gets it again.
+        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+                                 for d, decision, _ in decided])  # fmt: skip
         resend = [d for d, _, again in decided if again]
         acks = await self.bus.publish_all(
             [(self._accepted, d.data, d.msg.trajectory_id) for d in resend], timeout=PUBLISH_TIMEOUT_S
         )
-        # The decision is a notification (the DECISIONS stream records it); its source of
-        # truth is the ledger, and a resent trajectory gets it again.
-        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
-                                 for d, decision, _ in decided])  # fmt: skip
         failed = set()
         for d, ack in zip(resend, acks):
             if isinstance(ack, BaseException):  # redelivered later, republished then
