@@ -76,6 +76,19 @@ def stream_position(reply: str) -> tuple[int, int] | None:
     return None
 
 
+async def ack_all(deliveries: list[Delivery[T]]) -> None:
+    """`ack()` each delivery not settled yet, in one write (a burst's)."""
+    todo = [d for d in deliveries if not d.settled]
+    if not todo:
+        return
+    for d in todo:
+        d.settled = True
+    try:
+        await todo[0]._reader.bus.nc.publish_many([(d._raw.reply, "", ACK) for d in todo])
+    except Exception as exc:  # the server redelivers after ack_wait
+        log.debug("bus: acks not sent: %r", exc)
+
+
 async def _settle(reader: Puller, raw: Raw, payload: bytes) -> None:
     """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
     try:

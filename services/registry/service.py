@@ -64,7 +64,7 @@ from proto.messages import (
 )
 from services.common import streams
 from services.common.bus import Bus, MsgMeta, Raw, decode
-from services.common.pull import Delivery, Puller
+from services.common.pull import Delivery, Puller, ack_all
 from services.registry import metrics, policy
 from services.registry.persistence import (
     AdapterOp,
@@ -328,11 +328,10 @@ class RegistryService:
             if isinstance(ack, BaseException):  # redelivered later, republished then
                 log.warning("registry: accepted copy of %s not stored: %r", d.meta.subject, ack)
                 failed.add(id(d))
-        for d, _, _ in decided:
+        for d in resend:
             if id(d) in failed:
                 await d.nak(delay=1.0)
-            else:
-                await d.ack()
+        await ack_all([d for d, _, _ in decided])
         metrics.IN_FLIGHT.set(self.ledger.running)
         elapsed = time.perf_counter() - started
         for _ in decided:

@@ -53,10 +53,65 @@ class _Sent:
 async def test_settle_bodies_are_nats_py_s(delay):
     sent = _Sent()
     reply = "$JS.ACK.S.c.1.2.3.1733222222000000000.0"
-    await Msg(_client=sent, reply=reply).ack()  # type: ignore[arg-type]
-    await Msg(_client=sent, reply=reply).in_progress()  # type: ignore[arg-type]
-    await Msg(_client=sent, reply=reply).term()  # type: ignore[arg-type]
-    await Msg(_client=sent, reply=reply).nak(delay=delay)  # type: ignore[arg-type]
+    await Msg(_client=sent, reply=reply).ack()
+    await Msg(_client=sent, reply=reply).in_progress()
+    await Msg(_client=sent, reply=reply).term()
+    await Msg(_client=sent, reply=reply).nak(delay=delay)
     ack, progress, term, nak = sent.bodies
     assert (ack, progress, term) == (ACK, IN_PROGRESS, TERM)
     assert nak.replace(b" ", b"") == nak_payload(delay).replace(b" ", b"")
+
+
+PUBLISHES = [
+    ("lorabus.r1.decision.c1", "", b'{"schema_version":"1.0"}'),
+    ("$JS.ACK.S.c.1.2.3.1733222222000000000.0", "", b""),
+    ("lorabus.r1.admission", "_INBOX.abc.7", b"x" * 300),
+]
+
+
+def _buffering() -> _Client:
+    """A client not connected yet: publishes wait in its pending buffer, as during a reconnect."""
+    nc = _Client()
+    nc._max_pending_size = 1 << 20
+    return nc
+
+
+async def test_publish_many_writes_what_publish_writes():
+    one, many = _buffering(), _buffering()
+    for subject, reply, data in PUBLISHES:
+        await one.publish(subject, data, reply=reply)
+    await many.publish_many(PUBLISHES)
+    assert b"".join(many._pending) == b"".join(one._pending)
+    assert (many.stats["out_msgs"], many.stats["out_bytes"]) == (one.stats["out_msgs"], one.stats["out_bytes"])
+
+
+def _closed() -> _Client:
+    nc = _buffering()
+    nc._status = Client.CLOSED
+    return nc
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [("", "", b"x"), ("a b", "", b"x"), ("a\r\nPUB x", "", b"x"), ("a", "r\n", b"x"), ("a", "", b"x" * (1 << 21)),
+     ("a", "", b"x" * ((1 << 20) + 1)), ("a", "", b"x")],
+)  # fmt: skip
+@pytest.mark.parametrize("client", [_buffering, _Client, _closed])
+async def test_publish_many_refuses_what_publish_refuses(bad, client):
+    """Same error, in `publish`'s order of checks (a bad subject before a closed connection,
+    the disconnected buffer before the payload limit); a refused batch sends nothing."""
+    one = client()
+    try:
+        for subject, reply, data in [PUBLISHES[0], bad]:
+            await one.publish(subject, data, reply=reply)
+        theirs = None
+    except Exception as exc:
+        theirs = type(exc)
+    many = client()
+    try:
+        await many.publish_many([PUBLISHES[0], bad])
+        ours = None
+    except Exception as exc:
+        ours = type(exc)
+        assert not many._pending
+    assert ours is theirs
