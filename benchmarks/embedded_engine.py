@@ -12,12 +12,14 @@ the differences are the LoRA serving path alone:
   slots_head     our slots, every row on the merged head version
   slots_mixed25  our slots, 25% of rows pinned to an older version (low-rank correction)
   slots_mixed3   our slots, 50% head, 25% each on two older versions
-  slots_*_graphs the correction as two Triton kernels beside the layer's cuBLAS matmul
-                 (`services.rollout.lora_kernels`: shrink on a side stream, then the expand)
-  slots_*_fused  one Triton GEMM per group doing the matmul and the correction, where the
-                 per-shape tuning (`benchmarks/lora_tuning.py`, run first, figures under
-                 "fused_tuning") measured it faster; the two kernels elsewhere
-  slots_*_fusedall  the fused GEMM for every shape, with each shape's fastest tiles
+  slots_*_graphs the slot pool's default on a GPU, `correction="auto"` with nothing measured:
+                 `lora_kernels.DEFAULT_CHOICE` for every shape
+  slots_*_tuned  "auto" after the per-shape tuning (`benchmarks/lora_tuning.py`, run first,
+                 figures under "fused_tuning"): each shape's fastest correction
+  slots_*_triton the two Triton kernels beside the layer's cuBLAS matmul (shrink on a side
+                 stream, then the expand)
+  slots_*_stacked  one cuBLAS matmul over W and the slots' A rows, then one expand kernel
+  slots_*_fusedall  the fused GEMM+correction kernel for every shape, each shape's fastest tiles
   slots_*_torch  the correction in plain torch (the reference path) in the captured graphs
                  (eager forwards on a GPU always run the torch path)
   peft_unmerged  peft with one unmerged adapter
@@ -368,12 +370,16 @@ def main(argv: list[str] | None = None) -> int:
         if tuning:
             res["fused_tuning"] = tuning.report
     if use_graphs and "base_graphs" in tps:
-        # Each correction in its own graphs, one after another: "" the two kernels beside cuBLAS
-        # (the reference where kernels do not run), "_fused" the tuned choice per shape,
-        # "_fusedall" the fastest fused tiles for every shape, "_torch" the reference.
-        variants: list[tuple[str, lora_kernels.Correction, dict]] = [("", slots.routing.correction, {})]
+        # Each correction in its own graphs, one after another: "" the pool's default (the
+        # reference where kernels do not run), "_tuned" the tuned choice per shape, then every
+        # path forced on every shape.
+        variants: list[tuple[str, lora_kernels.Mode, dict]] = [("", slots.routing.correction, {})]
         if tuning:
-            variants += [("_fused", "fused", tuning.chosen), ("_fusedall", "fused", tuning.best_fused)]
+            variants.append(("_tuned", "auto", tuning.chosen))
+        if kernels:
+            variants += [("_triton", "triton", {}), ("_stacked", "stacked", {})]
+        if tuning:
+            variants.append(("_fusedall", "fused", tuning.best_fused))
         if kernels:
             variants.append(("_torch", "torch", {}))
         check = rows[: min(16, batch)]
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name}{suffix} graphs {got:.0f} tok/s", flush=True)
             if not suffix:
                 res["graph_captures_slots"] = slot_graphs.captures
-            if suffix in ("", "_fused"):
+            if suffix in ("", "_tuned"):
                 res[f"slots_mixed3{suffix}_graphs_vs_eager"] = attempt(
                     f"slots{suffix}_graphs_check",
                     lambda: agreement(
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         decode(model, check, step_context=routed(mix_check), graphs=slot_graphs),
                     ),
                 )
-            for name in ("slots_head", "slots_mixed25") if args.profile and suffix in ("", "_fused") else ():
+            for name in ("slots_head", "slots_mixed25") if args.profile and suffix in ("", "_tuned") else ():
                 if name == "slots_head" and suffix:
                     continue  # no row corrected: the same graph whatever the correction
                 short = [Row(prompt=r.prompt, max_new_tokens=32, seed=r.seed) for r in rows]
@@ -425,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         def kernel_vs_reference() -> dict:
             cols = slots.columns(mixes["slots_mixed3"])
             assert cols is not None
-            worst = {"two_kernels": 0.0, "fused": 0.0}
+            worst = {"two_kernels": 0.0, "stacked": 0.0, "fused": 0.0}
             for group in slots.groups[:4]:
                 n, groups = group.segs[-1], len(group.segs) - 1
                 x = torch.randn(batch, group.in_features, device=device, dtype=dtype)
@@ -438,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
                     config = tuning.best_fused.get((batch, n, group.in_features, groups, cols.shape[1]), config)
                 fused = lora_kernels.linear_fused(x, group.weight, group.bias, group._a_all, group._bt_all,
                                                   group._segs_dev, cols, 1, config)  # fmt: skip
+                stacked = torch.nn.functional.linear(x, group._stacked, group._stacked_bias)
+                lora_kernels.expand_stacked_(stacked[:, :n], stacked[:, n:], group._bt_all, group.segs, cols, 1)
                 size = (want.float() - y0.float()).abs().max().item()
-                for key, out in (("two_kernels", got), ("fused", fused)):
+                for key, out in (("two_kernels", got), ("stacked", stacked[:, :n]), ("fused", fused)):
                     worst[key] = max(worst[key], (out.float() - want.float()).abs().max().item() / size)
             return {f"{key}_max_abs_diff_over_max_correction": value for key, value in worst.items()}
 

@@ -6,9 +6,11 @@ in every layer, so that weights come from HBM as in a decode step rather than fr
   matmul        no row corrected: the layer's cuBLAS matmul alone (the head-only cost)
   two_kernels   cuBLAS + the split-K shrink on a side stream + the expand (`correction="triton"`)
   torch         cuBLAS + the torch reference correction, shrink on the side stream
+  stacked       one cuBLAS matmul over W with the slots' A rows stacked under it, then one
+                expand kernel (`correction="stacked"`)
   fused <tiles> `lora_kernels.linear_fused` with those tiles, one kernel per group
 and reports microseconds per group forward (median of the replays). `tune` writes the fastest
-fused tiles of each shape into `lora_kernels.TUNED`, or None where `two_kernels` was faster.
+of them for each shape into `lora_kernels.TUNED` (what `correction="auto"` then runs).
 On CPU (`--tiny` under TRITON_INTERPRET=1) each forward runs once, eagerly: a smoke run of the
 same code, whose figures mean nothing.
 """
@@ -24,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from services.rollout import lora_kernels
-from services.rollout.lora_kernels import FusedConfig
+from services.rollout.lora_kernels import Choice, FusedConfig, Key
 from services.rollout.lora_slots import LoraSlots, SlotGroup
 
 TILES = [(16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 4), (32, 128, 4, 2), (32, 128, 4, 4), (64, 64, 4, 3),
@@ -33,7 +35,8 @@ TILES = [(16, 128, 4, 3), (16, 256, 4, 2), (32, 64, 4, 4), (32, 128, 4, 2), (32,
 cut to what shared memory holds; those of 112 KB or less let two programs share a
 multiprocessor."""
 
-Key = tuple[int, int, int, int, int]
+PATHS: dict[str, Choice] = {"two_kernels": "triton", "torch": "torch", "stacked": "stacked"}
+"""the measured variants that are not fused tiles, by the name they are reported under"""
 
 
 def label(config: FusedConfig) -> str:
@@ -90,8 +93,8 @@ def time_forwards(groups: Sequence[SlotGroup], x: torch.Tensor, capture: bool, r
 class Tuning(NamedTuple):
     report: dict
     """figures (us per group forward by shape and variant), choices and errors, for the JSON"""
-    chosen: dict[Key, FusedConfig | None]
-    """what `tune` put in `lora_kernels.TUNED`"""
+    chosen: dict[Key, Choice]
+    """what `tune` put in `lora_kernels.TUNED`: the fastest variant of every shape"""
     best_fused: dict[Key, FusedConfig]
     """the fastest fused tiles of every shape (for a run that fuses every shape)"""
 
@@ -119,7 +122,7 @@ def tune(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bo
     rows, sr = len(mix), slots.table.slots * slots.rank
     was = slots.routing.correction
     report: dict = {"rows": rows, "us_per_group_forward": {}, "chosen": {}, "best_fused": {}, "errors": {}}
-    chosen: dict[Key, FusedConfig | None] = {}
+    chosen: dict[Key, Choice] = {}
     best_fused: dict[Key, FusedConfig] = {}
     try:
         for name, groups in shapes(slots).items():
@@ -140,6 +143,8 @@ def tune(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bo
                                                              g0._segs_dev, cols, 1))  # fmt: skip
                 slots.routing.correction = "torch"
                 measure(us, errors, "torch", groups, x, capture, lambda: None)
+                slots.routing.correction = "stacked"
+                measure(us, errors, "stacked", groups, x, capture, lambda: None)
                 slots.routing.correction = "fused"
                 for config in candidates(rows, n, sr):
                     lora_kernels.TUNED[key] = config
@@ -151,16 +156,22 @@ def tune(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bo
                     ):
                         best_fused[key] = config
             best = best_fused.get(key)
-            pick = chosen[key] = best if best and us[label(best)] < us.get("two_kernels", float("inf")) else None
-            report["chosen"][name] = label(pick) if pick else "two_kernels"
+            options = {name: path for name, path in PATHS.items() if name in us}
+            if best:
+                options[label(best)] = best
+            if options:
+                fastest = min(options, key=lambda variant: us[variant])
+                chosen[key] = options[fastest]
+                report["chosen"][name] = fastest
             report["best_fused"][name] = label(best) if best else None
             if errors:
                 report["errors"][name] = errors
             nan = float("nan")
             print(
                 f"{name:<24} us per group: matmul {us.get('matmul', nan):6.1f}, two kernels "
-                f"{us.get('two_kernels', nan):6.1f}, torch {us.get('torch', nan):6.1f}, best "
-                f"{us[label(best)] if best else nan:6.1f} ({report['best_fused'][name]}); {len(errors)} errors",
+                f"{us.get('two_kernels', nan):6.1f}, torch {us.get('torch', nan):6.1f}, stacked "
+                f"{us.get('stacked', nan):6.1f}, best fused {us[label(best)] if best else nan:6.1f} "
+                f"({report['best_fused'][name]}); chosen {report['chosen'].get(name)}; {len(errors)} errors",
                 flush=True,
             )
     finally:

@@ -54,10 +54,17 @@ BLOCK_N = 128
 BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
+STACKED_BN = 64
+"""output columns per `expand_stacked_` program: more programs, each with less to load"""
 
-Correction = Literal["torch", "triton", "fused"]
-"""how captured graphs correct mixed rows: the reference, the two kernels beside cuBLAS, or
-`linear_fused` (where `fused_config` gives a config; the two kernels elsewhere)"""
+Correction = Literal["torch", "triton", "stacked", "fused"]
+"""how captured graphs correct a group's mixed rows: the reference, the two kernels beside
+cuBLAS, the shrink stacked into the layer's matmul plus one expand (`expand_stacked_`), or
+`linear_fused`"""
+
+Mode = Literal["auto", "torch", "triton", "stacked", "fused"]
+"""what a slot pool is told: one correction for every group, or "auto": per group shape, what
+`choose` says (the measured choice in `TUNED`, else `DEFAULT_CHOICE`)"""
 
 
 class FusedConfig(NamedTuple):
@@ -70,9 +77,20 @@ class FusedConfig(NamedTuple):
     stages: int = 3
 
 
-TUNED: dict[tuple[int, int, int, int, int], FusedConfig | None] = {}
-"""(rows, N, in, members, S * r) -> the config measured fastest for that shape, or None where
-cuBLAS plus the two kernels measured faster. Empty unless a benchmark filled it."""
+Choice = Literal["torch", "triton", "stacked"] | FusedConfig
+"""a group's correction: a path, or the fused GEMM with these tiles"""
+
+Key = tuple[int, int, int, int, int]
+"""a group shape: (rows, N, in, members, S * r)"""
+
+TUNED: dict[Key, Choice] = {}
+"""the choice measured fastest for a shape (benchmarks/lora_tuning.py fills it). Empty unless
+something measured."""
+
+DEFAULT_CHOICE: Choice = "stacked"
+"""where nothing was measured: on the H200 (Qwen2.5-1.5B, r=16, 4 slots, 64 rows) the stacked
+matmul was the fastest or within a microsecond of it for every shape (benchmarks/results/
+embedded_engine_h200.json, "fused_tuning")."""
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -89,10 +107,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def fused_config(rows: int, n: int, k: int, groups: int, sr: int) -> FusedConfig | None:
-    """The tiles `linear_fused` runs with for this shape, or None: use the two kernels."""
-    key = (rows, n, k, groups, sr)
-    return TUNED[key] if key in TUNED else default_config(rows, n, sr)
+def choose(mode: Mode, key: Key) -> Choice:
+    """The correction a group of shape `key` runs under `mode`."""
+    if mode == "auto":
+        return TUNED.get(key, DEFAULT_CHOICE)
+    if mode == "fused":
+        tuned = TUNED.get(key)
+        return tuned if isinstance(tuned, FusedConfig) else default_config(key[0], key[1], key[4])
+    return mode
 
 
 def default_config(rows: int, n: int, sr: int) -> FusedConfig:
@@ -187,6 +209,28 @@ def expand_kernel_(
     _expand[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))](
         y, partial, cols, bt, segs, rows, n, rows_per_mask, y.stride(0), bt.stride(0), splits,
         G=groups, SR=sr, SR_PAD=width // groups, BM=BLOCK_M, BN=BLOCK_N,
+    )  # fmt: skip
+
+
+def expand_stacked_(
+    y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int], cols: torch.Tensor, rows_per_mask: int
+) -> None:
+    """y += (t * C) @ Bt, every member in one kernel, for the unmasked shrink t [rows, G * S * r]
+    that the stacked matmul left beside y (both may be column views of one tensor). `segs`
+    are host ints (at most three members): they are compiled in, so the kernel's loads do not
+    wait on a load of the segment table."""
+    assert triton is not None
+    rows, n = y.shape
+    groups, sr = len(segs) - 1, cols.shape[1]
+    if groups > 3:
+        raise ValueError(f"segs: {len(segs) - 1} members, expand_stacked_ takes at most 3 (q/k/v); split the group")
+    bounds = list(segs[1:]) + [n] * (3 - groups)
+    bm = min(64, max(16, _pow2(rows)))
+    tiles = max(triton.cdiv(segs[g + 1] - segs[g], STACKED_BN) for g in range(groups))
+    _expand_stacked[(triton.cdiv(rows, bm), tiles, groups)](
+        y, t, cols, bt, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0),
+        B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), BM=bm,
+        BN=STACKED_BN,
     )  # fmt: skip
 
 
@@ -303,6 +347,36 @@ if triton is not None:
             inside = row_on[:, None] & n_in[None, :]
             y = tl.load(where, mask=inside, other=0.0)
             tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=inside)
+
+    @triton.jit
+    def _expand_stacked(
+        y_ptr, t_ptr, c_ptr, bt_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt,
+        B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        """One program: a tile of member g's columns for BM rows. Its four loads (signs, t, Bt,
+        y) depend on nothing loaded, so they are in flight together: at decode sizes the kernel
+        costs about one memory round trip (skipping head-only row blocks first, as `_expand`
+        does, costs two more)."""
+        pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        lo = (g >= 1).to(tl.int32) * B1 + (g >= 2).to(tl.int32) * (B2 - B1)
+        hi = B1 + (g >= 1).to(tl.int32) * (B2 - B1) + (g >= 2).to(tl.int32) * (B3 - B2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_in = rows < M
+        cols = tl.arange(0, SR_PAD)
+        col_in = cols < SR
+        ns = lo + pid_n * BN + tl.arange(0, BN)
+        n_in = ns < hi
+        in_t = row_in[:, None] & col_in[None, :]
+        c = tl.load(c_ptr + (rows // rows_per_mask)[:, None] * SR + cols[None, :], mask=in_t, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + rows[:, None] * stride_t + (g * SR + cols)[None, :], mask=in_t, other=0.0)
+        b = tl.load(bt_ptr + cols[:, None] * stride_bt + ns[None, :], mask=col_in[:, None] & n_in[None, :], other=0.0)
+        where = y_ptr + rows[:, None] * stride_y + ns[None, :]
+        y = tl.load(where, mask=row_in[:, None] & n_in[None, :], other=0.0)
+        acc = tl.dot((t.to(tl.float32) * c).to(b.dtype), b)
+        # rows on the head (all-zero signs) are left as they are
+        row_on = tl.max((c != 0).to(tl.int32), axis=1) > 0
+        tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=(row_in & row_on)[:, None] & n_in[None, :])
 
     @triton.jit
     def _fused(

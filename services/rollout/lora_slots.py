@@ -56,9 +56,9 @@ class Routing:
 
     __slots__ = ("cols", "correction", "_side")
 
-    def __init__(self, correction: lora_kernels.Correction) -> None:
+    def __init__(self, correction: lora_kernels.Mode) -> None:
         self.cols: torch.Tensor | None = None
-        self.correction: lora_kernels.Correction = correction
+        self.correction: lora_kernels.Mode = correction
         self._side: torch.cuda.Stream | None = None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -85,10 +85,19 @@ class SlotGroup:
         for base in bases:
             self.segs.append(self.segs[-1] + base.out_features)
         n = self.segs[-1]
-        self.weight = torch.cat([b.weight.detach() for b in bases])
-        self.bias = torch.cat([b.bias.detach() for b in bases]) if bases[0].bias is not None else None
+        width = len(bases) * slots * rank
+        # W and every slot's A rows in one [N + G * S * r, in] buffer: the "stacked" correction
+        # gets x @ W^T and the shrink x @ A^T from one matmul (views, so loads and merges are
+        # unchanged)
+        self._stacked = torch.cat([b.weight.detach() for b in bases] + [first.new_zeros(width, self.in_features)])
+        self.weight = self._stacked[:n]
+        self._stacked_bias = None
+        self.bias = None
+        if bases[0].bias is not None:
+            self._stacked_bias = torch.cat([b.bias.detach() for b in bases] + [first.new_zeros(width)])
+            self.bias = self._stacked_bias[:n]
         self.w0 = self.weight.clone()
-        self.a = torch.zeros(len(bases), slots, rank, self.in_features, dtype=first.dtype, device=first.device)
+        self.a = self._stacked[n:].view(len(bases), slots, rank, self.in_features)
         self.bt = torch.zeros(slots, rank, n, dtype=first.dtype, device=first.device)
         self._a_all = self.a.view(-1, self.in_features)
         self._bt_all = self.bt.view(slots * rank, n)
@@ -127,17 +136,18 @@ class SlotGroup:
         # rows of x are (batch row, position) pairs: the mask is per batch row
         per_row = x2.shape[0] // cols.shape[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        correction = self.routing.correction
+        mode = self.routing.correction
         if x.is_cuda and not capturing:
             # eager on a GPU: a Triton launch costs ~20 us of Python, more than the work it replaces
-            correction = "torch"
-        if correction == "fused":
-            config = lora_kernels.fused_config(x2.shape[0], n, self.in_features, groups, cols.shape[1])
-            if config is not None:
-                y2 = lora_kernels.linear_fused(x2, self.weight, self.bias, self._a_all, self._bt_all, self._segs_dev,
-                                               cols, per_row, config)  # fmt: skip
-                return y2.view(*x.shape[:-1], n)
-            correction = "triton"  # measured faster for this shape (lora_kernels.TUNED)
+            mode = "torch"
+        choice = lora_kernels.choose(mode, (x2.shape[0], n, self.in_features, groups, cols.shape[1]))
+        if isinstance(choice, lora_kernels.FusedConfig):
+            y2 = lora_kernels.linear_fused(x2, self.weight, self.bias, self._a_all, self._bt_all, self._segs_dev,
+                                           cols, per_row, choice)  # fmt: skip
+            return y2.view(*x.shape[:-1], n)
+        if choice == "stacked":
+            return self._forward_stacked(x, x2, cols, per_row)
+        correction = choice
         kernel = correction == "triton"
         # In a captured graph the shrink reads only x, so it runs on a side stream beside the
         # layer's matmul; only the expand waits for both.
@@ -158,6 +168,20 @@ class SlotGroup:
         else:
             lora_kernels.expand_reference_(y2, t, self._bt_all, self.segs)
         return y
+
+    def _forward_stacked(self, x: torch.Tensor, x2: torch.Tensor, cols: torch.Tensor, per_row: int) -> torch.Tensor:
+        """One matmul gives y and the unmasked shrink side by side; the expand adds the masked
+        correction into y's columns in place."""
+        n = self.segs[-1]
+        ya = F.linear(x2, self._stacked, self._stacked_bias)
+        y2, t = ya[:, :n], ya[:, n:]
+        if lora_kernels.kernel_available(x.device, x.dtype):
+            lora_kernels.expand_stacked_(y2, t, self._bt_all, self.segs, cols, per_row)
+        else:
+            sr = cols.shape[1]
+            masked = t.unflatten(0, (cols.shape[0], per_row)).unflatten(-1, (-1, sr)) * cols[:, None, None, :]
+            lora_kernels.expand_reference_(y2, masked.flatten(0, 1).flatten(1), self._bt_all, self.segs)
+        return ya.view(*x.shape[:-1], ya.shape[1])[..., :n]
 
 
 class SlotLinear(nn.Module):
@@ -244,7 +268,7 @@ class LoraSlots:
         modules: Sequence[str],
         rank: int,
         slots: int,
-        correction: lora_kernels.Correction | None = None,
+        correction: lora_kernels.Mode | None = None,
     ):
         self.rank = rank
         self.table = SlotTable(slots)
@@ -285,11 +309,11 @@ class LoraSlots:
         self._dtype = first.a.dtype if first else torch.float32
         available = lora_kernels.kernel_available(self._device, self._dtype)
         if correction is None:
-            correction = "triton" if available else "torch"
-        elif correction != "torch" and not available:
+            correction = "auto" if available else "torch"
+        elif correction not in ("torch", "stacked") and not available:
             raise ValueError(
                 f"correction: {correction!r} needs Triton on a CUDA device in half precision (here "
-                f"{self._device}, {self._dtype}); pass 'torch' or leave it None"
+                f"{self._device}, {self._dtype}); pass 'torch' or 'stacked', or leave it None"
             )
         self.routing.correction = correction
         # One mask buffer per batch size, rewritten in place, so its address is stable for
@@ -303,10 +327,10 @@ class LoraSlots:
         model: nn.Module,
         tensors: dict[str, torch.Tensor],
         slots: int,
-        correction: lora_kernels.Correction | None = None,
+        correction: lora_kernels.Mode | None = None,
     ) -> LoraSlots:
         """Create slots shaped after the first adapter that arrives. `correction`: how mixed
-        rows are corrected (None: the two Triton kernels where they run, see
+        rows are corrected (None: "auto" where the Triton kernels run, see
         `lora_kernels.kernel_available`, else the torch reference)."""
         mods = module_tensors(tensors)
         if not mods:

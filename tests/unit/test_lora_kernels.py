@@ -73,16 +73,22 @@ def interpreted() -> None:
         assert (want - y).abs().max() > 0.1  # the correction is not nothing
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(got[: 16 * per_row], y[: 16 * per_row])  # rows on the head untouched
+        # the stacked path: the unmasked shrink comes out of the layer's matmul beside y, as
+        # column views of one tensor, and one kernel masks and expands it in place
+        b_stacked = None if b is None else torch.cat([b, b.new_zeros(len(a))])
+        ya = torch.nn.functional.linear(x, torch.cat([w, a]), b_stacked)
+        lora_kernels.expand_stacked_(ya[:, : segs[-1]], ya[:, segs[-1] :], bt, segs, cols, per_row)
+        torch.testing.assert_close(ya[:, : segs[-1]], want, atol=1e-4, rtol=1e-4)
         config = lora_kernels.with_stages(lora_kernels.FusedConfig(*tiles), n_slots * rank)
         fused = lora_kernels.linear_fused(x, w, b, a, bt, segs_dev, cols, per_row, config)
         torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
         checks += 1
-    # a whole model: the three corrections give the same logits for a mixed batch
+    # a whole model: every correction gives the same logits for a mixed batch
     from services.rollout.lora_slots import LoraSlots
     from tests.fixtures.tiny import random_lora, tiny_qwen2
 
     models = {}
-    for correction in ("torch", "triton", "fused"):
+    for correction in ("torch", "triton", "stacked", "fused", "auto"):
         model = tiny_qwen2(0)
         adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
         slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
@@ -99,28 +105,35 @@ def interpreted() -> None:
     with torch.no_grad(), models["torch"][1].route([2] * 20):
         head_only = models["torch"][0](input_ids=ids).logits
     assert (logits["torch"][:10] - head_only[:10]).abs().max() > 1e-2  # older rows are corrected
-    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-5, rtol=1e-5)
-    # a shape measured faster with the two kernels: the fused path hands it to them
-    model, slots = models["fused"]
+    for correction in ("triton", "stacked", "fused", "auto"):
+        torch.testing.assert_close(logits[correction], logits["torch"], atol=1e-5, rtol=1e-5)
+    # "auto": a shape with a measured choice runs it (here the fused GEMM), the others the default
+    model, slots = models["auto"]
     group = slots.groups[0]
     key = (20 * 5, group.segs[-1], group.in_features, len(group.segs) - 1, slots.table.slots * slots.rank)
-    lora_kernels.TUNED[key] = None
-    fused_kernel, fused_shapes = lora_kernels.linear_fused, []
+    lora_kernels.TUNED[key] = lora_kernels.FusedConfig(16, 32, 32)
+    calls: dict[str, list[torch.Size]] = {"fused": [], "stacked": []}
+    fused_kernel, stacked_kernel = lora_kernels.linear_fused, lora_kernels.expand_stacked_
 
-    def counted(x: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
-        fused_shapes.append(w.shape)
+    def fused(x: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls["fused"].append(w.shape)
         return fused_kernel(x, w, *rest)
 
-    lora_kernels.linear_fused = counted  # type: ignore[assignment]
+    def stacked(y: torch.Tensor, *rest: Any) -> None:
+        calls["stacked"].append(y.shape)
+        stacked_kernel(y, *rest)
+
+    lora_kernels.linear_fused, lora_kernels.expand_stacked_ = fused, stacked  # type: ignore[assignment]
     try:
         with torch.no_grad(), slots.route(mix):
             torch.testing.assert_close(model(input_ids=ids).logits, logits["torch"], atol=1e-5, rtol=1e-5)
     finally:
         del lora_kernels.TUNED[key]
-        lora_kernels.linear_fused = fused_kernel
-    # every group but those of the first group's shape (one per layer) ran fused
-    assert len(fused_shapes) == len(slots.groups) - 2 and group.weight.shape not in fused_shapes
+        lora_kernels.linear_fused, lora_kernels.expand_stacked_ = fused_kernel, stacked_kernel
+    # the first group's shape (one group per layer) ran fused, every other group stacked
+    same_shape = [g for g in slots.groups if g.weight.shape == group.weight.shape]
+    assert len(calls["fused"]) == len(same_shape) == 2
+    assert len(calls["stacked"]) == len(slots.groups) - 2 and lora_kernels.DEFAULT_CHOICE == "stacked"
     checks += 1
     print(f"checked {checks}")
 

@@ -160,3 +160,22 @@ def test_static_path_refuses_what_it_cannot_run():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="capture: CUDA graphs need a CUDA device"):
             DecodeGraphs(tiny_model(), capture=True)
+
+
+def test_stacked_correction_matches_the_reference_without_triton():
+    """The stacked layout (A's rows under W in one buffer, one matmul for both) with the torch
+    expand gives the reference's logits: the CPU path of the GPU default."""
+    logits = {}
+    for correction in ("torch", "stacked"):
+        base = tiny_model()
+        adapters = {v: random_adapter(base, seed=300 + v) for v in range(3)}
+        slots = LoraSlots.install(base, adapters[0], slots=3, correction=correction)
+        for v in range(3):
+            slots.load(v, adapters[v], SCALE)
+        slots.set_head(2)
+        ids = torch.randint(0, VOCAB, (6, 4), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad(), slots.route([0, 1, 2, 0, 2, 1]):
+            logits[correction] = base(input_ids=ids).logits
+    torch.testing.assert_close(logits["stacked"], logits["torch"], atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), slots.route([2] * 6):
+        assert (base(input_ids=ids).logits - logits["stacked"]).abs().max() > 1e-2  # rows were corrected
