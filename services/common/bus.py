@@ -6,8 +6,9 @@ blocking the consumer or being dropped silently (`services.common.pull`); JetStr
 carry a `Nats-Msg-Id` so retries are deduplicated; and every message is counted for Prometheus.
 
 It is the only module that talks to nats-py: services call its methods, never `nc`/`js`
-(the attributes stay for tests and tools). The one nats-py internal it reaches into is
-`Client._process_msg`, in `_Client` (direct subscriptions, below).
+(the attributes stay for tests and tools). What it reaches of nats-py's internals is in
+`_Client` alone (direct subscriptions and batched publishes, each tested against nats-py's
+own path).
 """
 
 from __future__ import annotations
@@ -613,8 +614,8 @@ class Bus:
         self.published.inc()
 
     async def send_all(self, msgs: list[tuple[str, bytes]]) -> None:
-        """`send_raw` of each `(subject, data)` in one write, counted once (a burst's
-        decisions or replies)."""
+        """`send_raw` of each `(subject, data)`, as one pending command (`publish_many`),
+        counted once (a burst's decisions or replies)."""
         await self.nc.publish_many([(subject, "", data) for subject, data in msgs])
         self.published.inc(len(msgs))
 

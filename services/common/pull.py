@@ -77,7 +77,7 @@ def stream_position(reply: str) -> tuple[int, int] | None:
 
 
 async def ack_all(deliveries: list[Delivery[T]]) -> None:
-    """`ack()` each delivery not settled yet, in one write (a burst's)."""
+    """`ack()` each delivery not settled yet, as one pending command (a burst's acks)."""
     todo = [d for d in deliveries if not d.settled]
     if not todo:
         return

@@ -14,9 +14,9 @@ Throughput comes from batching every step around that rule, not from weakening i
   is only meaningful together with this policy code (a replay re-runs the decisions), so a
   policy change that alters decisions for the same inputs must come with a snapshot format
   bump; the snapshot records the config the following entries were decided under.
-- Admissions: one subscription whose callback decides synchronously and queues the reply on
-  the journal's outbox; the writer sends every queued reply right after the write that covers
-  it. Denials promise nothing and leave at once.
+- Admissions: one direct subscription whose callback (in the connection's read loop) decides
+  synchronously and queues the reply on the journal's outbox; the writer sends every queued
+  reply right after the write that covers it. Denials promise nothing and leave at once.
 - Trajectories: one pull loop keeps a pull request of `PULL_BATCH` open (the server delivers
   as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
   for one commit, publishes the decisions and republishes the accepted ones' original bytes
@@ -29,13 +29,17 @@ Writes are compare-and-set on the stream sequence: a second registry for the sam
 the first one's next write fail, and it stops instead of interleaving with the other.
 
 Measured (benchmarks/results/registry*.json): ~105-115 us of registry CPU per admission +
-decision on 2 shared cores, 0.73x main's before the Bus's own reply inbox (PubAcks read by
-msgspec, no per-message future, token or wait_for) and the pull reader's cheap stream position;
-most of what is left is the seven small messages through nats-py. The hot path labels its
-metrics once, counts them per burst, screens logprobs at C speed and runs on uvloop. Past one
-process it scales out as one registry process per run (the ledger, journal, streams and policy
-are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms on 16 cores before
-this round, with the host's CPUs the limit. Splitting one run's capacity across processes is
+decision on 2 shared cores in the round before this one (0.73x the code before it). This round
+takes nats-py's per-message path off the small messages (`Bus.subscribe_direct` for the
+admissions, pull deliveries and PubAcks; `publish_many` for a burst's grants, decisions and
+acks), decodes what `encode` wrote in one pass, and sends the decisions with the accepted
+copies instead of a PubAck round trip later: 0.84-0.88x main's registry CPU per decision and
+1.10-1.15x its decisions/s in the same command at load 5-7 (24 clients per registry, as on the
+16-core host, and 64 on one). The hot path labels its metrics once, counts them per burst,
+screens logprobs at C speed and runs on uvloop. Past one process it scales out as one registry
+process per run (the ledger, journal, streams and policy are per run, so they share nothing):
+6 runs gave ~18k/s with p99 8.6 ms on 16 cores before this round, with the host's CPUs the
+limit. Splitting one run's capacity across processes is
 not done: it would strand capacity in idle slices, and one run needs far less than a process
 gives.
 """
