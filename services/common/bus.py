@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,7 +28,7 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client, _validate_subject
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import (
@@ -163,6 +164,7 @@ class Raw(msgspec.Struct, gc=False):
 OnRaw = Callable[[Raw], None]
 
 _PLAIN_HEADERS = b"NATS/1.0\r\n"  # a header block without an inline status
+_NOT_IN_SUBJECT = re.compile(r"[ \t\r\n]")  # what nats-py's publish refuses in a subject
 
 
 def read_headers(block: bytes) -> dict[str, str] | None:
@@ -235,9 +237,8 @@ class _Client(Client):
         parts: list[bytes] = []
         pending = self._pending_data_size
         for subject, reply, data in msgs:
-            _validate_subject(subject)
-            if reply:
-                _validate_subject(reply)
+            if not subject or _NOT_IN_SUBJECT.search(subject) or (reply and _NOT_IN_SUBJECT.search(reply)):
+                raise nats.errors.BadSubjectError  # whitespace would inject protocol lines
             if self.is_closed:
                 raise nats.errors.ConnectionClosedError
             if self.is_draining_pubs:
