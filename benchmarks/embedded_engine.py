@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     # the fused kernel's tiles (and where it beats the two kernels), measured per group shape
     tuning = None
     if kernels:
+        res["stacked_tiles"] = attempt(
+            "stacked_tiles", lambda: lora_tuning.sweep_stacked(slots, mixes["slots_mixed3"], device, capture)
+        )
         tuning = attempt("fused_tuning", lambda: lora_tuning.tune(slots, mixes["slots_mixed3"], device, capture))
         if tuning:
             res["fused_tuning"] = tuning.report

@@ -90,6 +90,38 @@ def time_forwards(groups: Sequence[SlotGroup], x: torch.Tensor, capture: bool, r
     return 1000 * statistics.median(times) / len(groups)
 
 
+STACKED_TILES = [(32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
+"""(columns, warps) per `expand_stacked_` program, the candidates of `sweep_stacked`"""
+
+
+def sweep_stacked(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bool) -> dict:
+    """Time the stacked correction of every shape under each of STACKED_TILES and keep the
+    tiles with the lowest sum over the shapes (one decoder layer's cost) in lora_kernels."""
+    rows = len(mix)
+    was = slots.routing.correction
+    by_tile: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    try:
+        slots.routing.correction = "stacked"
+        for bn, warps in STACKED_TILES:
+            lora_kernels.STACKED_BN, lora_kernels.STACKED_WARPS = bn, warps
+            name = f"bn{bn} w{warps}"
+            us = by_tile[name] = {}
+            for shape, groups in shapes(slots).items():
+                x = torch.randn(rows, groups[0].in_features, device=device, dtype=groups[0].weight.dtype)
+                with slots.route(mix):
+                    measure(us, errors, shape, groups, x, capture, lambda: None)
+    finally:
+        slots.routing.correction = was
+    totals = {name: sum(us.values()) for name, us in by_tile.items() if len(us) == len(shapes(slots))}
+    best = min(totals, key=totals.__getitem__)
+    lora_kernels.STACKED_BN, lora_kernels.STACKED_WARPS = STACKED_TILES[list(by_tile).index(best)]
+    for name, total in totals.items():
+        kept = "  <- kept" if name == best else ""
+        print(f"stacked expand {name:<10} us per layer {total:6.1f}{kept}", flush=True)
+    return {"rows": rows, "us_per_group_forward": by_tile, "us_per_layer": totals, "kept": best, "errors": errors}
+
+
 class Tuning(NamedTuple):
     report: dict
     """figures (us per group forward by shape and variant), choices and errors, for the JSON"""

@@ -56,6 +56,7 @@ K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
 STACKED_BN = 64
 """output columns per `expand_stacked_` program: more programs, each with less to load"""
+STACKED_WARPS = 4
 
 Correction = Literal["torch", "triton", "stacked", "fused"]
 """how captured graphs correct a group's mixed rows: the reference, the two kernels beside
@@ -230,7 +231,7 @@ def expand_stacked_(
     _expand_stacked[(triton.cdiv(rows, bm), tiles, groups)](
         y, t, cols, bt, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0),
         B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), BM=bm,
-        BN=STACKED_BN,
+        BN=STACKED_BN, num_warps=STACKED_WARPS,
     )  # fmt: skip
 
 
