@@ -65,7 +65,7 @@ from proto.messages import (  # noqa: E402
     TrajectoryDecision,
 )
 from services.common import entry  # noqa: E402
-from services.common.bus import Bus  # noqa: E402
+from services.common.bus import Bus, Raw, decode  # noqa: E402
 from services.common.config_schema import BusConfig  # noqa: E402
 from services.local.nats_server import start_nats_server  # noqa: E402
 from services.registry.status import RegistryStatus, StatusRequest  # noqa: E402
@@ -120,12 +120,13 @@ async def client(bus: Bus, i: int, stop_at: float, tokens: int, out: dict, tag: 
     loop = asyncio.get_running_loop()
     waiting: dict[str, asyncio.Future] = {}
 
-    async def on_decision(msg: TrajectoryDecision, meta) -> None:
+    def on_decision(raw: Raw) -> None:  # in the read loop: the clients' CPU goes to the registry's messages
+        msg = decode(raw.data, TrajectoryDecision)
         future = waiting.pop(msg.trajectory_id, None)
         if future is not None and not future.done():
             future.set_result((time.perf_counter(), msg))
 
-    await bus.subscribe(subjects.decision(run, replica), TrajectoryDecision, on_decision)
+    await bus.subscribe_direct(subjects.decision(run, replica), on_decision)
     completions = [Completion(token_ids=[7] * tokens, logprobs=[-0.5] * tokens, versions=[0] * tokens, reward=1.0)
                    for _ in range(4)]  # fmt: skip
     prompt = list(range(32))
@@ -181,8 +182,9 @@ def start_clients(args, url: str, start_at: float, tag: int) -> list[subprocess.
     per = [args.clients // args.procs + (i < args.clients % args.procs) for i in range(args.procs)]
     procs, first = [], 0
     for j, n in enumerate(per):
+        profile = ["-m", "cProfile", "-o", f"{args.profile}.{tag}.client{j}"] if args.profile else []
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--client-worker", "--url", url, "--run", f"{RUN}{j % args.runs}",
+            [sys.executable, *profile, __file__, "--client-worker", "--url", url, "--run", f"{RUN}{j % args.runs}",
              "--first", str(first),
              "--clients", str(n), "--seconds", str(args.seconds), "--tokens", str(args.tokens),
              "--start-at", str(start_at), "--tag", str(tag)],
@@ -376,7 +378,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per completion (4 per group)")
     parser.add_argument("--out", help="write the result as JSON here")
-    parser.add_argument("--profile", help="run the registry under cProfile, stats to FILE.<measurement>.<run>")
+    parser.add_argument("--profile", help="run registries and clients under cProfile, stats to "
+                        "FILE.<measurement>.<run> and FILE.<measurement>.client<process>")  # fmt: skip
     parser.add_argument("--baseline", help="a checkout whose registry is measured alternately with this one's")
     parser.add_argument("--together", action="store_true",
                         help="with --baseline: measure both stacks at once instead of alternately")  # fmt: skip

@@ -6,6 +6,7 @@ can route any bad message to its dead-letter subject without inspecting the exce
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar, get_args, overload
 
 import msgspec
@@ -64,9 +65,18 @@ def check_schema_version(version: str) -> None:
 
 def max_bytes_of(type_: Any) -> int:
     """The size cap of a message type (`Message.max_bytes`; a union's largest member's)."""
-    members = get_args(type_) or (type_,)
-    caps = [getattr(t, "max_bytes", MAX_MESSAGE_BYTES) for t in members]
-    return min(max(caps), MAX_MESSAGE_BYTES)
+    cap = _caps.get(type_)
+    if cap is None:
+        members = get_args(type_) or (type_,)
+        caps = [getattr(t, "max_bytes", MAX_MESSAGE_BYTES) for t in members]
+        cap = _caps[type_] = min(max(caps), MAX_MESSAGE_BYTES)
+    return cap
+
+
+_caps: dict[Any, int] = {}
+VERSION_FIRST = re.compile(rb'\{(?:"[^"\\]*":"[^"\\]*",)?"schema_version":"')
+"""how every message `encode` makes begins: `Message`'s first field is its version, after the
+tag of a union's member (`{"kind":"grant",...`); bytes that match surely carry a version"""
 
 
 # A tagged union (e.g. `RolloutReport`) is not a `type[T]` to mypy: it decodes to Any.
@@ -80,6 +90,19 @@ def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int | None = None) -
     max_bytes = max_bytes_of(type_) if max_bytes is None else max_bytes
     if len(data) > max_bytes:
         raise DecodeError("too-large", f"message of {len(data)} bytes exceeds {max_bytes}")
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    if VERSION_FIRST.match(data):
+        # The version is one of the top-level object's first two keys, so it is there: one pass over the
+        # bytes, the version checked after. Anything wrong is read again below, where the
+        # envelope comes first, for the same error as ever.
+        try:
+            message = decoder.decode(data)
+            check_schema_version(message.schema_version)
+            return message
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, DecodeError, AttributeError):
+            pass
     try:
         envelope = _envelope.decode(data)
     except msgspec.ValidationError as exc:
@@ -96,9 +119,6 @@ def decode(data: bytes, type_: type[T] | Any, *, max_bytes: int | None = None) -
             f'"schema_version": "{SCHEMA_VERSION}"',
         )
     check_schema_version(envelope.schema_version)
-    decoder = _decoders.get(type_)
-    if decoder is None:
-        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:

@@ -25,17 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any, Generic, TypeVar
 
 import msgspec
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from proto import codec
 from proto.messages import DeadLetterReason
-from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, decode
+from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, Raw, decode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,14 @@ NO_WAIT_S = 1.0
 IDLE_S = 0.5
 """pause after a pull request the server refused (deleted durable, no responders)"""
 _ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end of a pull
+# what nats-py's Msg.ack/in_progress/term/nak send on a delivery's reply subject (an empty
+# body is an ack)
+ACK, IN_PROGRESS, TERM = b"", b"+WPI", b"+TERM"
+
+
+def nak_payload(delay: float | None) -> bytes:
+    """`-NAK`, with the redelivery delay in nanoseconds when there is one."""
+    return b"-NAK" if not delay else b"-NAK " + msgspec.json.encode({"delay": int(delay * 10**9)})
 
 
 def stream_position(reply: str) -> tuple[int, int] | None:
@@ -70,12 +76,33 @@ def stream_position(reply: str) -> tuple[int, int] | None:
     return None
 
 
+async def ack_all(deliveries: list[Delivery[T]]) -> None:
+    """`ack()` each delivery not settled yet, as one pending command (a burst's acks)."""
+    todo = [d for d in deliveries if not d.settled]
+    if not todo:
+        return
+    for d in todo:
+        d.settled = True
+    try:
+        await todo[0]._reader.bus.nc.publish_many([(d._raw.reply, "", ACK) for d in todo])
+    except Exception as exc:  # the server redelivers after ack_wait
+        log.debug("bus: acks not sent: %r", exc)
+
+
+async def _settle(reader: Puller, raw: Raw, payload: bytes) -> None:
+    """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
+    try:
+        await reader.bus.nc.publish(raw.reply, payload)
+    except Exception as exc:
+        log.debug("bus: ack not sent: %r", exc)
+
+
 class Delivery(Generic[T]):
     """One decoded message of a durable consumer, to be settled exactly once."""
 
     __slots__ = ("msg", "meta", "settled", "_raw", "_reader")
 
-    def __init__(self, msg: T, meta: MsgMeta, raw: Msg, reader: Puller[T]):
+    def __init__(self, msg: T, meta: MsgMeta, raw: Raw, reader: Puller[T]):
         self.msg, self.meta, self._raw, self._reader = msg, meta, raw, reader
         self.settled = False
         """acked, nak'd or rejected: no longer this reader's to keep alive"""
@@ -86,16 +113,20 @@ class Delivery(Generic[T]):
         return self._raw.data
 
     async def ack(self) -> None:
-        self.settled = True
-        await _settle(self._raw.ack())
+        await self._final(ACK)
 
     async def nak(self, delay: float | None = None) -> None:
+        await self._final(nak_payload(delay))
+
+    async def _final(self, payload: bytes) -> None:
+        if self.settled:  # the server has its answer (nats-py: MsgAlreadyAckdError)
+            return
         self.settled = True
-        await _settle(self._raw.nak(delay=delay))
+        await _settle(self._reader, self._raw, payload)
 
     async def in_progress(self) -> None:
         """Restart the server's ack_wait clock: the message is still being worked on."""
-        await _settle(self._raw.in_progress())
+        await _settle(self._reader, self._raw, IN_PROGRESS)
 
     async def reject(self, reason: DeadLetterReason, error: str) -> None:
         """Dead-letter and terminate; if the dead letter cannot be stored, nak instead."""
@@ -119,26 +150,18 @@ def _release(waiter: asyncio.Future) -> None:
         waiter.set_result(None)
 
 
-async def _settle(ack: Awaitable[None]) -> None:
-    """Ack/nak/term; if the connection is gone the server redelivers after ack_wait."""
-    try:
-        await ack
-    except Exception as exc:
-        log.debug("bus: ack not sent: %r", exc)
-
-
 class Puller(Generic[T]):
     """A durable pull consumer read in bursts (create with `Bus.pull`)."""
 
-    def __init__(self, bus: Bus, nc: Client, stream: str, durable: str, msg_type: type[T] | Any, *, batch: int,
+    def __init__(self, bus: Bus, stream: str, durable: str, msg_type: type[T] | Any, *, batch: int,
                  max_deliver: int, retry_delay_s: float, keep_open: bool, ack_wait_s: float = 30.0):  # fmt: skip
         self.bus, self.stream, self.durable, self.msg_type = bus, stream, durable, msg_type
         self.batch, self.max_deliver, self.retry_delay_s = batch, max_deliver, retry_delay_s
         self.keep_open, self.ack_wait_s = keep_open, ack_wait_s
-        self._nc = nc
+        self._nc = bus.nc
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self._inbox = nc.new_inbox()
-        self._buf: list[Msg] = []
+        self._inbox = bus.nc.new_inbox()
+        self._buf: list[Raw] = []
         self._waiter: asyncio.Future | None = None
         """what `_wait` waits on: done when a message arrives or a pull request ends"""
         self._credit = 0
@@ -155,7 +178,7 @@ class Puller(Generic[T]):
         self._loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup costs a getpid()
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+        self._sub = await self.bus.subscribe_direct(f"{self._inbox}.*", self._on_msg)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -164,7 +187,7 @@ class Puller(Generic[T]):
             except Exception:  # connection already closed
                 pass
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Raw) -> None:
         headers = msg.headers or {}
         status = headers.get("Status")
         if status is None:
@@ -285,10 +308,11 @@ class Puller(Generic[T]):
                 if not d.settled:
                     await d.in_progress()
 
-    async def _decode(self, raw: Msg) -> Delivery[T] | None:
+    async def _decode(self, raw: Raw) -> Delivery[T] | None:
         position = stream_position(raw.reply)
         if position is None:  # a form this reader does not know: nats-py's reading (or its error)
-            position = raw.metadata.sequence.stream, raw.metadata.num_delivered
+            info = Msg.Metadata._from_reply(raw.reply)
+            position = info.sequence.stream, info.num_delivered
         headers = raw.headers
         meta = MsgMeta(raw.subject, position[0], position[1], headers.get(MSG_ID_HEADER) if headers else None)
         try:
@@ -298,7 +322,7 @@ class Puller(Generic[T]):
             return None
         return Delivery(msg, meta, raw, self)
 
-    async def reject(self, raw: Msg, meta: MsgMeta, reason: DeadLetterReason, error: str) -> None:
+    async def reject(self, raw: Raw, meta: MsgMeta, reason: DeadLetterReason, error: str) -> None:
         # Derived from the stream position, so a redelivered poison message is recorded once.
         letter_id = f"{self.stream}:{meta.stream_seq}:{self.bus.service}"
         try:
@@ -306,6 +330,6 @@ class Puller(Generic[T]):
         except DEAD_LETTER_ERRORS as exc:
             # Never drop a message we could not record: let the server deliver it again.
             log.error("bus: could not dead-letter %s (%r); will retry", meta.subject, exc)
-            await _settle(raw.nak(delay=1.0))
+            await _settle(self, raw, nak_payload(1.0))
             return
-        await _settle(raw.term())
+        await _settle(self, raw, TERM)

@@ -14,13 +14,14 @@ Throughput comes from batching every step around that rule, not from weakening i
   is only meaningful together with this policy code (a replay re-runs the decisions), so a
   policy change that alters decisions for the same inputs must come with a snapshot format
   bump; the snapshot records the config the following entries were decided under.
-- Admissions: one subscription whose callback decides synchronously and queues the reply on
-  the journal's outbox; the writer sends every queued reply right after the write that covers
-  it. Denials promise nothing and leave at once.
+- Admissions: one direct subscription whose callback (in the connection's read loop) decides
+  synchronously and queues the reply on the journal's outbox; the writer sends every queued
+  reply right after the write that covers it. Denials promise nothing and leave at once.
 - Trajectories: one pull loop keeps a pull request of `PULL_BATCH` open (the server delivers
   as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
-  for one commit, republishes the accepted ones' original bytes with async JetStream
-  publishes (all PubAcks gathered), publishes the decisions, then acks each message.
+  for one commit, publishes the decisions and republishes the accepted ones' original bytes
+  with async JetStream publishes (one write for both), then, with every PubAck gathered,
+  acks each message.
   The pull request stays open between bursts (`Bus.pull(keep_open=True)`); the delivery
   policy (dead letters, retries) is the bus's, as for every consumer.
 
@@ -28,13 +29,17 @@ Writes are compare-and-set on the stream sequence: a second registry for the sam
 the first one's next write fail, and it stops instead of interleaving with the other.
 
 Measured (benchmarks/results/registry*.json): ~105-115 us of registry CPU per admission +
-decision on 2 shared cores, 0.73x main's before the Bus's own reply inbox (PubAcks read by
-msgspec, no per-message future, token or wait_for) and the pull reader's cheap stream position;
-most of what is left is the seven small messages through nats-py. The hot path labels its
-metrics once, counts them per burst, screens logprobs at C speed and runs on uvloop. Past one
-process it scales out as one registry process per run (the ledger, journal, streams and policy
-are per run, so they share nothing): 6 runs gave ~18k/s with p99 8.6 ms on 16 cores before
-this round, with the host's CPUs the limit. Splitting one run's capacity across processes is
+decision on 2 shared cores in the round before this one (0.73x the code before it). This round
+takes nats-py's per-message path off the small messages (`Bus.subscribe_direct` for the
+admissions, pull deliveries and PubAcks; `publish_many` for a burst's grants, decisions and
+acks), decodes what `encode` wrote in one pass, and sends the decisions with the accepted
+copies instead of a PubAck round trip later: 0.84-0.88x main's registry CPU per decision and
+1.10-1.15x its decisions/s in the same command at load 5-7 (24 clients per registry, as on the
+16-core host, and 64 on one). The hot path labels its metrics once, counts them per burst,
+screens logprobs at C speed and runs on uvloop. Past one process it scales out as one registry
+process per run (the ledger, journal, streams and policy are per run, so they share nothing):
+6 runs gave ~18k/s with p99 8.6 ms on 16 cores before this round, with the host's CPUs the
+limit. Splitting one run's capacity across processes is
 not done: it would strand capacity in idle slices, and one run needs far less than a process
 gives.
 """
@@ -46,10 +51,10 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from proto import codec, subjects
@@ -62,8 +67,8 @@ from proto.messages import (
     Trajectory,
 )
 from services.common import streams
-from services.common.bus import Bus, MsgMeta, decode
-from services.common.pull import Delivery, Puller
+from services.common.bus import Bus, MsgMeta, Raw, decode
+from services.common.pull import Delivery, Puller, ack_all
 from services.registry import metrics, policy
 from services.registry.persistence import (
     AdapterOp,
@@ -129,6 +134,7 @@ class RegistryService:
         self._journal: Journal | None = None
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
         self._puller: Puller[Trajectory] | None = None
         self._accepted = subjects.accepted(self.run)
@@ -169,7 +175,7 @@ class RegistryService:
                                                     batch=PULL_BATCH, keep_open=True)  # fmt: skip
         self._puller = puller
         self._tasks.append(asyncio.create_task(self._trajectory_loop(puller), name="registry-trajectories"))
-        self._subs.append(await bus.subscribe_raw(subjects.admission(run), self._on_admission, queue="registry"))
+        self._subs.append(await bus.subscribe_direct(subjects.admission(run), self._on_admission, queue="registry"))
         self._subs.append(await self.bus.serve(subjects.registry_status(self.run), StatusRequest, self._on_status))
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
 
@@ -237,11 +243,13 @@ class RegistryService:
 
     # --- admissions -------------------------------------------------------------------------
 
-    async def _on_admission(self, msg: Msg) -> None:
+    def _on_admission(self, msg: Raw) -> None:
+        """Runs in the connection's read loop (`Bus.subscribe_direct`): decides at once, and
+        leaves what must wait (a denial's send, a dead letter) to a task."""
         try:
             request = decode(msg.data, AdmissionRequest)
         except codec.DecodeError as exc:
-            await self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data)
+            self._later(self.bus.dead_letter_quietly(msg.subject, exc.reason, str(exc), msg.data))
             return
         if self.journal.fatal is not None:
             return  # stopping: the service's `failed` says why
@@ -249,7 +257,7 @@ class RegistryService:
             reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_token()))
         except Exception as exc:
             log.exception("registry: admission failed")
-            await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
+            self._later(self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data))
             return
         if not msg.reply:
             return
@@ -259,7 +267,12 @@ class RegistryService:
             self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
             metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
-            await self.bus.send_raw(msg.reply, self._encode(reply))
+            self._later(self.bus.send_raw(msg.reply, self._encode(reply)))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._sending.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._sending.discard)
 
     # --- trajectories -----------------------------------------------------------------------
 
@@ -305,24 +318,24 @@ class RegistryService:
         if not decided:
             return
         await self._commit()
+        # The decision is a notification (the DECISIONS stream records it); its source of
+        # truth is the ledger, just stored, so it leaves now, in the same write as the accepted
+        # copies, not a PubAck round trip later; a resent trajectory gets it again.
+        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
+                                 for d, decision, _ in decided])  # fmt: skip
         resend = [d for d, _, again in decided if again]
         acks = await self.bus.publish_all(
             [(self._accepted, d.data, d.msg.trajectory_id) for d in resend], timeout=PUBLISH_TIMEOUT_S
         )
-        # The decision is a notification (the DECISIONS stream records it); its source of
-        # truth is the ledger, and a resent trajectory gets it again.
-        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
-                                 for d, decision, _ in decided])  # fmt: skip
         failed = set()
         for d, ack in zip(resend, acks):
             if isinstance(ack, BaseException):  # redelivered later, republished then
                 log.warning("registry: accepted copy of %s not stored: %r", d.meta.subject, ack)
                 failed.add(id(d))
-        for d, _, _ in decided:
+        for d in resend:
             if id(d) in failed:
                 await d.nak(delay=1.0)
-            else:
-                await d.ack()
+        await ack_all([d for d, _, _ in decided])
         metrics.IN_FLIGHT.set(self.ledger.running)
         elapsed = time.perf_counter() - started
         for _ in decided:

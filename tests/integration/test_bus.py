@@ -21,7 +21,7 @@ from proto.messages import (
     TrainerStep,
 )
 from services.common import streams
-from services.common.bus import Bus, BusError, MsgMeta, Refused
+from services.common.bus import MSG_ID_HEADER, Bus, BusError, MsgMeta, Raw, Refused
 from services.common.config_schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
@@ -116,6 +116,28 @@ async def test_publish_consume_round_trip_acks(bus, run):
         return info.ack_floor.stream_seq == 3 and info.num_ack_pending == 0
 
     assert await wait_until(all_acked, 5.0, "every delivery acked")
+
+
+async def test_direct_subscriptions_skip_nats_py_queue(bus, run):
+    """Replies (PubAcks), pull deliveries and `subscribe_direct` reach their callbacks from
+    the read loop (`_Client._process_msg`), none through nats-py's queue and task: if a
+    nats-py release stops calling the hook, `fallbacks` counts what took the slow path."""
+    subject = f"lorabus.{run}.direct"
+    got: list[Raw] = []
+    sub = await bus.subscribe_direct(subject, got.append)
+    await bus.nc.publish(subject, b"one", reply="r.1", headers={MSG_ID_HEADER: "m1", "Other": "x"})
+    await bus.publish(subjects.trainer_step(run), step(0, run), msg_id="d0")  # a PubAck
+    consumed = Collector()
+    await bus.consume(streams.TRAINER(run), "direct-watch", TrainerStep, consumed)  # pulled
+    await consumed.wait_for(lambda c: c.steps() == [0])
+    assert consumed.got[0][1].msg_id == "d0"
+    assert got == [Raw(subject, "r.1", b"one", {MSG_ID_HEADER: "m1", "Other": "x"})]
+
+    await sub.unsubscribe()
+    await bus.nc.publish(subject, b"two")
+    await bus.nc.flush()
+    assert len(got) == 1, "an unsubscribed direct subscription still got a message"
+    assert bus.nc.fallbacks == 0
 
 
 async def test_same_msg_id_is_stored_once(bus, run):

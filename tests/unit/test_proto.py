@@ -214,6 +214,44 @@ def test_cross_field_rules_also_apply_when_constructing():
         msgspec.structs.replace(EXAMPLES["AdapterReady"], parent_version=5)
 
 
+# --- the one-pass decode of what `encode` made ------------------------------------------------
+
+
+def compact(d: dict) -> bytes:
+    return msgspec.json.encode(d)  # as `encode` writes: no spaces, so the one-pass path reads it
+
+
+def _outcome(data: bytes, type_) -> object:
+    try:
+        return codec.decode(data, type_)
+    except DecodeError as exc:
+        return exc.reason, str(exc)
+
+
+_EVAL = as_dict(EXAMPLES["EvalResult"])
+ONE_PASS_CASES = [
+    *((codec.encode(msg), type(msg)) for _, msg in sorted(EXAMPLES.items())),
+    (codec.encode(EXAMPLES["AdmissionGrant"]), m.AdmissionReply),
+    (codec.encode(EXAMPLES["AdmissionGrant"]), m.AdmissionDeny),  # the wrong member
+    *((compact(_EVAL | {"schema_version": v}), m.EvalResult) for v in ["2.0", "17", "", "v1.0", "1." + "0" * 20]),
+    (compact(_EVAL | {"score": "high"}), m.EvalResult),
+    (compact({k: v for k, v in _EVAL.items() if k != "run"}), m.EvalResult),
+    (codec.encode(EXAMPLES["EvalResult"])[:-1], m.EvalResult),  # cut short
+    (codec.encode(EXAMPLES["EvalResult"])[:-1] + b',"schema_version":"2.0"}', m.EvalResult),  # said twice
+    (b'{"schema_version":"1.0","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}", m.Trajectory),  # too deep
+    (b'{"kind":"grant","schema_version":"2.0","request_id":"r"}', m.AdmissionReply),
+]
+
+
+@pytest.mark.parametrize("data, type_", ONE_PASS_CASES)
+def test_one_pass_decode_agrees_with_the_envelope_first_reading(data, type_):
+    """A message that begins as `encode` writes it is decoded in one pass and its version
+    checked after; the same bytes after a space take the envelope-first reading. Both give
+    the same message, or the same error."""
+    assert codec.VERSION_FIRST.match(data)
+    assert _outcome(data, type_) == _outcome(b" " + data, type_)
+
+
 # --- size -------------------------------------------------------------------------------------
 
 
