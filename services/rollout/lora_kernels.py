@@ -1,4 +1,4 @@
-"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, three ways.
+"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, four ways.
 
 One call corrects a *group* of sibling linear layers that read the same input (q/k/v, or
 gate/up), whose outputs sit side by side in one `y [rows, N]`:
@@ -9,27 +9,30 @@ gate/up), whose outputs sit side by side in one `y [rows, N]`:
   one row per batch row; x and y have `rows_per_mask` rows (positions) per batch row.
 
 `correct_reference_` is plain torch (CPU, tests, and where Triton is missing): one shrink
-matmul for the whole group, one mask multiply, one expand per member. `correct_kernel_` is two
-Triton kernels for the whole group whatever G is: a split-K shrink that writes masked partial
-sums, then an expand that sums them and adds t @ Bt into y. The kernels skip blocks of 16 rows
-that are all on the head and load only the A rows of slots that a block uses, so their cost
-follows the rows to correct rather than the batch. Each is also split in its two phases
-(`shrink_*`, `expand_*`): the shrink reads x only, so a captured graph runs it on a side
-stream beside the layer's own matmul (`lora_slots.SlotGroup`); the expand still waits for that
-matmul, one small kernel per group on the critical path.
+matmul for the whole group, one mask multiply, one expand per member.
+
+"stacked" (the GPU default, `DEFAULT_CHOICE`): the slot pool keeps A's rows under W in one
+buffer, so the layer's own cuBLAS matmul returns x @ A^T beside x @ W^T, and `expand_stacked_`
+masks and adds it in one small kernel whose loads all start at once: one extra launch per
+group on the critical path, no side stream, no second pass over x.
+
+`correct_kernel_` is two Triton kernels for the whole group whatever G is: a split-K shrink
+that writes masked partial sums, then an expand that sums them and adds t @ Bt into y. They
+skip blocks of 16 rows that are all on the head and load only the A rows of slots that a block
+uses, so their cost follows the rows to correct rather than the batch (prefill). The shrink
+reads x only, so a captured graph runs it on a side stream beside the layer's own matmul.
 
 `linear_fused` takes the layer's matmul in too: one Triton GEMM computes
 y = x @ W^T + bias + ((x @ A_g^T) * C) @ Bt, each program accumulating its tile of x @ W^T and
-its rows' x @ A_g^T (A of the tile's member g) in the same loop over the input features, and
-adding the expand in its epilogue: one launch per group, no kernel waiting on another. Its tile
-shapes come from `fused_config` (measured ones in `TUNED`, filled by
-benchmarks/embedded_engine.py, before a heuristic); where the measurement found the cuBLAS
-matmul plus the two kernels faster for a shape, `TUNED` says None and the group keeps those.
+its rows' x @ A_g^T in the same loop and adding the expand in its epilogue; every program
+recomputes its rows' x @ A^T, which is why it loses to cuBLAS + the stacked expand.
 
-None of the paths reads the mask on the host, so all can be captured in a CUDA graph. Eager
-forwards on a GPU use the reference, since a Triton launch costs ~20 us of Python.
+`choose` picks a group's path: a mode forces one, "auto" takes the measured choice for the
+shape (`TUNED`, filled by benchmarks/lora_tuning.py) or `DEFAULT_CHOICE`. None of the paths
+reads the mask on the host, so all can be captured in a CUDA graph. Eager forwards on a GPU use
+the reference, since a Triton launch costs ~20 us of Python.
 
-Invariant: the three compute the same y (to the rounding of the model's dtype);
+Invariant: all paths compute the same y (to the rounding of the model's dtype);
 tests/unit/test_lora_kernels.py checks the kernels against the reference under Triton's
 interpreter on CPU.
 """
@@ -54,8 +57,10 @@ BLOCK_N = 128
 BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
-STACKED_BN = 64
-"""output columns per `expand_stacked_` program: more programs, each with less to load"""
+STACKED_BN = 32
+"""output columns per `expand_stacked_` program (more programs, each with less to load) and its
+warps: the fastest of seven tiles on the H200 (benchmarks/lora_tuning.py `sweep_stacked`; the
+spread between them was 3 %)"""
 STACKED_WARPS = 4
 
 Correction = Literal["torch", "triton", "stacked", "fused"]
@@ -89,9 +94,11 @@ TUNED: dict[Key, Choice] = {}
 something measured."""
 
 DEFAULT_CHOICE: Choice = "stacked"
-"""where nothing was measured: on the H200 (Qwen2.5-1.5B, r=16, 4 slots, 64 rows) the stacked
-matmul was the fastest or within a microsecond of it for every shape (benchmarks/results/
-embedded_engine_h200.json, "fused_tuning")."""
+"""where nothing was measured. On the H200 (Qwen2.5-1.5B shape, r=16, 4 slots, 64 rows; benchmarks/
+results/embedded_engine_h200.json) it was the fastest per group for q/k/v, o and gate/up and
+0.2 us from the fastest for down_proj, and in the whole decode it beat the per-shape tuned mix
+(0.93x the graph base against 0.91x: the torch path the tuning picked for down_proj runs its
+shrink on a side stream, which measured cheaper alone than inside the model)."""
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
