@@ -70,6 +70,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from services.trainer.xccl_sender import SETS as SEND_SETS  # noqa: E402
+
 ACK = "bench.ack"
 XCCL_PATHS = ("xccl", "xccl_copy", "xccl_eager", "xccl_pack", "xccl_only")
 CMD = "bench.cmd.{}"
@@ -195,7 +197,7 @@ async def replica_main(index: int, nats_url: str) -> None:
     def bare_loop(port: int, rank: int, world: int, nbytes: int, prefix: str) -> None:
         store = xccl.connect_store("127.0.0.1", port, 60)
         pg = xccl.new_group("gloo", store, prefix, rank, world, 60)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.zeros(nbytes, dtype=torch.uint8)  # pages touched, as a staging set's are
         st["bare"] = pg
         k = 0
         while True:
@@ -420,8 +422,15 @@ async def run_bench(args) -> dict:
                                 )
                             await acks.wait("bare-ready", n)
                             pg = await asyncio.to_thread(xccl.new_group, "gloo", bstore, prefix, 0, n + 1, 60)
-                            flat = torch.empty(nbytes, dtype=torch.uint8)
-                        warm = 1  # first put into a bucket, first group, first peft load: cold
+                            # real bytes in touched pages, as the trainer's send sets hold: an
+                            # untouched buffer reads as the kernel's one zero page, which makes
+                            # the floor faster than moving 37 MB from memory
+                            flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+                        # cold, so not timed: the first put into a bucket, the first peft load,
+                        # and on XCCL paths the first version through each send set after the
+                        # group forms (gloo's first use of a buffer: 10-30 ms here, paid once
+                        # per formation, not per version)
+                        warm = SEND_SETS if path in XCCL_PATHS else 1
                         stages: list[dict[str, float]] = []
                         for rep in range(warm + reps_n):
                             version += 1
