@@ -304,7 +304,6 @@ class LoraSlots:
         self._a_of = [[l.a[s] for l in layers] for s in range(slots)]
         self._b_of = [[l.b[s] for l in layers] for s in range(slots)]
         self._merge = [(l.w0, l.weight.data) for l in layers]
-        self._merge_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         first = layers[0] if layers else None
         self._device = first.a.device if first else torch.device("cpu")
         self._dtype = first.a.dtype if first else torch.float32
@@ -389,33 +388,10 @@ class LoraSlots:
         head_slot = None if version is None else self.table.slot_of(version)
         if head_slot is None:
             torch._foreach_copy_([w for _, w in self._merge], [w0 for w0, _ in self._merge])
-        elif self._device.type != "cuda":
-            self._merge_from(head_slot)
         else:
-            self._merge_graph(head_slot).replay()
+            for (w0, w), a, b in zip(self._merge, self._a_of[head_slot], self._b_of[head_slot]):
+                torch.addmm(w0, b, a, out=w)
         self.head = version
-
-    def _merge_from(self, slot: int) -> None:
-        for (w0, w), a, b in zip(self._merge, self._a_of[slot], self._b_of[slot]):
-            torch.addmm(w0, b, a, out=w)
-
-    def _merge_graph(self, slot: int) -> torch.cuda.CUDAGraph:
-        """The merge from `slot` as a CUDA graph, captured at its first use: one launch instead
-        of an addmm per module from Python (~200 for a 1.5B model, most of a re-merge's time).
-        Loads copy into the slot's tensors in place, so the captured pointers stay right."""
-        graph = self._merge_graphs.get(slot)
-        if graph is None:
-            side = torch.cuda.Stream(self._device)
-            side.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(side):
-                self._merge_from(slot)  # cuBLAS picks and initialises its kernels outside the capture
-            torch.cuda.current_stream(self._device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: an XCCL receiver thread may use the device meanwhile
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._merge_from(slot)
-            self._merge_graphs[slot] = graph
-        return graph
 
     # --- per forward ---
     @torch.no_grad()
