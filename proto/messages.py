@@ -192,6 +192,10 @@ class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True)
     loaded_versions: Annotated[list[Version], Meta(max_length=MAX_LOADED)]
     in_flight: NonNegInt
     sent_at: UnixTime
+    started_at: UnixTime | None = None
+    """when this replica's process started: a later value than the registry has seen for the
+    replica means it restarted, and the grants of the process before it are freed at once (its
+    groups will never be reported); None from senders that predate it"""
 
 
 RolloutReport = AdapterLoaded | AdapterUnloaded | AdapterFailed | ReplicaHeartbeat
@@ -209,6 +213,8 @@ class AdmissionRequest(Message, kw_only=True):
     replica: Name
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
     loaded_versions: Annotated[list[Version], Meta(max_length=MAX_LOADED)] = field(default_factory=list)
+    started_at: UnixTime | None = None
+    """the replica's process start, as in ReplicaHeartbeat"""
 
 
 class AdmissionGrant(Message, tag="grant", tag_field="kind", kw_only=True):
@@ -244,6 +250,8 @@ class FleetAdmissionRequest(Message, kw_only=True):
         default_factory=dict
     )
     """run -> the versions of that run this replica has loaded"""
+    started_at: UnixTime | None = None
+    """the replica's process start, as in ReplicaHeartbeat"""
 
 
 # --- trajectories ----------------------------------------------------------------------------

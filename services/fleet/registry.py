@@ -214,7 +214,11 @@ class FleetRegistry:
 
     def _per_run(self, run: str, request: FleetAdmissionRequest) -> AdmissionRequest:
         return AdmissionRequest(
-            run=run, replica=request.replica, request_id=request.request_id, loaded_versions=request.loaded.get(run, [])
+            run=run,
+            replica=request.replica,
+            request_id=request.request_id,
+            loaded_versions=request.loaded.get(run, []),
+            started_at=request.started_at,
         )
 
     def loads(self, request: FleetAdmissionRequest) -> list[share.RunLoad]:

@@ -45,6 +45,7 @@ from msgspec import Struct
 from proto.messages import (
     AdmissionRequest,
     ExportDone,
+    ReplicaHeartbeat,
     RolloutReport,
 )
 from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
@@ -130,7 +131,7 @@ def apply(ledger: Ledger, op: Op, cfg: PolicyConfig):
     """Feed one input to the policy; the live path and the replay both go through here."""
     if type(op) is AdmitOp:
         if op.request.run == ledger.run:
-            policy.heard_from(ledger, op.request.replica, op.now)
+            policy.heard_from(ledger, op.request.replica, op.now, op.request.started_at)
         return policy.admit(ledger, op.request, op.now, cfg, op.token)
     if type(op) is DecideOp:
         return policy.decide_input(ledger, op.input, op.now, cfg)
@@ -140,7 +141,8 @@ def apply(ledger: Ledger, op: Op, cfg: PolicyConfig):
         return policy.on_adapter_ready(ledger, op.event, cfg)
     if type(op) is ReportOp:
         if op.now is not None and op.report.run == ledger.run:
-            policy.heard_from(ledger, op.report.replica, op.now)
+            started_at = op.report.started_at if isinstance(op.report, ReplicaHeartbeat) else None
+            policy.heard_from(ledger, op.report.replica, op.now, started_at)
         return policy.on_report(ledger, op.report)
     if type(op) is ExportOp:
         return policy.on_export_done(ledger, op.event)

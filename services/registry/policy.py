@@ -177,6 +177,8 @@ class ReplicaState(Struct, kw_only=True):
     failures: int = 0
     heard_at: float = 0.0
     """the registry's clock when the replica last spoke (report or admission request)"""
+    started_at: float = 0.0
+    """the newest process start the replica has sent (0: none yet)"""
 
 
 class SeenDecision(Struct, array_like=True):
@@ -536,13 +538,30 @@ def expire(ledger: Ledger, now: float) -> list[str]:
 # --- liveness: silent replicas ----------------------------------------------------------------
 
 
-def heard_from(ledger: Ledger, replica: str, now: float) -> None:
-    """`replica` spoke at `now` (the registry's clock, so no replica clock is trusted). A
-    replica beyond MAX_REPLICAS is not added (admission requests name any replica)."""
+def heard_from(ledger: Ledger, replica: str, now: float, started_at: float | None = None) -> list[str]:
+    """`replica` spoke at `now` (the registry's clock, so no liveness rests on a replica's
+    clock). A replica beyond MAX_REPLICAS is not added (admission requests name any replica).
+
+    `started_at` is the speaking process's start: later than the one the ledger knows means the
+    replica restarted, and every grant it holds belongs to the dead process (a restart within
+    `silent_after_s` would otherwise keep them until their leases pass, holding capacity that
+    no one will use). Those grants are freed, as a lease expiry frees them (a late trajectory
+    for one is rejected-invalid); returns their ids. An earlier start is an older process's
+    late message and changes nothing. The value is only compared with the same replica's
+    earlier ones, so a skewed clock on its host does not matter."""
     if replica not in ledger.replicas and len(ledger.replicas) >= MAX_REPLICAS:
-        return
+        return []
     state = ledger.replicas.setdefault(replica, ReplicaState())
     state.heard_at = max(state.heard_at, now)
+    if started_at is None or started_at <= state.started_at:
+        return []
+    before, state.started_at = state.started_at, started_at
+    if not before:  # the first process this ledger hears of
+        return []
+    gone = [gid for gid, g in ledger.grants.items() if g.replica == replica]
+    for gid in gone:
+        _drop_grant(ledger, gid)
+    return gone
 
 
 def silent_grants(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:

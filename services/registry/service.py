@@ -39,9 +39,9 @@ copies instead of a PubAck round trip later: 0.84-0.88x main's registry CPU per 
 screens logprobs at C speed and runs on uvloop. Past one process it scales out as one registry
 process per run (the ledger, journal, streams and policy are per run, so they share nothing):
 6 runs gave 20.8k/s with p99 7.4 ms on the 16-core GPU host (1.05x the previous round's code
-in the same command, registry CPU 0.87x), with the host's CPUs the limit. Splitting one run's capacity across processes is
-not done: it would strand capacity in idle slices, and one run needs far less than a process
-gives.
+in the same command, registry CPU 0.87x), with the host's CPUs the limit. Splitting one run's
+capacity across processes is not done: it would strand capacity in idle slices, and one run
+needs far less than a process gives.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from services.common.config_schema import LorabusConfig
 from services.fleet import runconfig
 from services.rollout.engines.base import Engine
 from services.rollout.run_engines import RunEngines
-from services.rollout.service import RolloutService, no_grant_wait
+from services.rollout.service import STARTED_AT, RolloutService, no_grant_wait
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class FleetReplica:
             replica=self.replica,
             request_id=uuid.uuid4().hex,
             loaded={run: versions for run, versions in loaded.items() if versions},
+            started_at=STARTED_AT,
         )
         try:
             return await self.bus.request(

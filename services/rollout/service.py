@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STARTED_AT = time.time()
+"""when this process started: every heartbeat and admission request carries it, so that the
+registry frees a restarted replica's old grants at once instead of after their leases"""
+
 
 def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Prompt]:
     """Prompts forever, a fresh seeded order per epoch."""
@@ -115,6 +119,7 @@ class RolloutService:
                         loaded_versions=self.adapters.loaded(),
                         in_flight=self.book.in_flight(),
                         sent_at=time.time(),
+                        started_at=STARTED_AT,
                     ),
                 )
             except Exception as exc:
@@ -131,6 +136,7 @@ class RolloutService:
             replica=self.replica,
             request_id=uuid.uuid4().hex,
             loaded_versions=self.adapters.loaded(),
+            started_at=STARTED_AT,
         )
         try:
             return await self.bus.request(

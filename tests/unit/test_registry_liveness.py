@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 from proto.messages import ReplicaHeartbeat
 from services.common import ranges
 from services.registry import persistence as j
@@ -94,3 +96,57 @@ def test_decided_grants_stay_a_few_ranges_when_grants_are_used_out_of_order() ->
     assert len(led.decided_grants) <= len(lost) + 1
     for i in range(500):
         assert ranges.contains(led.decided_grants, i) == (i not in lost)
+
+
+def started(replica: str, at: float, started_at: float) -> j.ReportOp:
+    hb = ReplicaHeartbeat(
+        run=RUN, replica=replica, engine="embedded", loaded_versions=[0], in_flight=0, sent_at=at, started_at=started_at
+    )
+    return j.ReportOp(hb, at)
+
+
+def test_a_replica_restarted_within_the_silence_window_loses_its_old_grants_at_once() -> None:
+    """r1 is killed and back within 8 s (silent_after_s): its first heartbeat names a later
+    process start, so the dead process's grants are freed then, not after the 60 s lease; an
+    older process's late heartbeat changes nothing; the journal replays to the same ledger."""
+    c = cfg()
+    led = p.new_ledger(RUN)
+    ops: list[j.Op] = [j.AdapterOp(ready(0)), started("r1", 99.0, 50.0), started("r2", 99.0, 40.0)]
+    for i, replica in enumerate(["r1", "r1", "r2"]):
+        ops.append(j.AdmitOp(request(replica, f"q{i}"), 100.0))
+    for op in ops:
+        j.apply(led, op, c)
+    assert sorted(led.grants) == ["r1-0", "r1-1", "r2-2"]
+    assert j.apply(led, j.ExpireOp(103.0), c) == []  # 3 s: nothing is silent yet
+    late = started("r1", 103.5, 50.0)  # the old process, same start: nothing changes
+    j.apply(led, late, c)
+    assert sorted(led.grants) == ["r1-0", "r1-1", "r2-2"]
+    back = started("r1", 104.0, 103.8)  # restarted
+    j.apply(led, back, c)
+    assert sorted(led.grants) == ["r2-2"] and led.running == 1
+    again = j.AdmitOp(request("r1", "q9"), 104.5)
+    assert isinstance(j.apply(led, again, c), p.AdmissionGrant)
+    stale = started("r1", 105.0, 50.0)  # the old process's heartbeat, reordered: ignored
+    j.apply(led, stale, c)
+    assert "r1-3" in led.grants
+    # a late trajectory for a freed grant is rejected, as after a lease expiry
+    decision = j.apply(led, j.DecideOp(p.decision_input(traj("r1-0", [0])), 106.0), c)
+    assert decision.verdict == "rejected-invalid", decision
+    # replay: the same inputs give the same ledger
+    replayed = p.new_ledger(RUN)
+    for op in [*ops, j.ExpireOp(103.0), late, back, again, stale]:
+        j.apply(replayed, op, c)
+    assert sorted(replayed.grants) == sorted(led.grants) == ["r1-3", "r2-2"]
+    assert replayed.replicas["r1"].started_at == led.replicas["r1"].started_at == 103.8
+
+
+def test_an_admission_request_from_a_restarted_process_frees_the_old_grants_too() -> None:
+    c = cfg(silent=None)
+    led = p.new_ledger(RUN)
+    j.apply(led, j.AdapterOp(ready(0)), c)
+    first = msgspec.structs.replace(request("r1", "a"), started_at=10.0)
+    assert isinstance(j.apply(led, j.AdmitOp(first, 100.0), c), p.AdmissionGrant)
+    second = msgspec.structs.replace(request("r1", "b"), started_at=20.0)
+    grant = j.apply(led, j.AdmitOp(second, 101.0), c)
+    assert isinstance(grant, p.AdmissionGrant)
+    assert list(led.grants) == [grant.grant_id]  # only the new process's grant is held
