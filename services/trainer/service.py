@@ -4,7 +4,7 @@ Rank 0 alone talks to NATS and the object store; under torchrun the other ranks 
 broadcasts (`ranks.py`). Per step:
 
     pull B accepted groups -> train_step -> gather adapter -> announce v<N+1> (upload, or
-      broadcast with the upload behind it) -> checkpoint (if due) -> TrainerStep -> ack the B
+      broadcast with the upload behind it) -> TrainerStep -> checkpoint (if due) -> ack the B
       messages
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
@@ -308,20 +308,9 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     await ctx.announce(version, adapter)
     announced = time.perf_counter()
     metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
-    if optim is not None:  # gathered by run_step because this step is checkpoint_due
-        await asyncio.to_thread(
-            checkpoint.save,
-            cfg.actor.checkpoint_dir,
-            checkpoint.Checkpoint(
-                step=engine.step,
-                version=version,
-                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
-                optimizer=optim,
-                rng=checkpoint.rng_state(),
-                trained_ids=ids,
-                trained_seqs=list(queue.trained),
-            ),
-        )
+    # the step's record before the checkpoint: a crash after a checkpoint resumes past this
+    # step and would never publish it; a crash before one redoes the step, and its record's
+    # msg_id makes the second publish a duplicate the stream drops
     await bus.publish(
         subjects.trainer_step(run),
         TrainerStep(
@@ -338,8 +327,22 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         ),
         msg_id=f"trainer-step-{step_index}",
     )
+    if optim is not None:  # gathered by run_step because this step is checkpoint_due
+        await asyncio.to_thread(
+            checkpoint.save,
+            cfg.actor.checkpoint_dir,
+            checkpoint.Checkpoint(
+                step=engine.step,
+                version=version,
+                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
+                optimizer=optim,
+                rng=checkpoint.rng_state(),
+                trained_ids=ids,
+                trained_seqs=list(queue.trained),
+            ),
+        )
     log.info(
-        "v%d announced in %.1f ms; checkpoint and step event %.1f ms after",
+        "v%d announced in %.1f ms; step event and checkpoint %.1f ms after",
         version,
         (announced - t0) * 1e3,
         (time.perf_counter() - announced) * 1e3,
