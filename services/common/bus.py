@@ -1001,11 +1001,15 @@ class Bus:
 
     async def run_records(self, fleet: str) -> dict[str, RunRecord]:
         """Every run of `fleet` as the run table holds it now."""
-        kv = await self.key_value(streams.runs_bucket(fleet))
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return {}
+        bucket = streams.runs_bucket(fleet)
+        kv = await self.key_value(bucket)
+        # The keys from the stream's own subject list, not `kv.keys()`: nats-py's key watcher
+        # can end its initial replay early and return some of the keys (nats-io/nats.py#842,
+        # #995), and a restarted fleet registry would then forget live runs. STREAM.INFO
+        # answers from one snapshot of the stream.
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
         out = {}
         for key in keys:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
