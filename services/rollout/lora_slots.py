@@ -18,11 +18,12 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   rewrites C.
 - Siblings that read the same input (q/k/v, gate/up: Megatron's fused layers) form one
   `SlotGroup`: one matmul for their base outputs and one correction for all of them
-  (`lora_kernels`). In a captured CUDA graph the correction is either two kernels, the shrink
-  on a side stream beside the group's matmul and the expand after it (a decoder layer then puts
-  4 matmuls + 4 expands on the critical path instead of 7 matmuls + 21 correction kernels:
-  0.88-0.89x the graph base, against 0.78x with three small kernels per module), or, with
-  `correction="fused"`, one Triton GEMM per group that does the matmul and the correction.
+  (`lora_kernels`). The group keeps its slots' A rows under its weight in one buffer, so on a
+  GPU the default ("stacked") gets x @ W^T and x @ A^T from that one matmul and adds the masked
+  expand with one small kernel: a decoder layer puts 4 matmuls + 4 expands on the critical path
+  (0.93x the graph base on the H200 for mixed batches; 0.88x with the shrink as a second kernel
+  on a side stream, 0.78x with three small kernels per module). The other corrections
+  (`lora_kernels.Mode`) stay selectable and are tested against the same reference.
 - Re-merging on a head change recomputes W from a pristine copy `w0` with one fused `addmm`
   per module, so there is no drift however many versions pass. Memory cost: one extra copy of
   every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in bf16), plus the
