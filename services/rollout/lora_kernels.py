@@ -160,10 +160,14 @@ def correct_reference_(
 def shrink_reference(x: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, rows_per_mask: int) -> torch.Tensor:
     """The masked shrink t = (x @ A^T) * C, [rows, G * S * r] (it reads x only, so it can run
     beside the layer's own matmul)."""
-    sr = cols.shape[1]
-    t = x @ a.T
-    t.view(cols.shape[0], rows_per_mask, -1, sr).mul_(cols[:, None, None, :])
-    return t
+    return masked(x @ a.T, cols, rows_per_mask)
+
+
+def masked(t: torch.Tensor, cols: torch.Tensor, rows_per_mask: int) -> torch.Tensor:
+    """t [rows, G * S * r] (any strides: the stacked matmul's columns too) times each row's
+    signs, member by member: a new [rows, G * S * r] tensor."""
+    per_member = t.unflatten(0, (cols.shape[0], rows_per_mask)).unflatten(-1, (-1, cols.shape[1]))
+    return (per_member * cols[:, None, None, :]).flatten(0, 1).flatten(1)
 
 
 def expand_reference_(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int]) -> None:

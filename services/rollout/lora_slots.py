@@ -179,9 +179,7 @@ class SlotGroup:
         if lora_kernels.kernel_available(x.device, x.dtype):
             lora_kernels.expand_stacked_(y2, t, self._bt_all, self.segs, cols, per_row)
         else:
-            sr = cols.shape[1]
-            masked = t.unflatten(0, (cols.shape[0], per_row)).unflatten(-1, (-1, sr)) * cols[:, None, None, :]
-            lora_kernels.expand_reference_(y2, masked.flatten(0, 1).flatten(1), self._bt_all, self.segs)
+            lora_kernels.expand_reference_(y2, lora_kernels.masked(t, cols, per_row), self._bt_all, self.segs)
         return ya.view(*x.shape[:-1], ya.shape[1])[..., :n]
 
 

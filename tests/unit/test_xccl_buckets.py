@@ -36,12 +36,17 @@ def test_plan_places_every_tensor_once_aligned_and_without_overlap(manifest, buc
         assert b.nbytes <= bucket_bytes or len(b.entries) == 1
 
 
+def planned(manifest, bucket_bytes: int, seed: int):
+    """Random tensors of the manifest's shapes and dtypes, and their bucket plan."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
+    return tensors, xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
+
+
 @settings(max_examples=60, deadline=None)
 @given(manifest=specs_strategy(), bucket_bytes=st.integers(16, 2048))
 def test_pack_then_unpack_is_bit_exact(manifest, bucket_bytes):
-    g = torch.Generator().manual_seed(0)
-    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
-    plan = xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
+    tensors, plan = planned(manifest, bucket_bytes, seed=0)
     bufs = xccl.alloc_buckets(plan)
     xccl.pack(plan, tensors, bufs)
     out = xccl.unpack(plan, bufs)
@@ -118,9 +123,7 @@ def test_pack_refuses_a_tensor_that_is_not_the_planned_one():
 @settings(max_examples=60, deadline=None)
 @given(manifest=specs_strategy(), bucket_bytes=st.integers(16, 2048))
 def test_packing_into_cached_views_is_the_reference_pack(manifest, bucket_bytes):
-    g = torch.Generator().manual_seed(1)
-    tensors = {s.name: torch.randn(s.shape, generator=g).to(xccl.DTYPES[s.dtype]) for s in manifest}
-    plan = xccl.plan_buckets(xccl.manifest_of(tensors), bucket_bytes)
+    tensors, plan = planned(manifest, bucket_bytes, seed=1)
     reference, fast = xccl.alloc_buckets(plan), xccl.alloc_buckets(plan)
     for b in reference + fast:  # the gaps too: alloc leaves them undefined
         b.zero_()
