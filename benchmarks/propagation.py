@@ -197,7 +197,7 @@ async def replica_main(index: int, nats_url: str) -> None:
     def bare_loop(port: int, rank: int, world: int, nbytes: int, prefix: str) -> None:
         store = xccl.connect_store("127.0.0.1", port, 60)
         pg = xccl.new_group("gloo", store, prefix, rank, world, 60)
-        buf = torch.zeros(nbytes, dtype=torch.uint8)  # pages touched, as a staging set's are
+        buf = torch.zeros(nbytes, dtype=torch.uint8)  # pages touched, as a staging set's are once used
         st["bare"] = pg
         k = 0
         while True:
