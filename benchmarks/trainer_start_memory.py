@@ -47,10 +47,10 @@ def peak_rss_mb() -> float:
 
 def worker(mode: str, model_dir: str, out_dir: str) -> None:
     import torch  # noqa: F401
-    import torch.distributed as dist
 
     from services.common.config_schema import ActorConfig, LorabusConfig
     from services.common.models import load_base_model
+    from services.trainer.engines.base import leave_distributed
     from services.trainer.engines.fsdp2 import FSDP2Engine
 
     after_imports = peak_rss_mb()
@@ -75,8 +75,7 @@ def worker(mode: str, model_dir: str, out_dir: str) -> None:
         "local_params": local,
     }
     Path(out_dir, f"{mode}-{engine.rank}.json").write_text(json.dumps(row))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_distributed()
 
 
 def save_model(directory: Path) -> int:

@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def leave(engine: TrainEngine) -> int:
     if engine.world_size > 1:
-        import torch.distributed as dist
+        from services.trainer.engines.base import leave_distributed
 
-        dist.destroy_process_group()
+        leave_distributed()
     return 0
 
 

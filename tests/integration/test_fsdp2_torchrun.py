@@ -26,6 +26,7 @@ from services.common.config_schema import (  # noqa: E402
     OptimizerConfig,
     PPOConfig,
 )
+from services.trainer.engines.base import leave_distributed  # noqa: E402
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 
 STEPS = 2
@@ -166,7 +167,7 @@ def _worker(out: str) -> None:
     adapter = engine.adapter_state()  # collective: every rank gathers
     if engine.rank == 0:
         torch.save({"adapter": adapter, "tokens": [s.tokens for s in stats], "loss": [s.loss for s in stats]}, out)
-    torch.distributed.destroy_process_group()
+    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ if str(REPO) not in sys.path:  # when run as a torchrun worker script
     sys.path.insert(0, str(REPO))
 
 from services.common.config_schema import ActorConfig, LorabusConfig, OptimizerConfig  # noqa: E402
+from services.trainer.engines.base import leave_distributed  # noqa: E402
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 from tests.fixtures.tiny import tiny_qwen2  # noqa: E402
 from tests.unit.test_trainer_precision import batch  # noqa: E402
@@ -99,7 +100,7 @@ def _worker(model_dir: str, out: str) -> None:
         saved = torch.load(out)
         saved["rank1_was_meta"] = flags[1] and not flags[0]
         torch.save(saved, out)
-    torch.distributed.destroy_process_group()
+    leave_distributed()
 
 
 if __name__ == "__main__":
