@@ -305,13 +305,16 @@ async def test_fuzzed_bus_every_bad_message_refused_and_the_run_still_learns(nat
         decisions = StreamReader(bus, streams.DECISIONS(run), subjects.decision_all(run), m.TrajectoryDecision)
 
         async def all_refused() -> bool:
-            assert launcher.poll() is None, "lorabus up ended before the fuzz was processed"
+            # letters and decisions are durable: a run that ends first is fine if they are all there
+            ended = launcher.poll() is not None
             for letter in await letters.new():
                 seen["letters"].add(key(letter.service, letter.raw))
             for decision in await decisions.new():
                 if decision.trajectory_id in forged_ids:
                     seen["accepted" if decision.verdict == "accepted" else "rejected"].add(decision.trajectory_id)
-            return expected <= seen["letters"] and forged_ids <= seen["rejected"]
+            refused = expected <= seen["letters"] and forged_ids <= seen["rejected"]
+            assert refused or not ended, f"lorabus up ended before the fuzz was processed: {missing()}"
+            return refused
 
         family = {key(s, c.data): (s, ".".join(c.subject.split(".")[2:3])) for c in delivered for s in c.letters}
 
