@@ -57,6 +57,7 @@ from services.rollout.engines.sglang import SglangEngine
 from services.rollout.engines.vllm import VllmEngine
 from services.trainer.publish import publish_adapter
 from services.trainer.xccl_sender import XcclSender
+from tests.fixtures.faults import KillAtBroadcast
 from tests.fixtures.sglang_server import ServerArgs, SglangProtocolServer
 from tests.fixtures.vllm import TINY_MODEL, make_adapter, vllm_server  # noqa: F401
 from tests.fixtures.waiting import wait_until
@@ -355,29 +356,13 @@ async def test_a_trainer_killed_mid_broadcast_never_reaches_the_server(server, n
 # --- a trainer in a process of its own, to be SIGKILLed mid-broadcast -------------------------
 
 
-class _KillAfter:
-    """Wraps a process group: SIGKILL this process before its `n`-th next broadcast."""
-
-    def __init__(self, pg, n: int):
-        self.pg, self.n = pg, n
-
-    def broadcast(self, tensor, root):
-        if self.n == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.n -= 1
-        return self.pg.broadcast(tensor, root)
-
-    def __getattr__(self, name):
-        return getattr(self.pg, name)
-
-
 def trainer_main(kill_version: int, kill_after: int) -> None:
     sender = XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
     print(json.dumps({"port": sender.port}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["version"] == kill_version and sender.pg is not None:
-            sender.pg = _KillAfter(sender.pg, kill_after)
+            sender.pg = KillAtBroadcast(sender.pg, kill_after)
         payload = sender.send(cmd["version"], tensors_of(cmd["seed"]))
         print(msgspec.json.encode(payload).decode(), flush=True)
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.fixtures.faults import KillAtBroadcast
 from tests.fixtures.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,22 +55,6 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 # --- child processes ---------------------------------------------------------------------------
 
 
-class _KillAfter:
-    """Wraps a process group: SIGKILL this process after `n` broadcasts of the next send."""
-
-    def __init__(self, pg, n: int):
-        self.pg, self.n = pg, n
-
-    def broadcast(self, tensor, root):
-        if self.n == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.n -= 1
-        return self.pg.broadcast(tensor, root)
-
-    def __getattr__(self, name):
-        return getattr(self.pg, name)
-
-
 def _emit(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -83,7 +68,7 @@ def replica_main(name: str, kill_after: int | None, adopt: bool = False) -> None
 
     if kill_after is not None:
         real = xccl.new_group
-        xccl.new_group = lambda *a, **k: _KillAfter(real(*a, **k), kill_after)
+        xccl.new_group = lambda *a, **k: KillAtBroadcast(real(*a, **k), kill_after)
     model = nn.Module()
     for i in range(LAYERS):
         setattr(model, f"l{i}", nn.Linear(DIM, DIM, bias=False))
@@ -154,7 +139,7 @@ def trainer_main(kill_after: int | None, kill_version: int | None) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["version"] == kill_version and sender.pg is not None:
-            sender.pg = _KillAfter(sender.pg, kill_after)
+            sender.pg = KillAtBroadcast(sender.pg, kill_after)
         payload = sender.send(cmd["version"], adapter(cmd["seed"]))
         _emit({"payload": json.loads(msgspec.json.encode(payload)), "error": sender.stats.error})
 
