@@ -1,4 +1,6 @@
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -45,6 +47,27 @@ def test_install_replaces_every_target_linear(setup):
     assert len(slots.layers) == 2 * len(TARGETS)
     assert all(isinstance(base.get_submodule(p), SlotLinear) for p in slots.layers)
     assert isinstance(base.lm_head, nn.Linear) and not isinstance(base.lm_head, SlotLinear)
+
+
+def test_install_lets_the_replaced_layers_go():
+    base = tiny_model()
+    replaced = [weakref.ref(m) for n, m in base.named_modules() if n.rpartition(".")[2] in TARGETS]
+    slots = LoraSlots.install(base, random_adapter(base, seed=1), slots=2)
+    gc.collect()
+    assert replaced and not [r for r in replaced if r() is not None], "the pool kept base layers it copied"
+    assert len(slots.layers) == len(replaced)
+
+
+def test_a_float32_adapter_lands_in_bfloat16_slots_scaled_then_rounded_once():
+    base = tiny_model().to(torch.bfloat16)
+    adapter = random_adapter(base, seed=3)
+    adapter = {k: t.float() * 1.37 for k, t in adapter.items()}  # values bf16 cannot hold exactly
+    slots = LoraSlots.install(base, adapter, slots=2)
+    slot = slots.load(5, adapter, 0.3)
+    for path, layer in slots.layers.items():
+        a, b = adapter[f"base_model.model.{path}.lora_A.weight"], adapter[f"base_model.model.{path}.lora_B.weight"]
+        assert torch.equal(layer.a[slot], a.to(torch.bfloat16)), path
+        assert torch.equal(layer.b[slot], (b * 0.3).to(torch.bfloat16)), path
 
 
 def test_mixed_batch_equals_per_version_reference(setup):
