@@ -25,10 +25,11 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   (0.93x the graph base on the H200 for mixed batches; 0.88x with the shrink as a second kernel
   on a side stream, 0.78x with three small kernels per module). The other corrections
   (`lora_kernels.Mode`) stay selectable and are tested against the same reference.
-- Re-merging on a head change recomputes W from a pristine copy `w0` with one fused `addmm`
-  per module, so there is no drift however many versions pass. Memory cost: one extra copy of
-  every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in bf16), plus the
-  slots: slots x (LoRA params) (37 MB adapter, 4 slots: 0.15 GB).
+- Re-merging on a head change recomputes W from a pristine copy W0, so there is no drift
+  however many versions pass: one batched matmul per member of each group shape, over every
+  layer at once (`ShapeBuffers.merge`: 7 for a Qwen model, not one per module). Memory cost:
+  one extra copy of every targeted weight (Qwen2.5-1.5B all-linear: ~1.31 G params, 2.6 GB in
+  bf16), plus the slots: slots x (LoRA params) (37 MB adapter, 4 slots: 0.15 GB).
 
 Thread safety: none here. The engine serialises forward steps, loads and head changes with
 one lock, which makes a head swap atomic with respect to decode steps.
@@ -37,6 +38,7 @@ one lock, which makes a head swap atomic with respect to decode steps.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -70,6 +72,72 @@ class Routing:
         return self._side
 
 
+class ShapeBuffers:
+    """The storage of every SlotGroup of one shape (each layer's q/k/v, say), one block per
+    group, so that a load or a merge treats all of them with a few ops instead of a few per
+    module (~400 launches for a Qwen model, where each launch costs more than its bytes):
+    - `stacked [groups, N + G*S*r, in]`: the live weights, each group's slots' A rows under them;
+    - `bias [groups, N + G*S*r]` or None, laid out alike;
+    - `bt [groups, S, r, N]`: the slots' pre-scaled B^T;
+    - `pristine [groups, N, in]`: W0, the copy every merge starts from (`keep_pristine`, once the
+      replaced layers are gone, so that the old weights and the copy never coexist).
+    Each group's block is contiguous and shaped as a group of its own would be."""
+
+    def __init__(
+        self,
+        groups: int,
+        segs: list[int],
+        in_features: int,
+        slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bias: bool,
+    ):
+        self.segs, self.in_features, self.slots, self.rank = segs, in_features, slots, rank
+        self.paths: list[str] = []
+        """the target paths in (group, member) order: the order of the cat in `load_b`"""
+        n, width = segs[-1], (len(segs) - 1) * slots * rank
+        self.stacked = torch.empty(groups, n + width, in_features, dtype=dtype, device=device)
+        self.stacked[:, n:].zero_()
+        self.bias = torch.zeros(groups, n + width, dtype=dtype, device=device) if bias else None
+        self.bt = torch.zeros(groups, slots, rank, n, dtype=dtype, device=device)
+        self.pristine = torch.empty(0, dtype=dtype, device=device)
+
+    def keep_pristine(self) -> None:
+        self.pristine = self.stacked[:, : self.segs[-1]].clone()
+
+    def load_b(self, bs: Sequence[torch.Tensor], slot: int, scale: float) -> None:
+        """Slot `slot`'s B^T of every group from `bs` ([out, r] each, in `paths` order), scaled
+        by `scale` in their precision and rounded once. Host tensors are cat on the device."""
+        device = self.bt.device
+        b = torch.cat([t if t.device == device else t.to(device, non_blocking=True) for t in bs])
+        torch.mul(b.view(self.bt.shape[0], self.segs[-1], self.rank).transpose(1, 2), scale, out=self.bt[:, slot])
+
+    def clear(self, slot: int) -> None:
+        n, span = self.segs[-1], self.rank
+        for member in range(len(self.segs) - 1):
+            lo = n + (member * self.slots + slot) * span
+            self.stacked[:, lo : lo + span].zero_()
+        self.bt[:, slot].zero_()
+
+    def merge(self, slot: int | None) -> None:
+        """W = W0 + B^T_slot^T A_slot for every group, member by member (W = W0 for None):
+        one batched matmul over the groups each, always from W0, so nothing drifts."""
+        n = self.segs[-1]
+        if slot is None:
+            self.stacked[:, :n].copy_(self.pristine)
+            return
+        for member, (lo, hi) in enumerate(itertools.pairwise(self.segs)):
+            a = n + (member * self.slots + slot) * self.rank
+            torch.baddbmm(
+                self.pristine[:, lo:hi],
+                self.bt[:, slot, :, lo:hi].transpose(1, 2),
+                self.stacked[:, a : a + self.rank],
+                out=self.stacked[:, lo:hi],
+            )
+
+
 class SlotGroup:
     """Sibling layers that read the same input (q/k/v, gate/up; or one layer alone), fused:
     one live weight [N, in] whose row blocks are the members' weights, one pristine copy, and
@@ -80,37 +148,38 @@ class SlotGroup:
     of it. A member called with another tensor (or twice) recomputes the group: slower, never
     wrong."""
 
-    def __init__(self, bases: Sequence[nn.Linear], bt: torch.Tensor, routing: Routing):
-        """`bt`: the group's B^T slots, zeros [slots, rank, N] (a view of the pool's buffer for
-        every group of this shape, see `LoraSlots.load`)."""
-        slots, rank = bt.shape[0], bt.shape[1]
-        first = bases[0].weight.detach()
-        self.in_features = first.shape[1]
+    def __init__(self, bases: Sequence[nn.Linear], buffers: ShapeBuffers, index: int, routing: Routing):
+        """Copies the bases' weights into block `index` of `buffers` (their shape's storage)."""
+        self.buffers, self.index = buffers, index
+        self.in_features = buffers.in_features
         self.routing = routing
-        self.segs = [0]
-        for base in bases:
-            self.segs.append(self.segs[-1] + base.out_features)
+        self.segs = buffers.segs
         n = self.segs[-1]
-        width = len(bases) * slots * rank
+        if [b.out_features for b in bases] != [hi - lo for lo, hi in itertools.pairwise(self.segs)]:
+            raise ValueError(f"bases: out features {[b.out_features for b in bases]} do not fit segments {self.segs}")
         # W and every slot's A rows in one [N + G * S * r, in] buffer: the "stacked" correction
         # gets x @ W^T and the shrink x @ A^T from one matmul (views, so loads and merges are
         # unchanged)
-        self._stacked = torch.cat([b.weight.detach() for b in bases] + [first.new_zeros(width, self.in_features)])
+        self._stacked = buffers.stacked[index]
+        self._stacked_bias = None if buffers.bias is None else buffers.bias[index]
+        for base, lo, hi in zip(bases, self.segs, self.segs[1:]):
+            self._stacked[lo:hi].copy_(base.weight.detach())
+            if self._stacked_bias is not None:
+                self._stacked_bias[lo:hi].copy_(base.bias.detach())
         self.weight = self._stacked[:n]
-        self._stacked_bias = None
-        self.bias = None
-        if bases[0].bias is not None:
-            self._stacked_bias = torch.cat([b.bias.detach() for b in bases] + [first.new_zeros(width)])
-            self.bias = self._stacked_bias[:n]
-        self.w0 = self.weight.clone()
+        self.bias = None if self._stacked_bias is None else self._stacked_bias[:n]
+        slots, rank = buffers.slots, buffers.rank
         self.a = self._stacked[n:].view(len(bases), slots, rank, self.in_features)
-        if bt.shape[2] != n or not bt.is_contiguous():
-            raise ValueError(f"bt: {tuple(bt.shape)} must be a contiguous [slots, rank, {n}] buffer for these layers")
-        self.bt = bt
+        self.bt = buffers.bt[index]
         self._a_all = self.a.view(-1, self.in_features)
         self._bt_all = self.bt.view(slots * rank, n)
-        self._segs_dev = torch.tensor(self.segs, dtype=torch.int32, device=first.device)
+        self._segs_dev = torch.tensor(self.segs, dtype=torch.int32, device=self.weight.device)
         self._pending: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
+
+    @property
+    def w0(self) -> torch.Tensor:
+        """[N, in]: the pristine weights (set once the pool has replaced every layer)."""
+        return self.buffers.pristine[self.index]
 
     @staticmethod
     def fusable(bases: Sequence[nn.Linear]) -> bool:
@@ -294,6 +363,13 @@ def group_places(model: nn.Module, modules: Sequence[str]) -> list[list[Place]]:
     return parts
 
 
+def shape_of(part: Sequence[Place]) -> tuple[tuple[int, ...], int, torch.dtype, torch.device, bool]:
+    """What groups must share to share `ShapeBuffers`: members' out features, in features,
+    dtype, device, and whether they have a bias."""
+    w = part[0].base.weight
+    return tuple(p.base.out_features for p in part), w.shape[1], w.dtype, w.device, part[0].base.bias is not None
+
+
 class LoraSlots:
     """The slot pool of one model: install once, then load/unload/set_head/route."""
 
@@ -313,34 +389,34 @@ class LoraSlots:
         self.layers: dict[str, SlotLinear] = {}
         self.groups: list[SlotGroup] = []
         parts = group_places(model, modules)
-        # Groups of one shape (every layer's q/k/v, say) keep their B^T slots in one buffer
-        # [groups, slots, rank, N]: a load then fills a slot of all of them with one cat and one
-        # transposing multiply, where a copy per module (~400 launches) took ~5 ms on the H200.
-        # Each group's part of it is a contiguous [slots, rank, N] block, as the kernels expect.
-        by_shape: dict[tuple[int, torch.dtype, torch.device], list[list[Place]]] = {}
+        # Groups of one shape share their storage (`ShapeBuffers`): a load writes every B of a
+        # shape with one cat and one transposing multiply, and a merge is one batched matmul per
+        # member. The old weights go group by group as their layers are replaced, and W0 is
+        # copied only then: the peak is the final footprint (W, W0, slots), not one more W.
+        by_shape: dict[tuple[tuple[int, ...], int, torch.dtype, torch.device, bool], list[list[Place]]] = {}
         for part in parts:
-            dtype, device = part[0].base.weight.dtype, part[0].base.weight.device
-            by_shape.setdefault((sum(p.base.out_features for p in part), dtype, device), []).append(part)
-        self._bt_stacks: list[tuple[torch.Tensor, list[str]]] = []
-        bt_of = {}
-        for (n, dtype, device), same in by_shape.items():
-            buf = torch.zeros(len(same), slots, rank, n, dtype=dtype, device=device)
-            self._bt_stacks.append((buf, [p.path for part in same for p in part]))
-            bt_of.update({id(part): buf[i] for i, part in enumerate(same)})
+            by_shape.setdefault(shape_of(part), []).append(part)
+        self._shapes: list[ShapeBuffers] = []
+        home: dict[int, tuple[ShapeBuffers, int]] = {}
+        for (outs, in_features, dtype, device, bias), same in by_shape.items():
+            segs = [0, *itertools.accumulate(outs)]
+            buffers = ShapeBuffers(len(same), segs, in_features, slots, rank, dtype, device, bias)
+            buffers.paths = [p.path for part in same for p in part]
+            self._shapes.append(buffers)
+            home.update({id(part): (buffers, i) for i, part in enumerate(same)})
         for part in parts:
-            group = SlotGroup([p.base for p in part], bt_of.pop(id(part)), self.routing)
+            group = SlotGroup([p.base for p in part], *home.pop(id(part)), self.routing)
             self.groups.append(group)
             for member, place in enumerate(part):
                 layer = SlotLinear(group, member)
                 setattr(place.parent, place.child, layer)
                 self.layers[place.path] = layer
             part.clear()  # the pool holds its own copy: the replaced weights can be freed now
-        # Views built once: a load is then a few fused multi-tensor (`_foreach_*`) calls
-        # instead of thousands of small Python-side ops.
+        for buffers in self._shapes:
+            buffers.keep_pristine()
+        # A's slots are contiguous like the adapter's tensors, so one multi-tensor copy fills them
         layers = list(self.layers.values())
         self._a_of = [[l.a[s] for l in layers] for s in range(slots)]
-        self._b_of = [[l.b[s] for l in layers] for s in range(slots)]
-        self._merge = [(l.w0, l.weight.data) for l in layers]
         first = layers[0] if layers else None
         self._device = first.a.device if first else torch.device("cpu")
         self._dtype = first.a.dtype if first else torch.float32
@@ -402,11 +478,8 @@ class LoraSlots:
         try:
             paths = list(self.layers)
             torch._foreach_copy_(self._a_of[slot], [mods[p][0] for p in paths], non_blocking=True)
-            for buf, stacked in self._bt_stacks:
-                # host tensors are cat on the device
-                b = torch.cat([t if t.device == buf.device else t.to(buf.device, non_blocking=True)
-                               for t in (mods[p][1] for p in stacked)])  # fmt: skip
-                torch.mul(b.view(buf.shape[0], buf.shape[3], r).transpose(1, 2), scale, out=buf[:, slot])
+            for buffers in self._shapes:
+                buffers.load_b([mods[p][1] for p in buffers.paths], slot, scale)
         except BaseException:
             self.table.release(version)
             raise
@@ -419,19 +492,15 @@ class LoraSlots:
             raise ValueError(f"version {version} is the merged head; set another head first")
         slot = self.table.release(version)
         self._scale.pop(version, None)
-        torch._foreach_zero_(self._a_of[slot])
-        for buf, _ in self._bt_stacks:
-            buf[:, slot].zero_()
+        for buffers in self._shapes:
+            buffers.clear(slot)
 
     @torch.no_grad()
     def set_head(self, version: int | None) -> None:
         """Merge `version` into every weight, from the pristine W0."""
         head_slot = None if version is None else self.table.slot_of(version)
-        if head_slot is None:
-            torch._foreach_copy_([w for _, w in self._merge], [w0 for w0, _ in self._merge])
-        else:
-            for (w0, w), a, b in zip(self._merge, self._a_of[head_slot], self._b_of[head_slot]):
-                torch.addmm(w0, b, a, out=w)
+        for buffers in self._shapes:
+            buffers.merge(head_slot)
         self.head = version
 
     # --- per forward ---

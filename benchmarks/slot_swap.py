@@ -1,21 +1,24 @@
-"""Loading a version into the embedded engine's slots: the pool's load against the per-module
-copy it replaced, side by side in one run, on the same slot buffers.
+"""The two halves of a hot-swap in the embedded engine's slots, each against the per-module way
+it replaced, side by side in one run on the same slot buffers.
 
-    python benchmarks/slot_load.py --out benchmarks/results/slot_load_cpu.json   # CPU, narrow
-    python benchmarks/slot_load.py --narrow 1 --out slot_load_h200.json          # CUDA, full size
+    python benchmarks/slot_swap.py --out benchmarks/results/slot_swap_cpu.json   # CPU, narrow
+    python benchmarks/slot_swap.py --narrow 1 --out slot_swap_h200.json          # CUDA, full size
 
-The decoder layers' linear layers of a Qwen2.5 shape (no embedding, no attention: a load
+The decoder layers' linear layers of a Qwen2.5 shape (no embedding, no attention: a swap
 touches only these), bf16, LoRA r=16 on all seven targets of every layer, and per version:
-  pool        `LoraSlots.load`: A by one multi-tensor copy, every shape's B^T by one cat and
-              one transposing multiply into the buffer that shape's groups share
-  per_module  the previous load: `_foreach_copy_` of A and of B into the slot views, then
-              `_foreach_mul_` by the scale. B's views are transposed, so the multi-tensor fast
-              path does not apply and each module's B is its own copy and multiply
-  merge       `LoraSlots.set_head`, the re-merge of the head from W0 (for the record)
+  load  pool        `LoraSlots.load`: A by one multi-tensor copy, every shape's B^T by one cat
+                    and one transposing multiply into the buffer that shape's groups share
+        per_module  `_foreach_copy_` of A and of B into the slot views, then `_foreach_mul_`
+                    by the scale. B's views are transposed, so the multi-tensor fast path does
+                    not apply to them: each module's B is its own copy and multiply
+  merge pool        `LoraSlots.set_head`: one batched matmul per member of each group shape
+        per_module  `addmm(W0, B, A, out=W)` for each module
 The sources are on the slots' device (a replica copies the adapter there first, its h2d stage).
-`--narrow K` divides the widths by K: the copies shrink and what is left is the per-op cost,
+`--narrow K` divides the widths by K: the bytes shrink and what is left is the per-op cost,
 the part a GPU launch pays (37 MB at full width is a few microseconds of H200 bandwidth).
-"ops" counts the aten calls one load makes (torch.profiler), on a GPU about its launches.
+"aten calls" counts what one call makes (torch.profiler); on a GPU, about its launches. Both
+ways must write the same slot bytes; the merged weights are compared (matmuls of another
+shape may round differently).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     p.add_argument("--narrow", type=int, default=None, help="divide the widths by this (default: 1 on CUDA, 16 on CPU)")
-    p.add_argument("--loads", type=int, default=40)
+    p.add_argument("--loads", type=int, default=40, help="timed rounds (after two warm-up rounds)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,35 +107,55 @@ def main(argv: list[str] | None = None) -> int:
         torch._foreach_copy_(b_views, [tensors[f"base_model.model.{q}.lora_B.weight"] for q in paths])
         torch._foreach_mul_(b_views, SCALE)
 
-    loads = {"pool": pool_load, "per_module": per_module_load}
-    pool.load(0, versions[0], SCALE)
-    pool.set_head(0)
+    def per_module_merge(v: int) -> None:
+        slot = pool.table.slot_of(v)
+        for l in layers:
+            torch.addmm(l.w0, l.b[slot], l.a[slot], out=l.weight.data)
 
-    def slot_contents(v: int) -> torch.Tensor:
+    ways = {
+        "load": {"pool": pool_load, "per_module": per_module_load},
+        "merge": {"pool": pool.set_head, "per_module": per_module_merge},
+    }
+
+    def slot_bytes(v: int) -> torch.Tensor:
         slot = pool.table.slot_of(v)
         return torch.cat([t for l in layers for t in (l.a[slot].flatten(), l.b[slot].flatten())])
 
-    ops = {}
-    for name, load in loads.items():
-        ops[name] = aten_calls(lambda: load(1))
+    pool.load(0, versions[0], SCALE)
+    pool.set_head(0)
+    calls: dict[str, dict[str, int]] = {stage: {} for stage in ways}
+    for name, load in ways["load"].items():
+        calls["load"][name] = aten_calls(lambda: load(1))
         pool.unload(1)
-    seconds: dict[str, list[float]] = {name: [] for name in loads}
-    merge_s, same = [], True
-    for i in range(args.loads + 2):  # the first two rounds warm up
-        v = 1 + i
-        contents = []
-        for name, load in loads.items():
-            took = timed(lambda: load(v), device)
-            contents.append(slot_contents(v))
-            if i >= 2:
-                seconds[name].append(took)
-            pool.unload(v)
-        same &= all(torch.equal(contents[0], c) for c in contents[1:])
-        pool.load(v, versions[v % len(versions)], SCALE)
-        merge_s.append(timed(lambda: pool.set_head(v), device))
+    pool.load(1, versions[1], SCALE)
+    merged: list[torch.Tensor] = []
+    merge_diff = 0.0
+    for name, merge in ways["merge"].items():
+        calls["merge"][name] = aten_calls(lambda: merge(1))
+        if not merged:
+            merged = [l.weight.detach().clone() for l in layers]
+        else:
+            merge_diff = max(float((l.weight.float() - w.float()).abs().max()) for l, w in zip(layers, merged))
         pool.set_head(0)
+    del merged
+    pool.unload(1)
+    seconds: dict[str, dict[str, list[float]]] = {stage: {name: [] for name in ways[stage]} for stage in ways}
+    same = True
+    for i in range(args.loads + 2):  # the first two rounds warm up
+        v = 2 + i
+        written = []
+        for name, load in ways["load"].items():
+            seconds["load"][name].append(timed(lambda: load(v), device))
+            written.append(slot_bytes(v))
+            pool.unload(v)
+        same &= torch.equal(written[0], written[1])
+        pool.load(v, versions[v % len(versions)], SCALE)
+        for name, merge in ways["merge"].items():
+            seconds["merge"][name].append(timed(lambda: merge(v), device))
+            pool.set_head(0)
         pool.unload(v)
 
+    p50 = {stage: {name: round(median_ms(s[2:]), 3) for name, s in by.items()} for stage, by in seconds.items()}
     res = {
         "device": device_name(device),
         "torch": torch.__version__,
@@ -140,19 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         "narrow": narrow,
         "modules": len(layers),
         "adapter_mb": round(adapter_mb, 2),
-        "loads": args.loads,
-        "same_slot_contents": same,
-        "load_ms_p50": {name: round(median_ms(s), 3) for name, s in seconds.items()},
-        "aten_calls_per_load": ops,
-        "merge_ms_p50": round(median_ms(merge_s[2:]), 3),
+        "rounds": args.loads,
+        "ms_p50": p50,
+        "aten_calls": calls,
+        "per_module_over_pool": {stage: round(by["per_module"] / by["pool"], 2) for stage, by in p50.items()},
+        "same_slot_bytes": same,
+        "merged_max_abs_diff": merge_diff,
     }
-    res["per_module_over_pool"] = round(res["load_ms_p50"]["per_module"] / res["load_ms_p50"]["pool"], 2)
-    print(f"slot load, {args.shape} linears / {narrow}, {len(layers)} modules, {adapter_mb:.1f} MB, {res['device']}")
-    print(f"  {'path':<12}{'p50 ms':>9}{'aten calls':>12}")
-    for name in loads:
-        print(f"  {name:<12}{res['load_ms_p50'][name]:>9.3f}{ops[name]:>12}")
-    print(f"  per_module / pool: {res['per_module_over_pool']}x; merge p50 {res['merge_ms_p50']} ms")
-    print(f"  both loads wrote the same slot contents: {same}")
+    print(
+        f"hot-swap halves, {args.shape} linears / {narrow}, {len(layers)} modules, {adapter_mb:.1f} MB, {res['device']}"
+    )
+    print(f"  {'stage':<7}{'way':<12}{'p50 ms':>9}{'aten calls':>12}")
+    for stage, by in p50.items():
+        for name, ms in by.items():
+            print(f"  {stage:<7}{name:<12}{ms:>9.3f}{calls[stage][name]:>12}")
+    ratio = res["per_module_over_pool"]
+    print(f"  per_module / pool: load {ratio['load']}x, merge {ratio['merge']}x")
+    print(f"  same slot bytes: {same}; merged weights differ by at most {merge_diff:.2e}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2) + "\n")
