@@ -12,7 +12,10 @@ touches only these), bf16, LoRA r=16 on all seven targets of every layer, and pe
                     by the scale. B's views are transposed, so the multi-tensor fast path does
                     not apply to them: each module's B is its own copy and multiply
   merge pool        `LoraSlots.set_head`: one batched matmul per member of each group shape
+                    (torch's baddbmm: W0 copied into W, then a GEMM that reads and writes W)
         per_module  `addmm(W0, B, A, out=W)` for each module
+        pool_triton `set_head` with `merge_kernel`: `lora_merge`'s kernel reads W0 and writes W
+                    once (where Triton runs: a CUDA device in half precision)
 The sources are on the slots' device (a replica copies the adapter there first, its h2d stage).
 `--narrow K` divides the widths by K: the bytes shrink and what is left is the per-op cost,
 the part a GPU launch pays (37 MB at full width is a few microseconds of H200 bandwidth).
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.adapters import random_lora  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
 from benchmarks.timing import device_name, median_ms, timed  # noqa: E402
+from services.rollout import lora_kernels  # noqa: E402
 from services.rollout.lora_slots import LoraSlots  # noqa: E402
 
 RANK, SCALE = 16, 2.0
@@ -112,10 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         for l in layers:
             torch.addmm(l.w0, l.b[slot], l.a[slot], out=l.weight.data)
 
-    ways = {
+    def pool_triton_merge(v: int) -> None:
+        pool.merge_kernel = True
+        try:
+            pool.set_head(v)
+        finally:
+            pool.merge_kernel = False
+
+    ways: dict[str, dict[str, Callable[[int], None]]] = {
         "load": {"pool": pool_load, "per_module": per_module_load},
         "merge": {"pool": pool.set_head, "per_module": per_module_merge},
     }
+    if lora_kernels.kernel_available(device, torch.bfloat16):
+        ways["merge"]["pool_triton"] = pool_triton_merge
 
     def slot_bytes(v: int) -> torch.Tensor:
         slot = pool.table.slot_of(v)
@@ -129,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         pool.unload(1)
     pool.load(1, versions[1], SCALE)
     merged: list[torch.Tensor] = []
-    merge_diff = 0.0
+    merge_diff: dict[str, float] = {}
     for name, merge in ways["merge"].items():
         calls["merge"][name] = aten_calls(lambda: merge(1))
         if not merged:
             merged = [l.weight.detach().clone() for l in layers]
         else:
-            merge_diff = max(float((l.weight.float() - w.float()).abs().max()) for l, w in zip(layers, merged))
+            merge_diff[name] = max(float((l.weight.float() - w.float()).abs().max()) for l, w in zip(layers, merged))
         pool.set_head(0)
     del merged
     pool.unload(1)
@@ -167,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "ms_p50": p50,
         "aten_calls": calls,
         "per_module_over_pool": {stage: round(by["per_module"] / by["pool"], 2) for stage, by in p50.items()},
+        "over_pool": {stage: {name: round(ms / by["pool"], 2) for name, ms in by.items()} for stage, by in p50.items()},
         "same_slot_bytes": same,
         "merged_max_abs_diff": merge_diff,
     }
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {stage:<7}{name:<12}{ms:>9.3f}{calls[stage][name]:>12}")
     ratio = res["per_module_over_pool"]
     print(f"  per_module / pool: load {ratio['load']}x, merge {ratio['merge']}x")
-    print(f"  same slot bytes: {same}; merged weights differ by at most {merge_diff:.2e}")
+    print(f"  same slot bytes: {same}; merged weights' largest difference from the pool's: {merge_diff}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2) + "\n")

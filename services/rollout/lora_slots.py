@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.lora_targets import HF_TO_MEGATRON
-from services.rollout import lora_kernels
+from services.rollout import lora_kernels, lora_merge
 from services.rollout.versions import SlotTable
 
 _PEFT_PREFIX = "base_model.model."
@@ -121,20 +121,22 @@ class ShapeBuffers:
             self.stacked[:, lo : lo + span].zero_()
         self.bt[:, slot].zero_()
 
-    def merge(self, slot: int | None) -> None:
+    def merge(self, slot: int | None, kernel: bool = False) -> None:
         """W = W0 + B^T_slot^T A_slot for every group, member by member (W = W0 for None):
-        one batched matmul over the groups each, always from W0, so nothing drifts."""
+        one batched matmul over the groups each (`lora_merge.merge_`), always from W0, so
+        nothing drifts."""
         n = self.segs[-1]
         if slot is None:
             self.stacked[:, :n].copy_(self.pristine)
             return
         for member, (lo, hi) in enumerate(itertools.pairwise(self.segs)):
             a = n + (member * self.slots + slot) * self.rank
-            torch.baddbmm(
+            lora_merge.merge_(
+                self.stacked[:, lo:hi],
                 self.pristine[:, lo:hi],
                 self.bt[:, slot, :, lo:hi].transpose(1, 2),
                 self.stacked[:, a : a + self.rank],
-                out=self.stacked[:, lo:hi],
+                kernel=kernel,
             )
 
 
@@ -429,6 +431,10 @@ class LoraSlots:
                 f"{self._device}, {self._dtype}); pass 'torch' or 'stacked', or leave it None"
             )
         self.routing.correction = correction
+        self.merge_kernel = False
+        """whether `set_head` merges with `lora_merge`'s one-pass Triton kernel (where
+        `lora_kernels.kernel_available`) instead of torch's baddbmm; off until the GPU run of
+        benchmarks/slot_swap.py shows it faster"""
         # One mask buffer per batch size, rewritten in place, so its address is stable for
         # CUDA graphs; `_cols_key` says what each one holds now.
         self._cols: dict[int, torch.Tensor] = {}
@@ -499,8 +505,13 @@ class LoraSlots:
     def set_head(self, version: int | None) -> None:
         """Merge `version` into every weight, from the pristine W0."""
         head_slot = None if version is None else self.table.slot_of(version)
+        if self.merge_kernel and not lora_kernels.kernel_available(self._device, self._dtype):
+            raise ValueError(
+                f"merge_kernel: the Triton merge needs a CUDA device in half precision (here {self._device}, "
+                f"{self._dtype}); leave merge_kernel False"
+            )
         for buffers in self._shapes:
-            buffers.merge(head_slot)
+            buffers.merge(head_slot, kernel=self.merge_kernel)
         self.head = version
 
     # --- per forward ---

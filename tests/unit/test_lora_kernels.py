@@ -138,6 +138,69 @@ def interpreted() -> None:
     print(f"checked {checks}")
 
 
+def test_merge_kernel_matches_torch_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [sys.executable, "-c", "from tests.unit.test_lora_kernels import interpreted_merge; interpreted_merge()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "merges checked" in run.stdout
+
+
+def interpreted_merge() -> None:
+    from services.rollout import lora_merge
+
+    checks = 0
+    # layers, out (not a multiple of the 64-row tile), in (not a multiple of the 128-column
+    # tile), rank (padded to 16 for tl.dot), dtype
+    for layers, out, width, rank, dtype in [
+        (3, 70, 200, 4, torch.float32),
+        (2, 64, 128, 16, torch.float32),
+        (2, 130, 40, 8, torch.float16),  # the interpreter has no bfloat16 (numpy)
+    ]:
+        g = torch.Generator().manual_seed(out + rank)
+        # as a slot pool lays them out: W rows above other rows of one buffer (a row stride
+        # beyond `out`), A rows further down, B as a transposed view of B^T
+        buf = torch.randn(layers, out + 5 + rank, width, generator=g).to(dtype)
+        w, a = buf[:, :out], buf[:, out + 5 :]
+        w0 = torch.randn(layers, out, width, generator=g).to(dtype)
+        bt = torch.randn(layers, rank, out + 3, generator=g).to(dtype)
+        b = bt[:, :, :out].transpose(1, 2)
+        want = torch.baddbmm(w0.float(), b.float(), a.float()).to(dtype)
+        got_torch, got_kernel = w.clone(), w
+        lora_merge.merge_(got_torch, w0, b, a)
+        lora_merge.merge_(got_kernel, w0, b, a, kernel=True)
+        assert not torch.equal(got_kernel, w0)  # the product is not nothing
+        tol = 1e-5 if dtype == torch.float32 else 2e-3  # half: the last bit may differ
+        torch.testing.assert_close(got_kernel, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_torch, want, atol=tol, rtol=tol)
+        assert torch.equal(buf[:, out : out + 5], buf[:, out : out + 5].clone())  # rows between untouched
+        checks += 1
+    # a whole pool: the kernel's head merge gives the torch merge's weights
+    from services.rollout.lora_slots import LoraSlots
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    weights = []
+    for kernel in (False, True):
+        model = tiny_qwen2(0)
+        first, second = random_lora(model, 7, 4, 0.2), random_lora(model, 8, 4, 0.2)
+        slots = LoraSlots.install(model, first, slots=2)
+        slots.merge_kernel = kernel
+        slots.load(1, second, 2.0)
+        slots.set_head(1)
+        weights.append([layer.weight.detach().clone() for layer in slots.layers.values()])
+    for torch_w, kernel_w in zip(*weights, strict=True):
+        torch.testing.assert_close(kernel_w, torch_w, atol=1e-5, rtol=1e-5)
+    checks += 1
+    print(f"merges checked {checks}")
+
+
 def test_siblings_share_one_matmul_and_a_lone_call_recomputes():
     """q/k/v read one input: the first call computes the group, the others take their columns;
     a member called with another tensor gets its own correct output."""
