@@ -58,7 +58,9 @@ if triton is not None:
     ):  # fmt: skip
         """One program: a [BN, BK] tile of one layer's W from the same tile of W0 and the
         layer's whole B rows [BN, r] and A columns [r, BK]."""
-        layer, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+        # 64-bit: a 7B model's gate/up buffer is past 2**31 elements by its 16th layer
+        layer = tl.program_id(0).to(tl.int64)
         ns = pid_n * BN + tl.arange(0, BN)
         ks = pid_k * BK + tl.arange(0, BK)
         rs = tl.arange(0, R_PAD)
