@@ -179,10 +179,28 @@ def parse_overrides(overrides: Iterable[str], source: str | None = None) -> dict
         except OmegaConfBaseException as e:
             problems.append(f"override {item!r} cannot be parsed: {_first_line(e)}")
             continue
+        parts = key.strip().split(".")
+        if isinstance(_value_at(parsed, key.strip()), (bool, int, float)) and _is_text(_type_at(parts)):
+            # YAML reads trial_name=0123 or =685e72 as a number; a string field keeps the text as
+            # written (on a command line the quotes YAML would need are the shell's)
+            parsed = _nested(parts, item.partition("=")[2].strip())
         out = deep_merge(out, parsed)
     if problems:
         raise ConfigError(problems, source)
     return out
+
+
+def _nested(parts: list[str], value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for parts ["a", "b"]."""
+    out: Any = value
+    for part in reversed(parts):
+        out = {part: out}
+    return cast("dict[str, Any]", out)
+
+
+def _is_text(tp: Any) -> bool:
+    """Whether a field of type `tp` holds a string (`str`, or `str | None`)."""
+    return tp is str or (str in typing.get_args(tp) and set(typing.get_args(tp)) <= {str, type(None)})
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

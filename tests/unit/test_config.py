@@ -154,6 +154,16 @@ def test_overrides_win_over_file_and_reach_interpolations(tmp_path):
     assert cfg.actor.lora_rank == 8  # untouched keys of an overridden section survive
 
 
+@pytest.mark.parametrize("text", ["685e72", "123456", "0123", "true"])
+def test_an_override_of_a_string_field_keeps_its_text(text):
+    """YAML would type these as numbers or booleans (a run's random trial name can look like
+    685e72); a string field takes the text as written, a number field still the number."""
+    cfg = build(f"trial_name={text}", "experiment_name=2024", "rollout.replicas=3")
+    assert cfg.trial_name == text and cfg.experiment_name == "2024"
+    assert cfg.run == f"2024-{text}"
+    assert cfg.rollout.replicas == 3
+
+
 def test_override_without_equals_is_an_error():
     with pytest.raises(ConfigError, match=r"'rollout\.replicas' is not key=value"):
         build("rollout.replicas")
