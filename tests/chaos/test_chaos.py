@@ -155,3 +155,43 @@ def test_synchronous_mode_runs_without_stalls_and_survives_a_killed_trainer(tmp_
     assert again.returncode == 0 and "already finished" in again.stdout, again.stdout[-2000:]
     assert time.monotonic() - t0 < 30.0, "rerunning a finished run did not return promptly"
     assert "started trainer" not in again.stdout
+
+
+def test_end_hold_pauses_a_trainer_near_its_end_until_the_exports_catch_up(tmp_path: Path) -> None:
+    """The faults' driver keeps the run from ending before its last faults fire."""
+    from tests.chaos.faults import RUN, EndHold
+
+    trainer = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "pids.json").write_text(json.dumps({"trainer": trainer.pid}))
+
+        def state() -> str:
+            return Path(f"/proc/{trainer.pid}/stat").read_text().split(") ", 1)[1][0]
+
+        def versions(where: Path, upto: int) -> None:
+            for v in range(upto + 1):
+                (where / f"v{v}").mkdir(parents=True, exist_ok=True)
+
+        hold = EndHold(tmp_path, steps=40)
+        versions(tmp_path / "store" / RUN / "adapters", 30)
+        versions(tmp_path / "export", 20)
+        hold.update(faults_left=2)  # v30 is not near the end (40 - 2 * 2 - 2 = 34)
+        assert hold.paused is None and state() != "T"
+        versions(tmp_path / "store" / RUN / "adapters", 36)
+        hold.update(faults_left=2)  # near the end, v21..v36 still to export: paused
+        assert hold.paused == trainer.pid
+        deadline = time.monotonic() + 5
+        while state() != "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state() == "T"
+        versions(tmp_path / "export", 36)
+        hold.update(faults_left=2)  # caught up: the trainer goes on to its next version
+        assert hold.paused is None
+        deadline = time.monotonic() + 5
+        while state() == "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state() != "T"
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+        trainer.kill()
+        trainer.wait()
