@@ -17,11 +17,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_kernel_matches_the_reference_under_the_interpreter():
+def run_interpreted(function: str) -> str:
+    """Run `function` of this module in a child process under TRITON_INTERPRET=1; its stdout."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(
-        [sys.executable, "-c", "from tests.unit.test_lora_kernels import interpreted; interpreted()"],
+        [sys.executable, "-c", f"from tests.unit.test_lora_kernels import {function}; {function}()"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -29,7 +30,11 @@ def test_kernel_matches_the_reference_under_the_interpreter():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "checked" in run.stdout
+    return run.stdout
+
+
+def test_kernel_matches_the_reference_under_the_interpreter():
+    assert "checked" in run_interpreted("interpreted")
 
 
 def interpreted() -> None:
@@ -139,18 +144,7 @@ def interpreted() -> None:
 
 
 def test_merge_kernel_matches_torch_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [sys.executable, "-c", "from tests.unit.test_lora_kernels import interpreted_merge; interpreted_merge()"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "merges checked" in run.stdout
+    assert "merges checked" in run_interpreted("interpreted_merge")
 
 
 def interpreted_merge() -> None:
