@@ -10,7 +10,6 @@ against it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -71,17 +70,10 @@ def stop_for(name: str, seconds: float) -> Callable[[Path], str]:
     return act
 
 
-def trained_head(run_dir: Path) -> int:
-    """The newest version the trainer has written to the store (-1 before the first)."""
-    adapters = run_dir / "store" / RUN / "adapters"
-    if not adapters.is_dir():
-        return -1
-    return max((int(p.name[1:]) for p in adapters.iterdir() if p.name[1:].isdigit()), default=-1)
-
-
 def head_object(run_dir: Path) -> tuple[int, Path]:
-    version = trained_head(run_dir)
-    return version, run_dir / "store" / RUN / "adapters" / f"v{version}" / "adapter_model.safetensors"
+    adapters = run_dir / "store" / RUN / "adapters"
+    version = max(int(p.name[1:]) for p in adapters.iterdir() if p.name[1:].isdigit())
+    return version, adapters / f"v{version}" / "adapter_model.safetensors"
 
 
 def spoil_head_then_kill(replica: str, how: str) -> Callable[[Path], str]:
@@ -163,56 +155,17 @@ class Run:
         """Fire each fault at its version, and not before the run has exported `GAP` more
         versions since the previous one fired: each fault meets a run that recovered."""
         floor = -1
-        hold = EndHold(self.run_dir, self.steps)
-        try:
-            for left, fault in zip(range(len(self.faults), 0, -1), self.faults):
-                while exported_head(self.run_dir) < max(fault.after, floor + GAP):
-                    hold.update(left)
-                    if done.wait(0.2):
-                        return
-                hold.release()
-                try:
-                    fault.did = fault.act(self.run_dir)
-                except Exception as exc:  # the assertion on fired faults reports it
-                    fault.did = f"failed: {exc!r}"
+        for fault in self.faults:
+            while exported_head(self.run_dir) < max(fault.after, floor + GAP):
+                if done.wait(0.2):
                     return
-                fault.fired_at = time.monotonic() - started
-                floor = exported_head(self.run_dir)
-        finally:
-            hold.release()
-
-
-class EndHold:
-    """Keeps the trainer from finishing while faults are still due. Recovering from a fault
-    (an exporter restarted, a replica giving up a spoiled version) can leave the exports far
-    behind a trainer that goes on, and a run that ends before its last faults fire tests
-    nothing. So near its last step (two versions per fault still due) the trainer is paused
-    (SIGSTOP) whenever there is something left to export, and goes on one version at a time
-    as the exports catch up: every fault still meets a running, recovered run."""
-
-    def __init__(self, run_dir: Path, steps: int):
-        self.run_dir, self.steps = run_dir, steps
-        self.paused: int | None = None
-
-    def update(self, faults_left: int) -> None:
-        trained = trained_head(self.run_dir)
-        wanted = trained >= self.steps - 2 * faults_left - 2 and exported_head(self.run_dir) < trained
-        if wanted and self.paused is None:
             try:
-                pid = pid_of(self.run_dir, "trainer")
-            except (OSError, KeyError, ValueError):  # pids.json being rewritten: next time
+                fault.did = fault.act(self.run_dir)
+            except Exception as exc:  # the assertion on fired faults reports it
+                fault.did = f"failed: {exc!r}"
                 return
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-                self.paused = pid
-        elif not wanted:
-            self.release()
-
-    def release(self) -> None:
-        if self.paused is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.paused, signal.SIGCONT)
-            self.paused = None
+            fault.fired_at = time.monotonic() - started
+            floor = exported_head(self.run_dir)
 
 
 @dataclass
