@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
-    ap.add_argument("--run-dir", type=Path, default=Path("/tmp/lorabus-arith3"))
+    ap.add_argument("--run-dir", type=Path, default=None, help="default /tmp/lorabus-arith3[-<label>]")
     ap.add_argument("--timeout", type=float, default=420.0)
+    ap.add_argument("--label", default="", help="name the files gpu_learning_<label>.* (one per engine or setting)")
     ap.add_argument("overrides", nargs="*", help="config overrides for lorabus up")
     args = ap.parse_args(argv)
+    args.run_dir = args.run_dir or Path(f"/tmp/lorabus-arith3{'-' + args.label if args.label else ''}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     if not (TASK / "model" / "config.json").exists():
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     t0 = time.monotonic()
-    rc = run(cmd, args.out_dir / "gpu_learning_rl.log")
+    stem = f"gpu_learning_{args.label}" if args.label else "gpu_learning"
+    rc = run(cmd, args.out_dir / f"{stem}_rl.log")
     rl_s = time.monotonic() - t0
     summary = json.loads((args.run_dir / "summary.json").read_text())
     curve = {int(v): s for v, s in summary["eval_by_version"].items()}
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     base = curve.get(0)
     result = {
         "exit_code": rc,
+        "overrides": args.overrides,
         "pretrain": pretrain,
         "pretrain_wall_s": round(pretrain_s, 1),
         "rl_wall_s": round(rl_s, 1),
@@ -128,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         try:
-            plot(curve, rewards, base, args.out_dir / "gpu_learning.png")
+            plot(curve, rewards, base, args.out_dir / f"{stem}.png")
         except ImportError as exc:
             result["plot_error"] = repr(exc)
-    (args.out_dir / "gpu_learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "pretrain"}, indent=2))
     return rc
 

@@ -431,10 +431,11 @@ class LoraSlots:
                 f"{self._device}, {self._dtype}); pass 'torch' or 'stacked', or leave it None"
             )
         self.routing.correction = correction
-        self.merge_kernel = False
-        """whether `set_head` merges with `lora_merge`'s one-pass Triton kernel (where
-        `lora_kernels.kernel_available`) instead of torch's baddbmm; off until the GPU run of
-        benchmarks/slot_swap.py shows it faster"""
+        self.merge_kernel = available and self._device.type == "cuda"
+        """whether `set_head` merges with `lora_merge`'s one-pass Triton kernel instead of
+        torch's baddbmm: on by default on a CUDA device in half precision, where it reads W0 and
+        writes W once (H200, benchmarks/slot_swap.py --narrow 1: 1.65 ms against 5.14 ms);
+        torch elsewhere (Triton's interpreter runs it on CPU only when a test asks)"""
         # One mask buffer per batch size, rewritten in place, so its address is stable for
         # CUDA graphs; `_cols_key` says what each one holds now.
         self._cols: dict[int, torch.Tensor] = {}

@@ -1,0 +1,210 @@
+"""Where a decode step of the embedded engine goes: GPU time per kind of kernel, the host's
+share, and the fraction of the HBM-bandwidth limit, per batch size and model shape.
+
+    python benchmarks/decode_breakdown.py --out benchmarks/results/decode_breakdown_h200.json
+    python benchmarks/decode_breakdown.py --tiny --out /tmp/bd.json           # CPU smoke run
+
+The engine's own decode path (`services.rollout.sampling.decode` with `DecodeGraphs`: static KV
+cache, a CUDA graph per step variant) on a Qwen2-shaped model with random bf16 weights and an
+r16 all-linear adapter merged as the head (`LoraSlots`, every row on the head: what serving the
+newest version costs). A decode step is isolated by difference: two runs of the same rows, with
+1 and with 1 + N new tokens, under the torch profiler; (long - short) / N is one step, prefill
+excluded. Kernels are put into kinds by name (`KINDS`); the rest is reported by name, so
+nothing is hidden. `host` is the wall time of a step minus the GPU's busy time in it: launch,
+Python and synchronisation.
+
+HBM limit: a decode step must read every weight once (bf16) and the KV cache of each row up to
+its position; at the device's bandwidth (`--hbm-tbs`, H200: 4.8 TB/s) that takes `limit_ms`;
+`fraction_of_limit` = limit_ms / step_ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.adapters import random_lora  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.timing import device_name, sync  # noqa: E402
+from services.rollout.lora_slots import LoraSlots  # noqa: E402
+from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
+
+# (kind, pattern on the kernel's name), first match wins
+KINDS: list[tuple[str, re.Pattern]] = [
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax_warp|efficient", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|splitK|sm90|Kernel2", re.I)),
+    ("lora_correction", re.compile(r"shrink|expand|lora|_stacked|_fused", re.I)),
+    ("sampling", re.compile(r"sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce", re.I)),
+    ("norm_rope_act", re.compile(r"rms|norm|rotary|rope|silu|gelu|act_and_mul|pow|rsqrt|mean", re.I)),
+    ("kv_write_copy", re.compile(r"copy|memcpy|memset|index_put|scatter|cat|fill|index", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|add|mul|where|neg|exp", re.I)),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pat in KINDS:
+        if pat.search(name):
+            return kind
+    return "other"
+
+
+def qwen2(shape: str, tiny: bool, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if tiny:
+        cfg = Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+        )  # fmt: skip
+    else:
+        cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def kernel_times(fn, device) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU (or CPU-op) self time in µs per kernel name, and launch counts, while `fn` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        fn()
+        sync(device)
+    times: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and ev.cpu_parent is not None:  # CPU: top-level ops only, no double counting
+            continue
+        dur = ev.device_time if cuda else ev.cpu_time
+        times[ev.name] += dur
+        counts[ev.name] += 1
+    return times, counts
+
+
+def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device) -> dict:
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    graphs = DecodeGraphs(model, capture=device.type == "cuda")
+    versions = [slots.head] * batch
+
+    def run(new: int):
+        rows = [Row(prompt=p, max_new_tokens=new, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+        return lambda: decode(model, rows, step_context=lambda: slots.route(versions), graphs=graphs)
+
+    short, long = run(1), run(1 + steps)
+    long()  # captures every graph the long run needs (the short run's are a subset)
+    short()
+
+    def wall(fn, reps=3):
+        best = float("inf")
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    step_ms = (wall(long) - wall(short)) / steps * 1e3
+    t_long, c_long = kernel_times(long, device)
+    t_short, c_short = kernel_times(short, device)
+    per_kernel = {
+        k: ((t_long[k] - t_short.get(k, 0.0)) / steps, (c_long[k] - c_short.get(k, 0)) / steps) for k in t_long
+    }
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (us, _) in per_kernel.items():
+        by_kind[kind_of(name)] += us
+    busy_ms = sum(by_kind.values()) / 1e3
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # KV read per step: every layer's K and V of each row up to its mean position
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    mean_len = prompt_len + steps / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * batch * mean_len * cfg.num_key_value_heads * head_dim * 2
+    return {
+        "batch": batch,
+        "step_ms": round(step_ms, 3),
+        "tokens_per_s": round(batch / step_ms * 1e3, 1),
+        "gpu_busy_ms": round(busy_ms, 3),
+        "host_ms": round(step_ms - busy_ms, 3),
+        "by_kind_ms": {k: round(v / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": round(sum(c for _, c in per_kernel.values()), 1),
+        "top_kernels": [
+            {"name": n[:120], "kind": kind_of(n), "us_per_step": round(us, 2), "launches_per_step": round(c, 2)}
+            for n, (us, c) in top
+        ],
+        "weight_gb": round(weight_bytes / 1e9, 3),
+        "kv_read_gb": round(kv_bytes / 1e9, 4),
+        "graph_captures": graphs.captures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps measured (the long run's minus one)")
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
+        return 2
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    shapes = ["tiny"] if args.tiny else args.shapes
+    batches = [1, 4] if args.tiny else args.batches
+    out: dict = {"device": device_name(device), "torch": torch.__version__, "prompt_len": args.prompt_len,
+                 "steps": args.steps, "hbm_tbs": args.hbm_tbs, "runs": []}  # fmt: skip
+    for shape in shapes:
+        model = qwen2(shape, args.tiny, device, dtype)
+        adapter = random_lora(model, 16, seed=100, dtype=dtype, b_scale=0.02)  # before the slots replace the layers
+        slots = LoraSlots.install(model, adapter, slots=4)
+        slots.load(0, adapter, 2.0)
+        slots.set_head(0)
+        for batch in batches:
+            try:
+                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device)
+            except torch.OutOfMemoryError as exc:
+                r = {"batch": batch, "error": f"out of memory: {exc}"[:300]}
+                torch.cuda.empty_cache()
+            r["shape"] = shape
+            if "step_ms" in r:
+                limit_ms = (r["weight_gb"] + r["kv_read_gb"]) / (args.hbm_tbs * 1e3) * 1e3
+                r["limit_ms"] = round(limit_ms, 4)
+                r["fraction_of_limit"] = round(limit_ms / r["step_ms"], 3)
+                kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms"].items())[:6])
+                print(
+                    f"{shape} batch {batch}: step {r['step_ms']:.2f} ms ({r['tokens_per_s']:,.0f} tok/s), GPU busy "
+                    f"{r['gpu_busy_ms']:.2f}, host {r['host_ms']:.2f}; {kinds}; {r['kernels_per_step']:.0f} "
+                    f"kernels; limit {limit_ms:.3f} ms = {r['fraction_of_limit']:.1%}",
+                    flush=True,
+                )
+            out["runs"].append(r)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=2) + "\n")
+        del model, slots
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
