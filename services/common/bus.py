@@ -5,10 +5,10 @@ service cannot decode, or keeps failing on, goes to the run's dead-letter stream
 blocking the consumer or being dropped silently (`services.common.pull`); JetStream publishes
 carry a `Nats-Msg-Id` so retries are deduplicated; and every message is counted for Prometheus.
 
-It is the only module that talks to nats-py: services call its methods, never `nc`/`js`
-(the attributes stay for tests and tools). What it reaches of nats-py's internals is in
-`_Client` alone (direct subscriptions and batched publishes, each tested against nats-py's
-own path).
+The bus modules are the only ones that talk to nats-py, split as nats.py splits its client:
+`nats_client` (the connection, raw messages, errors), `inbox` (replies), `pull` (durable
+consumers), this module (the `Bus` a service holds) and `run_table` (a fleet's KV run table).
+Services call their methods, never `nc`/`js` (the attributes stay for tests and tools).
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import re
-import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, overload
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar, get_args, overload
 
 import msgspec
-import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import (
@@ -42,30 +36,42 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from proto import codec, subjects
-from proto.messages import DeadLetter, DeadLetterReason, RunList, RunRecord, RunReply, RunStop, RunSubmit
-from services.common import streams
+from proto.messages import DeadLetter, DeadLetterReason
+from services.common import nats_client, streams
 from services.common.config_schema import BusConfig
-
-if TYPE_CHECKING:
-    from services.common.pull import Puller
+from services.common.inbox import Inbox
+from services.common.nats_client import (
+    DEAD_LETTER_ERRORS,
+    MSG_ID_HEADER,
+    TRANSIENT_ERRORS,
+    BusError,
+    Client,
+    Handler,
+    MsgMeta,
+    OnRaw,
+    Raw,
+    SequenceMismatch,
+    StoredMsg,
+    decode,
+    stored_seq,
+)
+from services.common.nats_client import (
+    Refused as Refused,  # re-exported: handlers raise it (`dispatch`)
+)
+from services.common.pull import Puller, handle_all
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MSG_ID_HEADER = "Nats-Msg-Id"
 DEAD_LETTER_RAW_BYTES = 64 * 1024
 DEAD_LETTER_REASONS: tuple[str, ...] = get_args(DeadLetterReason)
 DEAD_LETTER_ERROR_CHARS = 2000
-RECONNECT_WAIT_S = 0.5
 PUBLISH_TIMEOUT_S = 10.0
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
-CONSUMER_PAUSE_S = 0.5
-"""pause of a consumer whose pull failed with an unexpected error, before it pulls again"""
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
-_NO_RESPONDERS = "503"  # the status of a request nobody (no stream) answers
 
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
@@ -77,11 +83,6 @@ DEAD_LETTERS = Counter(
     "Messages sent to the dead-letter stream, by reason",
     ["service", "reason"],
 )
-RECONNECTS = Counter(
-    "lorabus_bus_reconnects_total",
-    "Reconnections to the NATS server after a lost connection",
-    ["service"],
-)
 
 _DELIVER = {
     "all": DeliverPolicy.ALL,
@@ -89,249 +90,11 @@ _DELIVER = {
     "last_per_subject": DeliverPolicy.LAST_PER_SUBJECT,
 }
 
-# Errors that mean "the server is not reachable right now": worth retrying, not a bug.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    asyncio.TimeoutError,
-)
-
-
-class BusError(RuntimeError):
-    pass
-
-
-class Refused(ValueError):
-    """Raised by a handler: the message is wrong for good (a forged or out-of-order event), so
-    it is dead-lettered at once as "validation" with this message, not retried."""
-
-
-class SequenceMismatch(BusError):
-    """A `publish_expect` found the stream past the expected sequence: someone else wrote."""
-
-
-DEAD_LETTER_ERRORS: tuple[type[BaseException], ...] = (BusError, *TRANSIENT_ERRORS)
-"""what `dead_letter` raises when it could not record the message"""
-
-
-class StoredMsg(msgspec.Struct, frozen=True):
-    """A message read back from a stream by sequence or subject."""
-
-    subject: str
-    seq: int
-    data: bytes
-    headers: dict[str, str] | None
-
-
-class MsgMeta(msgspec.Struct, frozen=True):
-    """Delivery facts a handler may need (idempotency, logging, retry decisions)."""
-
-    subject: str
-    stream_seq: int
-    """0 for core NATS messages"""
-    num_delivered: int
-    msg_id: str | None = None
-
-
-Handler = Callable[[Any, MsgMeta], Awaitable[None]]
-
-
-class _PubAck(msgspec.Struct):
-    """A JetStream publish's answer: where it was stored, or why not."""
-
-    seq: int = 0
-    error: dict[str, Any] | None = None
-
-
-_pub_ack = msgspec.json.Decoder(_PubAck)
-
-
-class Raw(msgspec.Struct, gc=False):
-    """A message as received, for a direct subscription's callback: the four fields of
-    nats-py's `Msg` the Bus reads, without its client reference and dataclass."""
-
-    subject: str
-    reply: str
-    data: bytes
-    headers: dict[str, str] | None
-
-
-OnRaw = Callable[[Raw], None]
-
-_PLAIN_HEADERS = b"NATS/1.0\r\n"  # a header block without an inline status
-_NOT_IN_SUBJECT = re.compile(r"[ \t\r\n]")  # what nats-py's publish refuses in a subject
-
-
-def read_headers(block: bytes) -> dict[str, str] | None:
-    """nats-py's reading of a header block without an inline status (`Client._process_headers`
-    through `_parse_header_lines`, without its per-character whitespace scan): `Name: value`
-    lines, names ASCII without whitespace, values UTF-8; None when there are none."""
-    out: dict[str, str] = {}
-    for line in block[len(_PLAIN_HEADERS) :].split(b"\r\n"):
-        name, sep, value = line.partition(b":")
-        if not sep or not name.isascii():
-            continue
-        key = name.strip().decode()
-        if key and key.split() != [key]:  # whitespace inside the name
-            continue
-        out[key] = value.strip().decode("utf-8", "replace")
-    return out or None
-
-
-class _Client(Client):
-    """nats-py's client, plus two cheaper paths for the small messages the registry sends
-    and receives several of per decision (nats-py's own per-message machinery was ~40 % of
-    its CPU):
-
-    - direct subscriptions (`Bus.subscribe_direct`): each message goes from the read loop
-      straight to a plain function, without nats-py's `Msg`, the subscription's pending queue
-      and its task's per-message wake-up and callback coroutine. Internal reached:
-      `_process_msg(sid, subject, reply, data, headers)`, which nats-py's protocol parser
-      awaits for every MSG/HMSG. If a release stops calling it, direct subscriptions still
-      work through nats-py's own path (`fallbacks` counts those messages), only slower;
-      tests/integration/test_bus.py fails then.
-    - `publish_many`: the PUBs of a batch as one pending command, with `publish`'s checks.
-      Internals reached: `_send_command` and the flusher kick, as `publish` does them;
-      tests/unit/test_bus_direct.py checks the bytes against `publish`'s own.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.direct: dict[int, OnRaw] = {}
-        """the callback of each direct subscription, by sid"""
-        self.fallbacks = 0
-        """messages of direct subscriptions that came through nats-py's queue and task"""
-
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-        on_raw = self.direct.get(sid)
-        if on_raw is None:
-            # nats-py annotates headers as bytes, but its parser passes None for a plain MSG
-            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
-            return
-        if sid not in self._subs:  # unsubscribed: nats-py drops what still comes for it
-            del self.direct[sid]
-            return
-        self.stats["in_msgs"] += 1
-        self.stats["in_bytes"] += len(data)
-        if not headers:
-            parsed = None
-        elif headers.startswith(_PLAIN_HEADERS):
-            parsed = read_headers(headers)
-        else:  # an inline status (a pull's 408, a 503): nats-py's own reading
-            parsed = await self._process_headers(headers)
-        try:
-            on_raw(Raw(subject.decode(), reply.decode(), data, parsed))
-        except Exception:  # never into the read loop: that would drop the connection
-            log.exception("bus: direct subscription callback failed on %s", subject.decode(errors="replace"))
-
-    async def publish_many(self, msgs: Sequence[tuple[str, str, bytes]]) -> None:
-        """`publish(subject, data, reply=reply)` of each `(subject, reply, data)`, with its
-        checks in its order, written as one pending command: ~2 us a message less than
-        `publish` (its coroutine, stats and flush kick per message). A message `publish` would
-        refuse raises its error, and none of the batch is sent."""
-        parts: list[bytes] = []
-        pending = self._pending_data_size
-        for subject, reply, data in msgs:
-            if not subject or _NOT_IN_SUBJECT.search(subject) or (reply and _NOT_IN_SUBJECT.search(reply)):
-                raise nats.errors.BadSubjectError  # whitespace would inject protocol lines
-            if self.is_closed:
-                raise nats.errors.ConnectionClosedError
-            if self.is_draining_pubs:
-                raise nats.errors.ConnectionDrainingError
-            if not self.is_connected and (self._max_pending_size <= 0 or len(data) + pending > self._max_pending_size):
-                raise nats.errors.OutboundBufferLimitError
-            if len(data) > self._max_payload:
-                raise nats.errors.MaxPayloadError
-            command = f"PUB {subject} {reply} {len(data)}\r\n".encode() + data + b"\r\n"
-            pending += len(command)
-            parts.append(command)
-        if not parts:
-            return
-        self.stats["out_msgs"] += len(parts)
-        self.stats["out_bytes"] += sum(len(data) for _, _, data in msgs)
-        await self._send_command(b"".join(parts))
-        if self._flush_queue is not None and self._flush_queue.empty():
-            await self._flush_pending()
-
-
-def stored_seq(reply: Raw) -> int:
-    """The stream sequence a PubAck names; raises what nats-py's JetStream publish raises
-    (NoStreamResponseError for no stream, APIError for a refusal). msgspec reads it in a
-    fraction of nats-py's json + dataclass path, once per stored message on hot paths."""
-    if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
-        raise nats.js.errors.NoStreamResponseError
-    try:
-        ack = _pub_ack.decode(reply.data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise nats.js.errors.APIError(description=f"unreadable PubAck {reply.data[:200]!r}: {exc}") from None
-    if ack.error is not None:
-        raise nats.js.errors.APIError.from_error(ack.error)
-    return ack.seq
-
-
-class _AckWait:
-    """PubAcks still awaited by one `publish_all`: a sequence or an error per message."""
-
-    __slots__ = ("results", "left", "done")
-
-    def __init__(self, n: int, done: asyncio.Future):
-        self.results: list[int | BaseException | None] = [None] * n
-        self.left = n
-        self.done = done
-
-    def take(self, i: int, reply: Raw) -> None:
-        try:
-            self.results[i] = stored_seq(reply)
-        except nats.errors.Error as exc:
-            self.results[i] = exc
-        self.left -= 1
-        if self.left == 0:
-            _settle_future(self.done, None)
-
-
-def _settle_future(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _connect_options(cfg: BusConfig) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    password = cfg.password
-    if cfg.password_env:
-        password = os.environ.get(cfg.password_env)
-        if password is None:
-            raise BusError(
-                f"bus.password_env: environment variable {cfg.password_env!r} is not set; "
-                "export it or remove bus.password_env"
-            )
-    if password is not None and not cfg.user:
-        raise BusError("bus.user: a password is configured but no user; set bus.user")
-    if cfg.user:
-        options["user"] = cfg.user
-        options["password"] = password
-    if cfg.creds_file:
-        if not os.path.isfile(cfg.creds_file):
-            raise BusError(f"bus.creds_file: {cfg.creds_file!r} does not exist")
-        options["user_credentials"] = cfg.creds_file
-    if cfg.tls_ca or cfg.tls_cert or cfg.url.startswith("tls://"):
-        if bool(cfg.tls_cert) != bool(cfg.tls_key):
-            raise BusError("bus.tls_cert/bus.tls_key: give both for client certificates, or neither")
-        context = ssl.create_default_context(cafile=cfg.tls_ca)
-        if cfg.tls_cert:
-            context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-        options["tls"] = context
-    return options
-
 
 class Bus:
     """One connection of one service of one run. Create with `await Bus.connect(...)`."""
 
-    def __init__(self, nc: _Client, run: str, service: str):
+    def __init__(self, nc: Client, run: str, service: str):
         self.nc = nc
         self.js = nc.jetstream()
         self.run = subjects.token(run, "run")
@@ -343,69 +106,16 @@ class Bus:
         self.consumed = MESSAGES.labels(self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
-        self._replies: Subscription | None = None
-        self._replies_prefix = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        """the loop the reply inbox runs on (kept: on Python 3.11 each lookup costs a getpid())"""
-        self._reply_next = 0
-        self._reply_waits: dict[str, Callable[[Raw], None]] = {}
-        """what to do with each awaited reply (an answer, a PubAck), by its reply subject's last token"""
+        self.inbox = Inbox(nc, self.subscribe_direct)
 
     # --- connection ---------------------------------------------------------------------
 
     @classmethod
     async def connect(cls, cfg: BusConfig, *, run: str, service: str) -> Bus:
-        """Connect, retrying for up to `cfg.connect_timeout_s` (a service may start before
-        the server); afterwards nats-py reconnects on its own, every RECONNECT_WAIT_S."""
+        """Connect (`nats_client.connect`: retried for up to `cfg.connect_timeout_s`)."""
         subjects.token(run, "run")
         subjects.token(service, "service")
-        options = _connect_options(cfg)
-
-        nc = _Client()
-
-        async def on_disconnect() -> None:
-            if not (nc.is_closed or nc.is_draining):  # our own close() is not news
-                log.warning("bus: disconnected from %s", cfg.url)
-
-        async def on_reconnect() -> None:
-            RECONNECTS.labels(service).inc()
-            log.info("bus: reconnected to %s", cfg.url)
-
-        async def on_error(exc: Exception) -> None:
-            # Connection refused while reconnecting is expected noise during a restart.
-            log.debug("bus: %s: %s", type(exc).__name__, exc)
-
-        try:
-            # nats-py retries the first connect too (every RECONNECT_WAIT_S, forever with
-            # max_reconnect_attempts=-1): bound the whole attempt by connect_timeout_s.
-            await asyncio.wait_for(
-                nc.connect(
-                    servers=[cfg.url],
-                    name=f"lorabus-{run}-{service}",
-                    # nats-py annotates both as int but hands them to asyncio timeouts as seconds
-                    connect_timeout=cfg.connect_timeout_s,  # type: ignore[arg-type]
-                    allow_reconnect=True,
-                    max_reconnect_attempts=cfg.max_reconnect_attempts,
-                    reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
-                    disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
-                    error_cb=on_error,
-                    # replies to this user's requests (PubAcks, pulled messages, grants) come to
-                    # an inbox only it may subscribe to (deploy/nats: `_INBOX_<user>.>`)
-                    inbox_prefix=f"_INBOX_{cfg.user}" if cfg.user else "_INBOX",
-                    **options,
-                ),
-                timeout=cfg.connect_timeout_s,
-            )
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
-            cause = nc.last_error or exc
-            await nc.close()
-            raise BusError(
-                f"bus.url: cannot connect to NATS at {cfg.url} within {cfg.connect_timeout_s}s "
-                f"({type(cause).__name__}: {cause}); is nats-server running (`lorabus up` "
-                "starts one), and are bus.user/password/creds_file right?"
-            ) from exc
-        return cls(nc, run, service)
+        return cls(await nats_client.connect(cfg, run=run, service=service), run, service)
 
     @property
     def is_connected(self) -> bool:
@@ -544,65 +254,10 @@ class Bus:
     async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> int:
         """One JetStream publish (a request the stream answers with a PubAck): its sequence."""
         try:
-            reply = await self._request_raw(subject, data, headers, timeout)
+            reply = await self.inbox.request(subject, data, headers, timeout)
         except nats.errors.NoRespondersError:
             raise nats.js.errors.NoStreamResponseError from None
         return stored_seq(reply)
-
-    # --- replies: one inbox per Bus for every answer it waits for -----------------------------
-    #
-    # nats-py's request costs a random token, a NUID, a done-callback and a wait_for (a waiter
-    # and a timer) per call, and its publish_async a semaphore, a token and a future per message;
-    # these run several times per decision (rollout, registry). Here: a counter, a dict entry
-    # and one timer per wait.
-
-    async def _open_replies(self) -> asyncio.AbstractEventLoop:
-        """Subscribe the reply inbox (once); the loop it runs on."""
-        if self._loop is None:
-            # set before the await: a request made meanwhile uses this inbox (its SUB goes out
-            # first, on the same connection) instead of subscribing a second one
-            loop = self._loop = asyncio.get_running_loop()
-            self._replies_prefix = self.nc.new_inbox() + "."
-            try:
-                self._replies = await self.subscribe_direct(self._replies_prefix + "*", self._on_reply)
-            except BaseException:
-                self._loop = None
-                raise
-            return loop
-        return self._loop
-
-    def _reply_to(self, on_reply: Callable[[Raw], None]) -> str:
-        """A reply subject whose one message goes to `on_reply` (drop it with `_forget`)."""
-        self._reply_next += 1
-        key = str(self._reply_next)
-        self._reply_waits[key] = on_reply
-        return self._replies_prefix + key
-
-    def _forget(self, reply_to: str) -> None:
-        self._reply_waits.pop(reply_to[len(self._replies_prefix) :], None)
-
-    def _on_reply(self, msg: Raw) -> None:
-        on_reply = self._reply_waits.pop(msg.subject[len(self._replies_prefix) :], None)
-        if on_reply is not None:  # else its waiter gave up
-            on_reply(msg)
-
-    async def _request_raw(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> Raw:
-        """Core request: the reply, or nats.errors.TimeoutError / NoRespondersError as nats-py."""
-        loop = self._loop or await self._open_replies()
-        answer: asyncio.Future = loop.create_future()
-        reply_to = self._reply_to(partial(_settle_future, answer))
-        timer = loop.call_later(timeout, _settle_future, answer, None)
-        try:
-            await self.nc.publish(subject, data, reply=reply_to, headers=headers)
-            reply = await answer
-        finally:
-            timer.cancel()
-            self._forget(reply_to)
-        if reply is None:
-            raise nats.errors.TimeoutError
-        if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
-            raise nats.errors.NoRespondersError
-        return reply
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Core NATS publish: fire and forget, not persisted."""
@@ -645,7 +300,7 @@ class Bus:
     async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T] | Any, *, timeout: float = 2.0) -> T:
         """Core request/reply; raises `nats.errors.TimeoutError` when nobody answers in time
         and `proto.codec.DecodeError` when the reply is not a `reply_type`."""
-        reply = await self._request_raw(subject, codec.encode(msg), None, timeout)
+        reply = await self.inbox.request(subject, codec.encode(msg), None, timeout)
         self.published.inc()
         self.consumed.inc()
         return decode(reply.data, reply_type)
@@ -696,7 +351,7 @@ class Bus:
 
     async def subscribe_direct(self, subject: str, on_raw: OnRaw, *, queue: str = "") -> Subscription:
         """Core subscription whose messages go to `on_raw(raw)` as they are read, in the
-        connection's read loop (`_Client`): a plain function that must neither block nor
+        connection's read loop (`nats_client.Client`): a plain function that must neither block nor
         await (it schedules what must wait); what it raises is logged. For hot paths: reply
         inboxes, pull deliveries, the registry's admissions."""
         nc = self.nc
@@ -744,8 +399,6 @@ class Bus:
     ) -> Puller[T]:
         """Create (or bind to) the durable `consumer` and return its burst reader: decoded
         deliveries, undecodable ones dead-lettered already (see `services.common.pull`)."""
-        from services.common.pull import Puller
-
         if deliver not in _DELIVER:
             raise BusError(f"deliver: {deliver!r} is not one of {sorted(_DELIVER)}")
         c = consumer
@@ -804,50 +457,14 @@ class Bus:
         return self.dispatch(reader, handler)
 
     def dispatch(self, reader: Puller, handler: Handler) -> asyncio.Task:
-        """Run `handler(msg, meta)` on every delivery of `reader` in a background task; returns
-        the task (cancel it to stop; the durable keeps its position on the server).
+        """`pull.handle_all(reader, handler)` (ack, retry with backoff or dead-letter each
+        delivery) in a background task of this Bus; returns the task (cancel it to stop)."""
+        name = f"consume:{reader.stream}/{reader.durable}"
+        return self.adopt(asyncio.create_task(handle_all(reader, handler), name=name))
 
-        Deliveries are handled one at a time in stream order. Returning acks; raising `Refused`
-        dead-letters and terminates at once; raising anything else naks with a delay of
-        `retry_delay_s * 2**(n-1)` (n = deliveries so far) and, on the `max_deliver`-th
-        failure, dead-letters and terminates the message. Nothing but cancelling ends the task.
-        """
-
-        async def run() -> None:
-            try:
-                while True:
-                    try:
-                        burst = await reader.burst()
-                    except Exception:  # a consumer never dies while its service lives
-                        log.exception("bus: pull on %s/%s failed; pulling again", reader.stream, reader.durable)
-                        await asyncio.sleep(CONSUMER_PAUSE_S)
-                        continue
-                    # what waits its turn, and what is being handled, stays ours while this
-                    # process lives; a dead one's comes back after ack_wait, which can be short
-                    alive = asyncio.create_task(reader.keep_alive(burst))
-                    try:
-                        for delivery in burst:
-                            await _handle(delivery)
-                    finally:
-                        alive.cancel()
-            finally:
-                await reader.stop()
-
-        async def _handle(delivery: Any) -> None:
-            try:
-                try:
-                    await handler(delivery.msg, delivery.meta)
-                except Refused as exc:
-                    await delivery.reject("validation", str(exc))
-                    return
-                except Exception as exc:
-                    await delivery.retry(repr(exc))
-                    return
-                await delivery.ack()
-            except Exception:  # settling failed: the server redelivers after ack_wait
-                log.exception("bus: settling a delivery on %s failed", delivery.meta.subject)
-
-        task = asyncio.create_task(run(), name=f"consume:{reader.stream}/{reader.durable}")
+    def adopt(self, task: asyncio.Task) -> asyncio.Task:
+        """Make `task` one of this Bus's background readers: `close()` cancels it, and its
+        failure is logged. Returns it."""
         self._consumers.add(task)
         task.add_done_callback(self._consumer_done)
         return task
@@ -970,25 +587,7 @@ class Bus:
         """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
         then gather every PubAck within `timeout`: a sequence, or the error, per message (a
         PubAck that did not come: nats.errors.TimeoutError)."""
-        if not msgs:
-            return []
-        loop = self._loop or await self._open_replies()
-        wait = _AckWait(len(msgs), loop.create_future())
-        reply_tos = []
-        timer = None
-        try:
-            for i, (subject, data, msg_id) in enumerate(msgs):
-                reply_tos.append(reply_to := self._reply_to(partial(wait.take, i)))
-                await self.nc.publish(subject, data, reply=reply_to, headers={MSG_ID_HEADER: msg_id})
-            self.published.inc(len(msgs))
-            timer = loop.call_later(timeout, _settle_future, wait.done, None)
-            await wait.done
-        finally:
-            if timer is not None:
-                timer.cancel()
-            for reply_to in reply_tos:
-                self._forget(reply_to)
-        return [nats.errors.TimeoutError() if r is None else r for r in wait.results]
+        return await self.inbox.publish_all(msgs, timeout, self.published.inc)
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""
@@ -996,74 +595,3 @@ class Bus:
             await self.dead_letter(subject, reason, error, raw)
         except DEAD_LETTER_ERRORS as exc:
             log.error("bus: could not dead-letter %s (%r)", subject, exc)
-
-    # --- the fleet: its run table (KV, written by the registry alone) and run requests --------
-
-    async def run_records(self, fleet: str) -> dict[str, RunRecord]:
-        """Every run of `fleet` as the run table holds it now."""
-        bucket = streams.runs_bucket(fleet)
-        kv = await self.key_value(bucket)
-        # The keys from the stream's own subject list, not `kv.keys()`: nats-py's key watcher
-        # can end its initial replay early and return some of the keys (nats-io/nats.py#842,
-        # #995), and a restarted fleet registry would then forget live runs. STREAM.INFO
-        # answers from one snapshot of the stream.
-        prefix = f"$KV.{bucket}."
-        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-        keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
-        out = {}
-        for key in keys:
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                entry = await kv.get(key)
-                if entry.value:
-                    out[key] = decode(entry.value, RunRecord)
-        return out
-
-    async def put_run_record(self, record: RunRecord) -> int:
-        """Write one run's record (the registry's job); returns the bucket revision."""
-        kv = await self.key_value(streams.runs_bucket(record.fleet))
-        return await kv.put(subjects.token(record.run, "run"), codec.encode(record))
-
-    async def watch_run_records(self, fleet: str, handler: Callable[[RunRecord], Awaitable[None]]) -> asyncio.Task:
-        """`handler(record)` for every run of `fleet` now, then for every change, in order, in
-        a background task (cancel it to stop). A record that does not decode is logged and
-        skipped: the registry is the one writer, so it is a bug, not a message to retry."""
-        kv = await self.key_value(streams.runs_bucket(fleet))
-        watcher = await kv.watchall()
-
-        async def run() -> None:
-            try:
-                async for entry in watcher:
-                    if entry is None or not entry.value:  # end of the initial values; a delete
-                        continue
-                    try:
-                        record = decode(entry.value, RunRecord)
-                    except codec.DecodeError as exc:
-                        log.error("bus: run record %s of fleet %s does not decode: %s", entry.key, fleet, exc)
-                        continue
-                    await handler(record)
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
-
-        task = asyncio.create_task(run(), name=f"runs:{fleet}")
-        self._consumers.add(task)
-        task.add_done_callback(self._consumer_done)
-        return task
-
-    async def submit_run(self, fleet: str, run: str, config: dict[str, Any], *, timeout: float = 10.0) -> RunReply:
-        """Ask the fleet's registry to add a run (`lorabus run submit`)."""
-        request = RunSubmit(fleet=fleet, run=run, config=config)
-        return await self.request(subjects.run_control(fleet, "submit"), request, RunReply, timeout=timeout)
-
-    async def stop_run(self, fleet: str, run: str, reason: str = "", *, timeout: float = 10.0) -> RunReply:
-        """Ask the fleet's registry to stop a run (`lorabus run stop`)."""
-        request = RunStop(fleet=fleet, run=run, reason=reason)
-        return await self.request(subjects.run_control(fleet, "stop"), request, RunReply, timeout=timeout)
-
-    async def list_runs(self, fleet: str, *, timeout: float = 5.0) -> RunReply:
-        """The fleet's runs (`lorabus run list`)."""
-        return await self.request(subjects.run_control(fleet, "list"), RunList(fleet=fleet), RunReply, timeout=timeout)
-
-
-decode = codec.decode
-"""`codec.decode` (which also turns nesting too deep for the decoder into a "decode" error)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -33,7 +33,18 @@ from nats.aio.subscription import Subscription
 
 from proto import codec
 from proto.messages import DeadLetterReason
-from services.common.bus import DEAD_LETTER_ERRORS, MSG_ID_HEADER, TRANSIENT_ERRORS, Bus, MsgMeta, Raw, decode
+from services.common.nats_client import (
+    DEAD_LETTER_ERRORS,
+    MSG_ID_HEADER,
+    TRANSIENT_ERRORS,
+    Client,
+    Handler,
+    MsgMeta,
+    OnRaw,
+    Raw,
+    Refused,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +58,27 @@ NO_WAIT_S = 1.0
 """how long a no-wait pull may take to answer before the burst goes on without it"""
 IDLE_S = 0.5
 """pause after a pull request the server refused (deleted durable, no responders)"""
+CONSUMER_PAUSE_S = 0.5
+"""pause of a consumer whose pull failed with an unexpected error, before it pulls again"""
 _ENDS_QUIETLY = {"404", "408"}  # no messages, request expired: the ordinary end of a pull
 # what nats-py's Msg.ack/in_progress/term/nak send on a delivery's reply subject (an empty
 # body is an ack)
 ACK, IN_PROGRESS, TERM = b"", b"+WPI", b"+TERM"
+
+
+class Link(Protocol):
+    """What a puller needs of the Bus that made it (`Bus.pull`; the Bus imports this module)."""
+
+    nc: Client
+    service: str
+    consumed: Any
+    """the Bus's counter of deliveries received"""
+
+    async def subscribe_direct(self, subject: str, on_raw: OnRaw, *, queue: str = "") -> Subscription: ...
+
+    async def dead_letter(
+        self, subject: str, reason: DeadLetterReason, error: str, raw: bytes, *, msg_id: str | None = None
+    ) -> int: ...
 
 
 def nak_payload(delay: float | None) -> bytes:
@@ -153,7 +181,7 @@ def _release(waiter: asyncio.Future) -> None:
 class Puller(Generic[T]):
     """A durable pull consumer read in bursts (create with `Bus.pull`)."""
 
-    def __init__(self, bus: Bus, stream: str, durable: str, msg_type: type[T] | Any, *, batch: int,
+    def __init__(self, bus: Link, stream: str, durable: str, msg_type: type[T] | Any, *, batch: int,
                  max_deliver: int, retry_delay_s: float, keep_open: bool, ack_wait_s: float = 30.0):  # fmt: skip
         self.bus, self.stream, self.durable, self.msg_type = bus, stream, durable, msg_type
         self.batch, self.max_deliver, self.retry_delay_s = batch, max_deliver, retry_delay_s
@@ -333,3 +361,47 @@ class Puller(Generic[T]):
             await _settle(self, raw, nak_payload(1.0))
             return
         await _settle(self, raw, TERM)
+
+
+async def handle_all(reader: Puller, handler: Handler) -> None:
+    """Run `handler(msg, meta)` on every delivery of `reader`, one at a time in stream order,
+    until cancelled (then the reader stops; the durable keeps its position on the server).
+
+    Returning acks; raising `Refused` dead-letters and terminates at once; raising anything else
+    naks with a delay of `retry_delay_s * 2**(n-1)` (n = deliveries so far) and, on the
+    `max_deliver`-th failure, dead-letters and terminates the message. Nothing but cancelling
+    ends it: a failed pull is logged and pulled again.
+    """
+
+    async def handle(delivery: Delivery) -> None:
+        try:
+            try:
+                await handler(delivery.msg, delivery.meta)
+            except Refused as exc:
+                await delivery.reject("validation", str(exc))
+                return
+            except Exception as exc:
+                await delivery.retry(repr(exc))
+                return
+            await delivery.ack()
+        except Exception:  # settling failed: the server redelivers after ack_wait
+            log.exception("bus: settling a delivery on %s failed", delivery.meta.subject)
+
+    try:
+        while True:
+            try:
+                burst = await reader.burst()
+            except Exception:  # a consumer never dies while its service lives
+                log.exception("bus: pull on %s/%s failed; pulling again", reader.stream, reader.durable)
+                await asyncio.sleep(CONSUMER_PAUSE_S)
+                continue
+            # what waits its turn, and what is being handled, stays ours while this process
+            # lives; a dead one's comes back after ack_wait, which can be short
+            alive = asyncio.create_task(reader.keep_alive(burst))
+            try:
+                for delivery in burst:
+                    await handle(delivery)
+            finally:
+                alive.cancel()
+    finally:
+        await reader.stop()

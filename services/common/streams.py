@@ -80,6 +80,16 @@ def runs_bucket(fleet: str) -> str:
     return f"lorabus_{subjects.token(fleet, 'fleet')}_runs"
 
 
+def kv_stream(bucket: str) -> str:
+    """The stream JetStream keeps KV bucket `bucket` in."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str = "") -> str:
+    """The subject of `key` in KV bucket `bucket` (with no key: the prefix of every key's)."""
+    return f"$KV.{bucket}.{key}"
+
+
 # (stream, subject pattern, max_age, max_msgs_per_subject, message type); -1 = unlimited.
 # Adapter events and exports are the run's history: services that start late replay them, so
 # they are kept for the run's lifetime. Heartbeats are chatter: keep the recent ones only.

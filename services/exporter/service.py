@@ -24,6 +24,7 @@ from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
+from services.common.run_table import RunTable
 from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
@@ -180,7 +181,7 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
         others = FleetExports(cfg, bus)
         try:
-            await bus.watch_run_records(cfg.run, others.on_record)  # a task of the bus: close() ends it
+            await RunTable(bus, cfg.run).watch(others.on_record)  # a task of the bus: close() ends it
         except Exception as refused:  # e.g. a bus user without rights on the run table
             log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, refused, cfg.run)
         stopper = asyncio.create_task(stop.wait())

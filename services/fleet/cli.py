@@ -64,13 +64,16 @@ def render(reply: RunReply) -> str:
 
 
 async def ask(args: argparse.Namespace, fleet: LorabusConfig, run_tree: dict | None, run_name: str) -> RunReply:
+    from services.common.run_table import RunTable
+
     async with entry.connected(fleet, "run-cli", ensure_streams=False) as bus:
+        table = RunTable(bus, fleet.run)
         if args.op == "submit":
             assert run_tree is not None
-            return await bus.submit_run(fleet.run, run_name, run_tree, timeout=args.timeout)
+            return await table.submit(run_name, run_tree, timeout=args.timeout)
         if args.op == "stop":
-            return await bus.stop_run(fleet.run, args.name, args.reason, timeout=args.timeout)
-        return await bus.list_runs(fleet.run, timeout=args.timeout)
+            return await table.stop(args.name, args.reason, timeout=args.timeout)
+        return await table.list(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ from proto.messages import (
 from services.common.bus import Bus, decode
 from services.common.config import ConfigError
 from services.common.config_schema import LorabusConfig
+from services.common.run_table import RunTable
 from services.fleet import capacity, metrics, runconfig, runs, share
 from services.registry import policy
 from services.registry.persistence import AdmitOp
@@ -66,6 +67,7 @@ class FleetRegistry:
     def __init__(self, bus: Bus, cfg: LorabusConfig, raw: dict[str, Any], *, clock: Callable[[], float] = time.time):
         self.bus, self.cfg, self.raw, self.clock = bus, cfg, raw, clock
         self.fleet = cfg.run
+        self.table = RunTable(bus, self.fleet)
         self.records: dict[str, RunRecord] = {}
         self.configs: dict[str, LorabusConfig] = {}
         self.services: dict[str, RegistryService] = {}
@@ -82,7 +84,7 @@ class FleetRegistry:
     # --- start and stop -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.records = await self.bus.run_records(self.fleet)
+        self.records = await self.table.records()
         for run, record in self.records.items():
             if run != self.fleet:
                 self.configs[run] = runconfig.restore(record.config, self.cfg)
@@ -142,7 +144,7 @@ class FleetRegistry:
             self.failed.set_exception(exc)
 
     async def _write(self, record: RunRecord) -> None:
-        await self.bus.put_run_record(record)
+        await self.table.put(record)
         self.records[record.run] = record
 
     # --- run requests -------------------------------------------------------------------------

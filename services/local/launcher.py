@@ -39,6 +39,7 @@ from proto import messages as m
 from proto import subjects
 from services.common.config import load_config
 from services.common.config_schema import LorabusConfig
+from services.common.run_table import RunTable
 from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.ports import free_port
@@ -229,7 +230,7 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
         await bus.subscribe(subjects.export_done_all(record.run), m.ExportDone, on_other_export)
 
     try:
-        await bus.watch_run_records(run, on_run)
+        await RunTable(bus, run).watch(on_run)
     except Exception as exc:  # a bus user without rights on the run table: the own run only
         print(f"lorabus up: not following the fleet's other runs ({exc!r})", flush=True)
     return bus

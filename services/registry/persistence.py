@@ -48,6 +48,7 @@ from proto.messages import (
     ReplicaHeartbeat,
     RolloutReport,
 )
+from services.common import streams
 from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
 from services.registry import metrics, policy
 from services.registry.policy import AdapterFacts, DecisionInput, Ledger, PolicyConfig
@@ -207,7 +208,7 @@ def decode_ref(data: bytes) -> SnapshotRef:
 
 async def read_snapshot(bus: Bus, bucket: str) -> tuple[Snapshot, int, str] | None:
     """The stored snapshot, the journal sequence of its reference and its slot; None if none."""
-    raw = await bus.last_raw(f"KV_{bucket}", f"$KV.{bucket}.{SNAPSHOT_KEY}")
+    raw = await bus.last_raw(streams.kv_stream(bucket), streams.kv_subject(bucket, SNAPSHOT_KEY))
     if raw is None:
         return None
     ref = decode_ref(raw.data)
@@ -215,7 +216,7 @@ async def read_snapshot(bus: Bus, bucket: str) -> tuple[Snapshot, int, str] | No
 
 
 async def _read_pieces(bus: Bus, bucket: str, ref: SnapshotRef) -> bytes:
-    stream, prefix = f"KV_{parts_bucket(bucket)}", f"$KV.{parts_bucket(bucket)}."
+    stream, prefix = streams.kv_stream(parts_bucket(bucket)), streams.kv_subject(parts_bucket(bucket))
     chunks = []
     for i in range(ref.pieces):
         raw = await bus.last_raw(stream, f"{prefix}{ref.slot}.{i}")
@@ -265,9 +266,9 @@ class Journal:
                  revision: int, snapshot_every: int = SNAPSHOT_EVERY, slot: str = "b",
                  on_fatal: Callable[[BaseException], None] | None = None):  # fmt: skip
         self.bus = bus
-        self.stream = f"KV_{bucket}"
-        self.prefix = f"$KV.{bucket}."
-        self.parts_prefix = f"$KV.{parts_bucket(bucket)}."
+        self.stream = streams.kv_stream(bucket)
+        self.prefix = streams.kv_subject(bucket)
+        self.parts_prefix = streams.kv_subject(parts_bucket(bucket))
         self.slot = slot
         """the slot of the current snapshot's pieces (the next snapshot uses the other)"""
         self.on_fatal = on_fatal
@@ -293,7 +294,7 @@ class Journal:
     async def open(cls, bus: Bus, bucket: str, run: str, cfg: PolicyConfig, **kw) -> Journal:
         await bus.key_value(bucket)  # creates the bucket (and its stream) if missing
         await bus.key_value(parts_bucket(bucket))
-        stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+        stream, prefix = streams.kv_stream(bucket), streams.kv_subject(bucket)
         last = await bus.last_seq(stream)
         stored = await read_snapshot(bus, bucket)
         slot = "b"

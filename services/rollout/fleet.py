@@ -7,7 +7,7 @@ replica's one engine (`run_engines`). The replica asks `lorabus.<fleet>.fleet.ad
 the versions it holds of every run; the registry picks the run by fair share and grants one of
 its versions, and the grant goes to that run's service, which generates and publishes it.
 
-Runs join and leave with the fleet's run table (`Bus.watch_run_records`): an active run is
+Runs join and leave with the fleet's run table (`RunTable.watch`): an active run is
 opened once the fleet's own run has shaped the engine's slots with its first version; a stopped
 or finished one is closed once its last generation ends, and its versions leave the engine. The
 fleet's own run is served for as long as the replica runs. A replica that cannot read the run
@@ -33,6 +33,7 @@ from proto import subjects
 from proto.messages import AdmissionGrant, AdmissionReply, FleetAdmissionRequest, RunRecord
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
+from services.common.run_table import RunTable
 from services.fleet import runconfig
 from services.rollout.engines.base import Engine
 from services.rollout.run_engines import RunEngines
@@ -197,7 +198,7 @@ class FleetReplica:
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
-            watch = await self.bus.watch_run_records(self.fleet, self.on_record)
+            watch = await RunTable(self.bus, self.fleet).watch(self.on_record)
         except Exception as exc:  # e.g. a bus user without rights on the run table
             log.warning("rollout %s: cannot follow fleet %s's run table (%r); serving run %s alone",
                         self.replica, self.fleet, exc, self.fleet)  # fmt: skip

@@ -5,7 +5,7 @@ Each run is what a single-run trainer is: its own durable on its own ACCEPTED st
 (`AcceptedQueue`), its resume plan and checkpoints (its `actor.checkpoint_dir`), its versions
 announced under its own subjects, one `service.step` at a time. They share the model of the
 fleet's own run (`FSDP2Engine.sibling`). Runs join and leave with the fleet's run table
-(`Bus.watch_run_records`): an active run is opened (resumed from its checkpoint, if any), one
+(`RunTable.watch`): an active run is opened (resumed from its checkpoint, if any), one
 that stops or finishes is closed after its current step and its adapter leaves the model.
 
 Scheduling: every run collects its next batch in the background, and only while it is not
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from proto.messages import RunRecord, Trajectory
 from services.common.config_schema import LorabusConfig
+from services.common.run_table import RunTable
 from services.common.store import ObjectStore
 from services.fleet import runconfig, share
 from services.trainer import service
@@ -198,7 +199,7 @@ async def serve_fleet(ctx: Rank0, start: Resume, store: ObjectStore) -> int:
     trainer = FleetTrainer(ctx, store)
     await trainer.open(ctx, start, own=True)
     try:
-        watch = await ctx.bus.watch_run_records(trainer.fleet, trainer.on_record)
+        watch = await RunTable(ctx.bus, trainer.fleet).watch(trainer.on_record)
     except Exception as exc:  # e.g. a bus user without KV rights: the own run still trains
         log.warning("fleet %s: cannot follow the run table (%r); training this run only", trainer.fleet, exc)
         watch = None

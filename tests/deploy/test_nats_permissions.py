@@ -26,6 +26,7 @@ from proto import messages as m
 from services.common import streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
+from services.common.run_table import RunTable
 from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config, users
 from tests.fixtures.waiting import wait_until
 
@@ -223,7 +224,7 @@ async def test_trainer_and_exporter_follow_the_run_table(server, passwords, run,
             async def on_record(record: m.RunRecord, into: list = records) -> None:
                 into.append(record)
 
-            await bus.watch_run_records(run, on_record)
+            await RunTable(bus, run).watch(on_record)
             await wait_until(lambda: [r.run for r in records] == [run], what=f"the {user} to read the run table")
         finally:
             await bus.close()
@@ -279,7 +280,7 @@ async def test_rollout_publishes_its_trajectory_and_reports_and_requests_admissi
         async def on_record(record: m.RunRecord) -> None:
             records.append(record)
 
-        await bus.watch_run_records(run, on_record)
+        await RunTable(bus, run).watch(on_record)
         await wait_until(lambda: [r.run for r in records] == [run], what="the rollout to read the run table")
         # the durable adapter consumer a rollout runs: create, fetch, ack
         seen: list[int] = []

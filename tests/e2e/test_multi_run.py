@@ -35,6 +35,7 @@ from services.common import streams
 from services.common.bus import Bus
 from services.common.config import load_config
 from services.common.config_schema import BusConfig
+from services.common.run_table import RunTable
 from tests.fixtures.waiting import until
 from tests.integration.test_registry_service import stream_messages
 
@@ -108,7 +109,7 @@ def test_three_runs_share_one_fleet(tmp_path, nats_url):
     async def read() -> tuple[dict, dict, dict]:
         bus = await Bus.connect(BusConfig(url=nats_url), run=fleet, service="tester")
         try:
-            records = await bus.run_records(fleet)
+            records = await RunTable(bus, fleet).records()
             trajs = {r: await stream(bus, r, "TRAJECTORIES", subjects.trajectory_all(r), Trajectory) for r in exports}
             verdicts = {r: await stream(bus, r, "DECISIONS", subjects.decision_all(r), TrajectoryDecision)
                         for r in exports}  # fmt: skip

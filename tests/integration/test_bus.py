@@ -120,7 +120,7 @@ async def test_publish_consume_round_trip_acks(bus, run):
 
 async def test_direct_subscriptions_skip_nats_py_queue(bus, run):
     """Replies (PubAcks), pull deliveries and `subscribe_direct` reach their callbacks from
-    the read loop (`_Client._process_msg`), none through nats-py's queue and task: if a
+    the read loop (`nats_client.Client._process_msg`), none through nats-py's queue and task: if a
     nats-py release stops calling the hook, `fallbacks` counts what took the slow path."""
     subject = f"lorabus.{run}.direct"
     got: list[Raw] = []
@@ -174,7 +174,7 @@ async def test_publish_all_names_the_acks_that_did_not_come(bus, run):
     msgs = [(subjects.trainer_step(run), codec.encode(step(0, run)), "s0"), (silent, b"{}", "x")]
     acks = await bus.publish_all(msgs, timeout=0.5)
     assert acks[0] == 1 and isinstance(acks[1], nats.errors.TimeoutError)
-    assert not bus._reply_waits  # nothing left waiting for an ack that will never come
+    assert not bus.inbox.waits  # nothing left waiting for an ack that will never come
 
 
 async def test_durable_resumes_without_redelivering_acked(bus, run):
@@ -399,7 +399,7 @@ async def test_requests_share_one_inbox_and_fail_as_nats_py_does(bus, run):
         await bus.request(f"lorabus.{run}.silent", asks[0], AdmissionReply, timeout=0.3)
     with pytest.raises(BusError, match="NoStreamResponseError"):  # a JetStream publish no stream takes
         await bus.publish(f"lorabus.{run}.nostream", asks[0], timeout=0.5)
-    assert not bus._reply_waits
+    assert not bus.inbox.waits
 
 
 async def test_subscribe_core(bus, run):

@@ -24,6 +24,7 @@ from proto.messages import (
 from services.common import streams
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
+from services.common.run_table import RunTable
 from tests.fixtures.service_process import REPO, ServiceProcess
 from tests.fixtures.waiting import wait_until
 from tests.integration.test_registry_service import ready, stream_messages, trajectory
@@ -80,7 +81,7 @@ async def listed(bus: Bus, fleet: str, registry: ServiceProcess) -> dict:
     async def answer():
         assert registry.alive(), registry.log_tail()
         try:
-            return {r.run: r for r in (await bus.list_runs(fleet, timeout=0.5)).runs}
+            return {r.run: r for r in (await RunTable(bus, fleet).list(timeout=0.5)).runs}
         except Exception:
             return None
 
@@ -114,9 +115,9 @@ async def test_runs_share_the_fleet_by_weight_and_keep_their_own_ledgers(bus, re
     again = await asyncio.to_thread(lorabus_run, "submit", str(run_file), "--config", str(fleet_config))
     assert again.returncode == 1 and "'r4' is already a run of this fleet" in again.stderr
     # the registry checks too: a client that skips the local check gets the loader's lines
-    refused = await bus.submit_run(fleet, "bad", {"run": "bad", "actor": {"lora_rank": 0, "path": "x"}})
+    refused = await RunTable(bus, fleet).submit("bad", {"run": "bad", "actor": {"lora_rank": 0, "path": "x"}})
     assert not refused.ok and any(p.startswith("actor.path: 'x' is a fleet setting") for p in refused.problems)
-    over = await bus.submit_run(fleet, "third", {"run": "third"})
+    over = await RunTable(bus, fleet).submit("third", {"run": "third"})
     assert not over.ok and over.problems[0].startswith("fleet.max_runs: 2 runs are live")
 
     listing = await asyncio.to_thread(lorabus_run, "list", "--config", str(fleet_config))
@@ -161,7 +162,7 @@ async def test_runs_share_the_fleet_by_weight_and_keep_their_own_ledgers(bus, re
     assert stopping.returncode == 0 and "run r4 stopping in fleet" in stopping.stdout, stopping.stderr
     # its grants run out (3 s leases), then it is stopped; the fleet never grants it again
     await wait_until(lambda: _state(bus, fleet, registry, "r4", "stopped"), 20, "r4 to be stopped", interval=0.3)
-    records = await bus.run_records(fleet)
+    records = await RunTable(bus, fleet).records()
     assert records["r4"].state == "stopped" and records["r4"].config["actor"]["lora_rank"] == 4
     later = [await fleet_admit(bus, fleet, both) for _ in range(3)]
     assert all(isinstance(g, AdmissionDeny) or g.run == fleet for g in later), later
@@ -171,7 +172,7 @@ async def test_runs_share_the_fleet_by_weight_and_keep_their_own_ledgers(bus, re
     runs = await listed(bus, fleet, registry)
     assert (runs[fleet].state, runs["r4"].state) == ("active", "stopped")
     assert runs["r4"].head_version is None  # no registry runs for it any more
-    reuse = await bus.submit_run(fleet, "r4", {"run": "r4"})
+    reuse = await RunTable(bus, fleet).submit("r4", {"run": "r4"})
     assert not reuse.ok and "never reused" in reuse.problems[0]
     await r4.close()
 

@@ -16,6 +16,7 @@ from services.common.bus import Bus
 from services.common.config import load_config
 from services.common.config_schema import BusConfig, StoreConfig
 from services.common.models import load_base_model
+from services.common.run_table import RunTable
 from services.common.store import open_store
 from services.fleet import runconfig
 from tests.fixtures.waiting import wait_until
@@ -51,7 +52,7 @@ async def test_a_second_run_trains_beside_the_first(tmp_path, nats_url, tiny_mod
         v0 = await wait_event(bus, fleet, 0, proc, log)
         record = RunRecord(fleet=fleet, run="two", state="active", share=1.0, config=runconfig.stored(run_cfg),
                            submitted_at=1.0, changed_at=1.0)  # fmt: skip
-        await bus.put_run_record(record)
+        await RunTable(bus, record.fleet).put(record)
         t0 = await wait_event(two, "two", 0, proc, log)
         assert (v0.lora.rank, t0.lora.rank) == (4, 2) and t0.lora.target_modules == ["v_proj"]
         assert t0.lora_name == "two" and t0.run == "two"
@@ -83,7 +84,7 @@ async def test_a_second_run_trains_beside_the_first(tmp_path, nats_url, tiny_mod
         letter = await wait_until(refused, 30, lambda: f"the stray trajectory refused:\n{log.read_text()[-3000:]}")
         assert letter.reason == "validation" and f"{fleet!r} is not this trainer's run 'two'" in letter.error
         # stopping the run: the trainer closes it and its adapter leaves the model
-        await bus.put_run_record(msgspec.structs.replace(record, state="stopping", changed_at=2.0))
+        await RunTable(bus, record.fleet).put(msgspec.structs.replace(record, state="stopping", changed_at=2.0))
         await wait_until(lambda: "run two: closed at v1" in log.read_text(), 30, lambda: log.read_text()[-3000:])
     finally:
         proc.terminate()

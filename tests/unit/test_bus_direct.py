@@ -9,7 +9,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.common.bus import _Client, read_headers
+from services.common.nats_client import Client as _Client
+from services.common.nats_client import read_headers
 from services.common.pull import ACK, IN_PROGRESS, TERM, nak_payload
 
 HEADER_BLOCKS = [
