@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 STARTED_AT = time.time()
 """when this process started: every heartbeat and admission request carries it, so that the
 registry frees a restarted replica's old grants at once instead of after their leases"""
+INCARNATION = uuid.uuid4().hex
+"""this process, drawn once: every heartbeat carries it, so that the registry tells a restart
+by identity, not by comparing clocks (`policy._new_incarnation`)"""
 
 
 def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Prompt]:
@@ -120,6 +123,7 @@ class RolloutService:
                         in_flight=self.book.in_flight(),
                         sent_at=time.time(),
                         started_at=STARTED_AT,
+                        incarnation=INCARNATION,
                     ),
                 )
             except Exception as exc:
