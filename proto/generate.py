@@ -125,6 +125,8 @@ def example_messages() -> dict[str, msgspec.Struct]:
             loaded_versions=[2, 3, 4],
             in_flight=2,
             sent_at=_T0 + 2,
+            started_at=_T0 - 60,
+            incarnation="3f9c2a7be1d04c58",
         ),
         m.AdmissionRequest(
             run="demo-trial0",

@@ -196,6 +196,12 @@ class ReplicaHeartbeat(Message, tag="heartbeat", tag_field="kind", kw_only=True)
     """when this replica's process started: a later value than the registry has seen for the
     replica means it restarted, and the grants of the process before it are freed at once (its
     groups will never be reported); None from senders that predate it"""
+    incarnation: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{8,64}$(?!\n)")] | None = None
+    """drawn at random once per process: an incarnation the registry has not seen for the
+    replica is a new process, whose first heartbeat frees every grant not issued to it (admission
+    requests name their process by `started_at`) whatever the clocks say; a heartbeat of an
+    incarnation it has replaced is a dead process's late message and changes nothing. None from
+    senders that predate it (then `started_at` alone tells a restart)"""
 
 
 RolloutReport = AdapterLoaded | AdapterUnloaded | AdapterFailed | ReplicaHeartbeat

@@ -168,6 +168,9 @@ class Grant(Struct, kw_only=True):
     request_id: str
     issued_at: float
     expires_at: float
+    started_at: float | None = None
+    """the requesting process's start, as its admission request named it: which process of
+    the replica holds the grant (`_new_incarnation`)"""
 
 
 class ReplicaState(Struct, kw_only=True):
@@ -179,6 +182,11 @@ class ReplicaState(Struct, kw_only=True):
     """the registry's clock when the replica last spoke (report or admission request)"""
     started_at: float = 0.0
     """the newest process start the replica has sent (0: none yet)"""
+    incarnation: str = ""
+    """the process its heartbeats come from now ("" : none has named one yet)"""
+    replaced: list[str] = field(default_factory=list)
+    """incarnations it had before, newest last (at most REPLACED_KEPT): their heartbeats are
+    late messages of dead processes"""
 
 
 class SeenDecision(Struct, array_like=True):
@@ -383,6 +391,11 @@ def on_report(ledger: Ledger, report: RolloutReport) -> Applied:
         state.failures += 1
         state.last_seen = max(state.last_seen, report.failed_at)
     elif isinstance(report, ReplicaHeartbeat):
+        if report.incarnation is not None and report.incarnation != state.incarnation:
+            if report.incarnation in state.replaced:
+                return _UNCHANGED  # a dead process's late heartbeat
+            _new_incarnation(ledger, report.replica, report.incarnation, report.started_at)
+            state.last_seen = report.sent_at  # its clock, not the dead process's, orders it now
         # A heartbeat is the replica's full truth; an older one (reordered) must not undo a
         # newer loaded/unloaded report.
         if report.sent_at < state.last_seen:
@@ -509,6 +522,7 @@ def admit(
         request_id=request.request_id,
         issued_at=now,
         expires_at=expires_at,
+        started_at=request.started_at,
     )
     ledger.grant_by_request[key] = grant_id
     return AdmissionGrant(
@@ -562,6 +576,30 @@ def heard_from(ledger: Ledger, replica: str, now: float, started_at: float | Non
     for gid in gone:
         _drop_grant(ledger, gid)
     return gone
+
+
+REPLACED_KEPT = 8
+"""incarnations of one replica remembered as replaced: a late heartbeat comes from the process
+just before, so a few are plenty, and the list stays small in every snapshot"""
+
+
+def _new_incarnation(ledger: Ledger, replica: str, incarnation: str, started_at: float | None) -> None:
+    """`replica`'s heartbeats now come from a process not heard of before: the one before it is
+    gone (killed, crashed, restarted at once), so every grant not issued to the new process is
+    freed now, as a lease expiry frees it (a late trajectory for one is rejected-invalid),
+    instead of holding capacity until `silent_after_s` or the lease. A grant is the new
+    process's when its admission request named the heartbeat's `started_at`; the clocks are
+    never compared, so a process started on a host whose clock is behind is still new. A grant
+    whose request named no start (an older sender) is kept while this is the first incarnation
+    the ledger hears of, since it may be the new process's own."""
+    state = ledger.replicas[replica]
+    before = state.incarnation
+    if before:
+        state.replaced = [*state.replaced, before][-REPLACED_KEPT:]
+    state.incarnation = incarnation
+    for gid, g in list(ledger.grants.items()):
+        if g.replica == replica and g.started_at != started_at and (before or g.started_at is not None):
+            _drop_grant(ledger, gid)
 
 
 def silent_grants(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:
