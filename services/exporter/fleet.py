@@ -15,12 +15,11 @@ import asyncio
 import logging
 
 from proto.messages import AdapterReady, RunRecord
-from services.common import streams
+from services.common import runconfig, streams
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.pull import Puller
 from services.exporter.service import DURABLE, Exporter
-from services.fleet import runconfig
 
 log = logging.getLogger(__name__)
 

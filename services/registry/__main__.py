@@ -17,7 +17,7 @@ PROG = "lorabus registry"
 async def serve(cfg: LorabusConfig, raw: dict) -> int:
     """`raw`: the config file's tree as written, the base of every run submitted to the fleet."""
     from services.common.metrics import start_metrics_server
-    from services.fleet.registry import FleetRegistry
+    from services.registry.fleet import FleetRegistry
     from services.registry.service import LedgerConflict
 
     port = start_metrics_server(cfg.metrics)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cfg = entry.start(args, PROG, service="registry")
-    from services.fleet.runconfig import fleet_tree
+    from services.common.runconfig import fleet_tree
 
     try:
         return entry.run(serve(cfg, fleet_tree(args.config, args.overrides)))

@@ -41,11 +41,10 @@ def fetcher(cfg):
 
 
 async def serve(cfg: LorabusConfig, replica: str, engine_name: EngineKind) -> int:
-    from services.common import models
+    from services.common import capacity, models
     from services.common.data import load_prompts
     from services.common.metrics import start_metrics_server
     from services.common.rewards import load_reward_fn
-    from services.fleet import capacity
     from services.rollout.fleet import FleetReplica
     from services.rollout.run_engines import RunEngines
     from services.rollout.service import RolloutService

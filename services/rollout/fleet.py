@@ -31,10 +31,10 @@ import nats.errors
 
 from proto import subjects
 from proto.messages import AdmissionGrant, AdmissionReply, FleetAdmissionRequest, RunRecord
+from services.common import runconfig
 from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
-from services.fleet import runconfig
 from services.rollout.engines.base import Engine
 from services.rollout.run_engines import RunEngines
 from services.rollout.service import STARTED_AT, RolloutService, no_grant_wait

@@ -4,7 +4,7 @@ generations use as if the engine were the run's alone (`Engine`, versions number
 - embedded: one base model and one slot pool (`LoraSlots`) for all runs. A version of run `r`
   lives in the pool under its own key (`RunKeys`: the fleet's own run keeps its version
   numbers, so a one-run fleet is exactly a single-run replica). The pool is shaped once, at its
-  first adapter, with the fleet's slot count and rank (`services.fleet.capacity`) over that
+  first adapter, with the fleet's slot count and rank (`services.common.capacity`) over that
   adapter's modules (the fleet's own run's, which the registry makes every run's superset); an
   adapter of lower rank or fewer modules is zero-padded into it: B' A' = B A, so a padded row
   computes exactly what the adapter alone computes, and the pool's rows route to any run's

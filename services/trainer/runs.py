@@ -28,10 +28,10 @@ import logging
 from dataclasses import dataclass, field
 
 from proto.messages import RunRecord, Trajectory
+from services.common import runconfig, share
 from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
 from services.common.store import ObjectStore
-from services.fleet import runconfig, share
 from services.trainer import service
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from services.trainer.publish import trainer_epoch

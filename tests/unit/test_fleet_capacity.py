@@ -1,12 +1,12 @@
-"""Slot arithmetic over every run of a fleet (services/fleet/capacity.py)."""
+"""Slot arithmetic over every run of a fleet (services/common/capacity.py)."""
 
 from __future__ import annotations
 
 import msgspec
 
+from services.common import capacity
 from services.common.config import backfill
 from services.common.config_schema import LorabusConfig
-from services.fleet import capacity
 
 
 def cfg(run: str, engine: str = "embedded", **tree) -> LorabusConfig:

@@ -1,11 +1,11 @@
-"""A run's life in the run table (services/fleet/runs.py): admission, stop, settling."""
+"""A run's life in the run table (services/registry/runs.py): admission, stop, settling."""
 
 from __future__ import annotations
 
 import msgspec
 
 from services.common.config_schema import LorabusConfig
-from services.fleet import runs
+from services.registry import runs
 from services.registry.policy import Grant, new_ledger
 
 

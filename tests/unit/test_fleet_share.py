@@ -1,4 +1,4 @@
-"""The fleet's weighted fair share (services/fleet/share.py): each pick, and what many picks
+"""The fleet's weighted fair share (services/common/share.py): each pick, and what many picks
 add up to in a simulated fleet whose grants finish at random."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.fleet.share import RunLoad, in_flight, pick, targets
+from services.common.share import RunLoad, in_flight, pick, targets
 
 
 def load(run, share=1.0, running=0, ready=True, last=-1) -> RunLoad:

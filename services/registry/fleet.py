@@ -43,12 +43,13 @@ from proto.messages import (
     RunStop,
     RunSubmit,
 )
+from services.common import capacity, runconfig, share
 from services.common.bus import Bus, decode
 from services.common.config import ConfigError
 from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
-from services.fleet import capacity, metrics, runconfig, runs, share
-from services.registry import policy
+from services.registry import fleet_metrics as metrics
+from services.registry import policy, runs
 from services.registry.persistence import AdmitOp
 from services.registry.policy import PolicyConfig
 from services.registry.service import RegistryService, new_grant_token

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = entry.start(args, PROG, service="run-cli")
     run_tree, run_name = None, ""
     if args.op == "submit":
-        from services.fleet import runconfig
+        from services.common import runconfig
 
         try:
             run_tree, cfg = runconfig.load_run(fleet, runconfig.fleet_tree(args.config, args.overrides), args.file)
