@@ -1,5 +1,10 @@
 """The exporter service: every `adapter.v<N>.ready` becomes `<exporter.uri>/v<N>/`, announced
-by `export.v<N>.done`; in a fleet, for every run of the run table (`services.exporter.fleet`).
+by `export.v<N>.done`; in a fleet, for every run of the run table, in any state (a stopped or
+finished run's last versions are exported too): each run is an `Exporter` of the process's
+`RunHost`, over its own view of the connection, reading its own ADAPTERS stream through its
+own `exporter` durable and writing under its own `exporter.uri` (its config's, where
+`${run_dir}` is the run's directory). An event is exported by the exporter of the run whose
+stream holds it.
 
 It reads the ADAPTERS stream through its own durable consumer (`exporter`), so it exports
 every version even when it starts late or restarts. Exports are write-once: a redelivered
@@ -24,7 +29,7 @@ from services.common.bus import Bus, MsgMeta, Refused
 from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
-from services.common.run_table import RunTable
+from services.common.run_host import ALL_STATES, RunHost
 from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, store_for_uri
 from services.exporter import metrics
 from services.exporter.peft_dir import (
@@ -64,6 +69,8 @@ class Exporter:
         """the newest version exported (the bound for the next step)"""
         self.busy = asyncio.Lock()
         """held while an event is handled; shutdown takes it so no export is cut in half"""
+        self.consumer: asyncio.Task | None = None
+        """the dispatch of the run's adapter events (`start`)"""
 
     def model_shape(self) -> ModelShape:
         # The payload is one file with global expert indices: the EP-gathered view (ep_size 1).
@@ -71,14 +78,36 @@ class Exporter:
             self._shape = load_model_shape(self.cfg.actor.path)
         return self._shape
 
+    # --- the run's life in the host (`RunWorker`) -------------------------------------------
+
     async def start(self) -> None:
-        """Where the lineage stands: the run's trainer epoch and the last version exported."""
+        """Where the lineage stands (the run's trainer epoch and the last version exported),
+        then follow the run's adapter events."""
         self.epoch = await lineage.first_epoch(self.bus, streams.ADAPTERS(self.cfg.run))
         try:
             last = await self.bus.last(streams.EXPORTS(self.cfg.run), ExportDone)
         except Exception:  # an undecodable last export: bound the next step from what comes
             last = None
         self.newest = last.version if last is not None else None
+        # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
+        reader: Puller[AdapterReady] = await self.bus.pull(
+            streams.consumer(self.cfg.run, DURABLE), AdapterReady, batch=1
+        )
+        self.consumer = self.bus.dispatch(reader, self.handle)
+        log.info("exporting %s adapters to %s", self.cfg.run, self.cfg.exporter.uri)
+
+    async def drain(self) -> None:
+        """Let a running export finish (and ack), then take no more events."""
+        async with self.busy:
+            if self.consumer is not None:
+                self.consumer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.consumer
+
+    async def close(self) -> None:
+        """Nothing is held past the consumer: exports are written as they are made."""
+
+    # --- one event ------------------------------------------------------------------------
 
     async def handle(self, event: AdapterReady, meta: MsgMeta) -> None:
         async with self.busy:
@@ -167,31 +196,28 @@ class Exporter:
 
 
 async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
-    from services.exporter.fleet import FleetExports  # it builds on Exporter: imported here, no cycle
-
-    """Serve until `stop` is set (or the consumer dies, which is raised)."""
+    """Serve every run of the fleet until `stop` is set (or the own run's consumer dies, which
+    is raised)."""
     bus = await Bus.connect(cfg.bus, run=cfg.run, service=SERVICE)
     try:
         await bus.ensure_streams()
-        exporter = Exporter(cfg, bus)
-        await exporter.start()
-        # batch 1: a fetched message not yet handled at shutdown waits ack_wait to return
-        reader: Puller[AdapterReady] = await bus.pull(streams.consumer(cfg.run, DURABLE), AdapterReady, batch=1)
-        consumer = bus.dispatch(reader, exporter.handle)
-        log.info("exporting %s adapters to %s", cfg.run, cfg.exporter.uri)
-        others = FleetExports(cfg, bus)
-        try:
-            await RunTable(bus, cfg.run).watch(others.on_record)  # a task of the bus: close() ends it
-        except Exception as refused:  # e.g. a bus user without rights on the run table
-            log.warning("cannot follow fleet %s's run table (%r); exporting run %s alone", cfg.run, refused, cfg.run)
+        exporters: dict[str, Exporter] = {}
+
+        async def make(run_cfg: LorabusConfig, run_bus: Bus) -> Exporter:
+            exporter = exporters[run_cfg.run] = Exporter(run_cfg, run_bus)
+            return exporter
+
+        host = RunHost(cfg, bus, make, name="exporter", opens=ALL_STATES, ends=())
+        await host.start()
+        consumer = exporters[cfg.run].consumer
+        assert consumer is not None  # started
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
             raise exc
-        await others.close()
-        async with exporter.busy:  # let a running export finish (and ack) before closing
-            await bus.close()
+        await host.close()
+        await bus.close()
     finally:
         if not bus.is_closed:
             await bus.close()

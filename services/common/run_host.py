@@ -1,0 +1,168 @@
+"""One run is the unit, the fleet its only host: a process serves its fleet's runs, one
+`RunWorker` each, and the fleet's own run is simply the first of them.
+
+The host opens the own run (the `run` of the config the process was started with, on the
+process's Bus), then follows the fleet's run table (`RunTable.watch`): a run it is not serving
+yet, in a state the service `opens`, gets its config restored (`runconfig.restore`), its view of
+the connection (`Bus.for_run`, its streams ensured) and a worker; a served run whose record
+reaches a state the service `ends` is drained, closed and never opened again in this process.
+When the table cannot be read (a bus user without rights on it), the own run is the only run,
+on the same code path. A service that ends a run itself (the trainer, at its last step) calls
+`retire`, as the table would.
+
+    worker: start -> (serving) -> drain -> close
+
+- start: begin serving the run (consumers, loops); what raises leaves the run unserved.
+- drain: take no new work, and return once the work in hand is done.
+- close: release what the run holds (an adapter on a shared model, versions on an engine).
+
+Invariant: each run has at most one worker in a process, a run is served on its own view of the
+connection only, and a retired run is never served again by the same process (its streams and
+ledger outlive it, but a run name is never reused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
+
+from proto.messages import RunRecord, RunStateName
+from services.common import runconfig
+from services.common.bus import Bus
+from services.common.config_schema import LorabusConfig
+from services.common.run_table import RunTable
+
+log = logging.getLogger(__name__)
+
+ALL_STATES: tuple[RunStateName, ...] = ("active", "stopping", "stopped", "finished")
+
+
+class RunWorker(Protocol):
+    """One run served by one process."""
+
+    async def start(self) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+MakeWorker = Callable[[LorabusConfig, Bus], Awaitable[RunWorker]]
+"""(a run's config, its bus: the process's for the own run, else a view) -> the run's worker"""
+
+
+class RunHost:
+    """The runs a process serves, following its fleet's run table."""
+
+    def __init__(
+        self,
+        cfg: LorabusConfig,
+        bus: Bus,
+        make: MakeWorker,
+        *,
+        name: str,
+        opens: Collection[RunStateName] = ("active",),
+        ends: Collection[RunStateName] = ("stopped", "finished"),
+        ready: asyncio.Event | None = None,
+    ):
+        self.cfg, self.bus, self.make, self.name = cfg, bus, make, name
+        self.fleet = cfg.run
+        self.opens, self.ends = frozenset(opens), frozenset(ends)
+        if self.opens & self.ends:
+            raise ValueError(f"opens/ends: {sorted(self.opens & self.ends)} in both; a state opens a run or ends it")
+        self.ready = ready
+        """set once other runs may join (the rollout: when the own run has shaped the slots)"""
+        self.workers: dict[str, RunWorker] = {}
+        """served runs, the own run first"""
+        self.ended: set[str] = set()
+        self.changed = asyncio.Event()
+        """set whenever a run joins or is retired (a scheduler's wake-up)"""
+        self._views: dict[str, Bus] = {}
+        self._retiring: dict[str, asyncio.Task] = {}
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def own(self) -> RunWorker:
+        return self.workers[self.fleet]
+
+    async def start(self) -> RunWorker:
+        """Open the own run, then follow the run table; returns the own run's worker."""
+        await self._open(self.cfg, self.bus)
+        try:
+            self._watch = await RunTable(self.bus, self.fleet).watch(self.on_record)
+        except Exception as exc:  # e.g. a bus user without rights on the run table
+            log.warning("%s: cannot follow fleet %s's run table (%r); serving run %s alone",
+                        self.name, self.fleet, exc, self.fleet)  # fmt: skip
+        return self.own
+
+    async def _open(self, cfg: LorabusConfig, bus: Bus) -> None:
+        worker = await self.make(cfg, bus)
+        await worker.start()
+        self.workers[cfg.run] = worker
+        self.changed.set()
+
+    async def on_record(self, record: RunRecord) -> None:
+        try:
+            await self._on_record(record)
+        except Exception:  # one run that cannot be served must not stop the others
+            log.exception("%s: cannot follow run %s (%s)", self.name, record.run, record.state)
+
+    async def _on_record(self, record: RunRecord) -> None:
+        run = record.run
+        if run == self.fleet or run in self.ended:
+            return
+        if record.state in self.ends and run in self.workers:
+            await self.retire(run)
+            return
+        if record.state not in self.opens or run in self.workers:
+            return
+        if self.ready is not None:
+            await self.ready.wait()
+        cfg = runconfig.restore(record.config, self.cfg)
+        view = self._views[run] = self.bus.for_run(run)
+        try:
+            await view.ensure_streams()
+            await self._open(cfg, view)
+        except BaseException:
+            del self._views[run]
+            await view.close()
+            raise
+        log.info("%s: serving run %s (%s, rank %d)", self.name, run, record.state, cfg.actor.lora_rank)
+
+    async def retire(self, run: str) -> None:
+        """Drain and close `run`'s worker, once, however many ask (its record, its owner)."""
+        task = self._retiring.get(run)
+        if task is None:
+            task = self._retiring[run] = asyncio.create_task(self._retire(run), name=f"retire:{run}")
+        await asyncio.shield(task)
+
+    async def _retire(self, run: str) -> None:
+        worker = self.workers[run]
+        try:
+            await worker.drain()
+            await worker.close()
+        finally:
+            del self.workers[run]
+            self.ended.add(run)
+            view = self._views.pop(run, None)
+            if view is not None:
+                await view.close()
+            self.changed.set()
+        log.info("%s: run %s retired", self.name, run)
+
+    async def close(self) -> None:
+        """Stop following the table, then drain and close every run, the own run last."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        others = [run for run in self.workers if run != self.fleet]
+        results = await asyncio.gather(*(self.retire(run) for run in others), return_exceptions=True)
+        for run, result in zip(others, results):
+            if isinstance(result, Exception):
+                log.error("%s: run %s did not close cleanly: %r", self.name, run, result)
+        if self.fleet in self.workers:
+            await self.retire(self.fleet)
