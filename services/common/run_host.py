@@ -12,7 +12,7 @@ on the same code path. A service that ends a run itself (the trainer, at its las
 
     worker: start -> (serving) -> drain -> close
 
-- start: begin serving the run (consumers, loops); what raises leaves the run unserved.
+- start: begin serving the run (consumers, loops); what raises leaves the run unserved (closed).
 - drain: take no new work, and return once the work in hand is done.
 - close: release what the run holds (an adapter on a shared model, versions on an engine).
 
@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from proto.messages import RunRecord, RunStateName
 from services.common import runconfig
@@ -38,6 +38,8 @@ from services.common.run_table import RunTable
 log = logging.getLogger(__name__)
 
 ALL_STATES: tuple[RunStateName, ...] = ("active", "stopping", "stopped", "finished")
+ACTIVE: tuple[RunStateName, ...] = ("active",)
+ENDED: tuple[RunStateName, ...] = ("stopped", "finished")
 
 
 class RunWorker(Protocol):
@@ -50,23 +52,26 @@ class RunWorker(Protocol):
     async def close(self) -> None: ...
 
 
-MakeWorker = Callable[[LorabusConfig, Bus], Awaitable[RunWorker]]
+W = TypeVar("W", bound=RunWorker)
+
+MakeWorker = Callable[[LorabusConfig, Bus], Awaitable[W]]
 """(a run's config, its bus: the process's for the own run, else a view) -> the run's worker"""
 
 
-class RunHost:
+class RunHost(Generic[W]):
     """The runs a process serves, following its fleet's run table."""
 
     def __init__(
         self,
         cfg: LorabusConfig,
         bus: Bus,
-        make: MakeWorker,
+        make: MakeWorker[W],
         *,
         name: str,
-        opens: Collection[RunStateName] = ("active",),
-        ends: Collection[RunStateName] = ("stopped", "finished"),
+        opens: Collection[RunStateName] = ACTIVE,
+        ends: Collection[RunStateName] = ENDED,
         ready: asyncio.Event | None = None,
+        changed: asyncio.Event | None = None,
     ):
         self.cfg, self.bus, self.make, self.name = cfg, bus, make, name
         self.fleet = cfg.run
@@ -75,20 +80,20 @@ class RunHost:
             raise ValueError(f"opens/ends: {sorted(self.opens & self.ends)} in both; a state opens a run or ends it")
         self.ready = ready
         """set once other runs may join (the rollout: when the own run has shaped the slots)"""
-        self.workers: dict[str, RunWorker] = {}
+        self.workers: dict[str, W] = {}
         """served runs, the own run first"""
         self.ended: set[str] = set()
-        self.changed = asyncio.Event()
-        """set whenever a run joins or is retired (a scheduler's wake-up)"""
+        self.changed = changed or asyncio.Event()
+        """set whenever a run joins or is retired (a scheduler's wake-up; its workers may set it too)"""
         self._views: dict[str, Bus] = {}
         self._retiring: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
 
     @property
-    def own(self) -> RunWorker:
+    def own(self) -> W:
         return self.workers[self.fleet]
 
-    async def start(self) -> RunWorker:
+    async def start(self) -> W:
         """Open the own run, then follow the run table; returns the own run's worker."""
         await self._open(self.cfg, self.bus)
         try:
@@ -100,7 +105,12 @@ class RunHost:
 
     async def _open(self, cfg: LorabusConfig, bus: Bus) -> None:
         worker = await self.make(cfg, bus)
-        await worker.start()
+        try:
+            await worker.start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # what it took so far (an adapter on a shared model)
+                await worker.close()
+            raise
         self.workers[cfg.run] = worker
         self.changed.set()
 

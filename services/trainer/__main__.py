@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = entry.start(args, PROG, service="trainer")
 
     from services.common.metrics import start_metrics_server
-    from services.trainer import ranks, service
+    from services.trainer import ranks, resume, service
     from services.trainer.engines import make_engine
     from services.trainer.engines.base import collective_timeout_s
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         follow_parent()
     engine = make_engine(cfg)
-    ckpt = service.restore(engine, cfg)
+    ckpt = resume.restore(engine, cfg)
     # the untrained adapter is v0; gathering it is a collective, so every rank takes part
     initial = engine.adapter_state() if ckpt is None else None
     if engine.rank != 0:

@@ -1,23 +1,27 @@
-"""Many runs in one trainer process: one base model, one sibling engine per run, their steps
-interleaved (docs/multi-run.md).
+"""One run in the trainer: its step, and its life beside the fleet's other runs (`TrainWorker`).
 
-Each run is what a single-run trainer is: its own durable on its own ACCEPTED stream
+A run is what a single-run trainer is: its own durable on its own ACCEPTED stream
 (`AcceptedQueue`), its resume plan and checkpoints (its `actor.checkpoint_dir`), its versions
-announced under its own subjects, one `service.step` at a time. They share the model of the
-fleet's own run (`FSDP2Engine.sibling`). Runs join and leave with the fleet's run table
-(`RunTable.watch`): an active run is opened (resumed from its checkpoint, if any), one
-that stops or finishes is closed after its current step and its adapter leaves the model.
+announced under its own subjects. Per step:
 
-Scheduling: every run collects its next batch in the background, and only while it is not
-training (a batch's acks come after its step, so collection never overlaps its own step).
-Among the runs holding a full batch, the one with the fewest steps per unit of share trains
-next, ties to the one that waited longest (`share.pick` with steps done in place of groups in
-flight): busy runs get trainer steps in proportion to their shares, and a run without a full
-batch never holds the trainer.
+    pull B accepted groups -> train_step -> gather adapter -> announce v<N+1> (upload, or
+      broadcast with the upload behind it) -> TrainerStep -> checkpoint (if due) -> ack the B
+      messages
+
+The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
+the restarted trainer: accepted trajectories are never lost. The announcement comes before the
+checkpoint (under XCCL nothing may be serialised before the event, and a checkpoint would be):
+a crash between the two resumes from the previous checkpoint as a new version above N (the
+store holds N), and the redelivered batch is trained again; no version number ever names two
+adapters, and the cost of that crash is one step of compute.
+
+A run collects its next batch in the background, and only while it is not training (a batch's
+acks come after its step, so collection never overlaps its own step). Runs other than the
+fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model, so a run's
+adapter leaves it (`drop`) only between steps.
 
 Invariant: a step trains one run's batch on that run's adapter only and publishes and acks in
 that run's namespace; each queue reads one run's stream and refuses another run's trajectory.
-The trainer ends when its own run is done and no other run is live.
 """
 
 from __future__ import annotations
@@ -25,37 +29,186 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from proto.messages import RunRecord, Trajectory
-from services.common import runconfig, share
+import torch
+
+from proto import subjects
+from proto.messages import AdapterReady, TrainerStep, Trajectory
+from services.common import adapter_io
+from services.common.bus import Bus
 from services.common.config_schema import LorabusConfig
-from services.common.run_table import RunTable
-from services.common.store import ObjectStore
-from services.trainer import service
-from services.trainer.engines.fsdp2 import FSDP2Engine
-from services.trainer.publish import trainer_epoch
-from services.trainer.service import AcceptedQueue, Rank0, Resume
+from services.trainer import checkpoint, metrics
+from services.trainer.accepted import AcceptedQueue
+from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
+from services.trainer.publish import publish_adapter
+from services.trainer.ranks import Followers, Work, run_step
+from services.trainer.resume import Resume
+
+if TYPE_CHECKING:
+    from services.common.store import ObjectStore
+    from services.trainer.xccl_sender import XcclSender
 
 log = logging.getLogger(__name__)
 
 
+def checkpoint_due(cfg: LorabusConfig, step: int) -> bool:
+    every = cfg.actor.checkpoint_every
+    return every > 0 and step % every == 0
+
+
+@dataclass(frozen=True)
+class Rank0:
+    """Rank 0's collaborators, for as long as its loop runs."""
+
+    cfg: LorabusConfig
+    engine: TrainEngine
+    bus: Bus
+    store: ObjectStore
+    stop: asyncio.Event
+    """set by SIGTERM/SIGINT: the loop ends after the current step"""
+    followers: Followers
+    sender: XcclSender | None
+    """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
+    epoch: str
+    """the run's trainer epoch, carried by every adapter event (`publish.trainer_epoch`)"""
+
+    async def announce(
+        self, version: int, tensors: dict[str, torch.Tensor], *, weights: bytes | None = None
+    ) -> AdapterReady | None:
+        """Store (or broadcast) and announce `version`; None when it was announced already.
+        `weights`: its serialised form when at hand (else serialised where `deliver` says)."""
+        return await publish_adapter(
+            self.bus,
+            self.store,
+            run=self.cfg.run,
+            epoch=self.epoch,
+            lora_name=self.cfg.gconfig.lora_name,
+            version=version,
+            tensors=tensors,
+            lora=self.engine.lora_spec(),
+            trainer_step=self.engine.step,
+            sender=self.sender,
+            weights=weights,
+        )
+
+
+async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int) -> int:
+    """One step of `ctx`'s run on `groups` (held by `queue`), in the order the module docstring
+    gives; returns the version it published."""
+    cfg, engine, bus, followers, run = ctx.cfg, ctx.engine, ctx.bus, ctx.followers, ctx.cfg.run
+    step_index = engine.step
+    work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
+    await asyncio.to_thread(followers.send, work)
+    # under XCCL the adapter is written straight into the sender's free send set
+    into = ctx.sender.fill_views() if ctx.sender is not None else None
+    stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
+    version += 1
+    t0 = time.perf_counter()
+    ids = [g.trajectory_id for g in groups]
+    queue.mark_trained()
+    # announced before the checkpoint: under XCCL nothing is serialised before the event. A
+    # crash between the two resumes from an older checkpoint above N (the store has N's
+    # marker), so N never names two adapters.
+    await ctx.announce(version, adapter)
+    announced = time.perf_counter()
+    metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
+    # the step's record before the checkpoint: a crash after a checkpoint resumes past this
+    # step and would never publish it; a crash before one redoes the step, and its record's
+    # msg_id makes the second publish a duplicate the stream drops
+    await bus.publish(
+        subjects.trainer_step(run),
+        TrainerStep(
+            run=run,
+            step=step_index,
+            version=version,
+            loss=stats.loss,
+            reward_mean=stats.reward_mean,
+            groups=stats.groups,
+            tokens=stats.tokens,
+            step_seconds=stats.step_seconds,
+            mean_staleness=stats.mean_staleness,
+            finished_at=time.time(),
+        ),
+        msg_id=f"trainer-step-{step_index}",
+    )
+    if optim is not None:  # gathered by run_step because this step is checkpoint_due
+        await asyncio.to_thread(
+            checkpoint.save,
+            cfg.actor.checkpoint_dir,
+            checkpoint.Checkpoint(
+                step=engine.step,
+                version=version,
+                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
+                optimizer=optim,
+                rng=checkpoint.rng_state(),
+                trained_ids=ids,
+                trained_seqs=list(queue.trained),
+            ),
+        )
+    log.info(
+        "v%d announced in %.1f ms; step event and checkpoint %.1f ms after",
+        version,
+        (announced - t0) * 1e3,
+        (time.perf_counter() - announced) * 1e3,
+    )
+    await queue.ack_held()
+    record(stats, version, run)
+    log.info(
+        "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs grad_norm %.3g lr %.3g "
+        "clip %.3f masked %.3f imp_weight %.3f (max %.2f)",
+        step_index,
+        version,
+        stats.loss,
+        stats.reward_mean,
+        stats.tokens,
+        stats.step_seconds,
+        stats.grad_norm,
+        stats.lr,
+        stats.loss_stats.get("clip_fraction", 0.0),
+        stats.loss_stats.get("masked_fraction", 0.0),
+        stats.loss_stats.get("imp_weight_mean", 1.0),
+        stats.loss_stats.get("imp_weight_max", 1.0),
+    )
+    return version
+
+
+def record(stats: StepStats, version: int, run: str) -> None:
+    metrics.STEP_SECONDS.labels(run).observe(stats.step_seconds)
+    metrics.TOKENS_PER_SECOND.labels(run).set(stats.tokens / max(stats.step_seconds, 1e-9))
+    metrics.VERSION.labels(run).set(version)
+    metrics.LOSS.labels(run).set(stats.loss)
+    metrics.REWARD_MEAN.labels(run).set(stats.reward_mean)
+    metrics.STEPS.labels(run).inc()
+
+
 @dataclass
-class Slot:
-    """One run in the trainer: its context, queue and progress."""
+class TrainWorker:
+    """One run in the trainer (a `RunWorker` of the trainer's `RunHost`)."""
 
     ctx: Rank0
-    queue: AcceptedQueue
-    version: int
-    keep_alive: asyncio.Task
-    collector: asyncio.Task | None = None
+    begin: Resume
+    """where the run starts (`resume.Resume`)"""
+    model: asyncio.Lock
+    """the shared model: held by every step, and by a sibling's drop"""
+    wake: asyncio.Event
+    """set when a batch is ready or the run ends (the scheduler's wake-up)"""
+    sibling: SharedBaseEngine | None = None
+    """the engine to drop when the run closes: a run's adapter on the fleet's own run's model
+    (None: the fleet's own run, whose engine holds the model)"""
+    queue: AcceptedQueue | None = None
+    version: int = -1
     batch: list[Trajectory] | None = None
     steps: int = 0
     """steps taken by this process (the fair share counts these)"""
     last_step: int = -1
     ending: bool = False
-    """stop, or finished elsewhere: close after the current step"""
-    own: bool = False
+    """retired (stopped, or finished elsewhere): no step after the current one"""
+    _busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _collector: asyncio.Task | None = None
+    _keep_alive: asyncio.Task | None = None
 
     @property
     def run(self) -> str:
@@ -65,153 +218,65 @@ class Slot:
     def done(self) -> bool:
         return self.ending or self.ctx.engine.step >= self.ctx.cfg.total_train_steps
 
-
-async def resume(engine: FSDP2Engine, cfg: LorabusConfig, store: ObjectStore) -> Resume:
-    """Where a run starts: its newest checkpoint (restored into `engine`) or its untrained adapter."""
-    ckpt = service.restore(engine, cfg)
-    initial = engine.adapter_state() if ckpt is None else None
-    highest = await asyncio.to_thread(service._highest_stored_version, store, cfg.run)
-    if ckpt is not None:
-        log.info("run %s: resuming from %s step %d (v%d)", cfg.run, cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
-    return Resume.plan(ckpt, initial, highest)
-
-
-@dataclass
-class FleetTrainer:
-    first: Rank0
-    """the fleet's own run: its engine holds the model every other run's adapter joins"""
-    store: ObjectStore
-    slots: dict[str, Slot] = field(default_factory=dict)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    ended: set[str] = field(default_factory=set)
-    _steps: int = 0
-
-    @property
-    def fleet(self) -> str:
-        return self.first.cfg.run
-
-    # --- runs joining and leaving -------------------------------------------------------------
-
-    async def open(self, ctx: Rank0, start: Resume, *, own: bool = False) -> Slot:
+    async def start(self) -> None:
+        """Announce the first version (again, if it was), then collect the first batch."""
+        ctx, start = self.ctx, self.begin
+        self.version = start.version
         event = await ctx.announce(start.version, start.tensors, weights=start.weights)
-        log.info("run %s: v%d %s", ctx.cfg.run, start.version, "announced" if event else "was already announced")
+        log.info("run %s: v%d %s", self.run, start.version, "announced" if event else "was already announced")
+        metrics.VERSION.labels(self.run).set(start.version)
         queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
         await queue.open()
-        slot = Slot(ctx, queue, start.version, asyncio.create_task(queue.keep_alive()), own=own)
-        self.slots[slot.run] = slot
-        self._collect(slot)
-        return slot
+        self.queue = queue
+        self._keep_alive = asyncio.create_task(queue.keep_alive(), name=f"keep-alive:{self.run}")
+        self.collect()
 
-    async def open_run(self, record: RunRecord) -> None:
-        """A run of the table the trainer does not serve yet (active): join it."""
-        cfg = runconfig.restore(record.config, self.first.cfg)
-        engine = self.first.engine
-        assert isinstance(engine, FSDP2Engine)
-        sibling = engine.sibling(cfg, record.run)
-        bus = self.first.bus.for_run(record.run)
-        await bus.ensure_streams()
-        epoch = await asyncio.to_thread(trainer_epoch, self.store, cfg.run)
-        ctx = Rank0(cfg, sibling, bus, self.store, self.first.stop, self.first.followers, None, epoch)
-        await self.open(ctx, await resume(sibling, cfg, self.store))
-        log.info("run %s joined (rank %d, share %g)", record.run, cfg.actor.lora_rank, record.share)
-
-    async def close(self, slot: Slot) -> None:
-        for task in (slot.collector, slot.keep_alive):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await slot.queue.close()
-        self.slots.pop(slot.run, None)
-        self.ended.add(slot.run)
-        if not slot.own:
-            engine = slot.ctx.engine
-            assert isinstance(engine, FSDP2Engine)
-            engine.drop()
-            await slot.ctx.bus.close()
-        log.info("run %s: closed at v%d (%d steps here)", slot.run, slot.version, slot.steps)
-
-    async def on_record(self, record: RunRecord) -> None:
-        try:
-            await self._on_record(record)
-        except Exception:  # one run that cannot join must not end the others' training
-            log.exception("run %s: cannot follow its %s record", record.run, record.state)
-
-    async def _on_record(self, record: RunRecord) -> None:
-        if record.run == self.fleet:
+    def collect(self) -> None:
+        """Collect the next batch in the background (none once the run is done)."""
+        if self.done:
             return
-        slot = self.slots.get(record.run)
-        if record.state == "active" and slot is None and record.run not in self.ended:
-            await self.open_run(record)
-        elif record.state != "active" and slot is not None:
-            slot.ending = True
-        self.wake.set()
+        queue = self.queue
+        assert queue is not None  # started
 
-    # --- batches and steps --------------------------------------------------------------------
-
-    def _collect(self, slot: Slot) -> None:
         async def collect() -> None:
-            slot.batch = await slot.queue.next_batch(slot.ctx.cfg.rollout.consumer_batch_size, self.first.stop)
+            self.batch = await queue.next_batch(self.ctx.cfg.rollout.consumer_batch_size, self.ctx.stop)
             self.wake.set()
 
-        slot.collector = asyncio.create_task(collect(), name=f"collect:{slot.run}")
+        self._collector = asyncio.create_task(collect(), name=f"collect:{self.run}")
 
-    def next_run(self) -> Slot | None:
-        ready = [s for s in self.slots.values() if s.batch and not s.done]
-        loads = [
-            share.RunLoad(run=s.run, share=s.ctx.cfg.fleet.share, running=s.steps, ready=True, last_grant=s.last_step)
-            for s in ready
-        ]
-        chosen = share.pick(loads)
-        return None if chosen is None else self.slots[chosen]
+    async def train(self, step_index: int) -> None:
+        """One step on the batch collected, then collect the next; `step_index`: the trainer's
+        step count (the fair share's tie-break)."""
+        groups, self.batch = self.batch, None
+        assert groups is not None and self.queue is not None  # picked because it holds a batch
+        async with self._busy, self.model:
+            self.version = await step(self.ctx, self.queue, groups, self.version)
+        self.steps += 1
+        self.last_step = step_index
+        self.collect()
 
-    async def serve(self) -> int:
-        """Steps until the own run is done and no other run is live (or stop); returns the own
-        run's last version."""
-        own = next(s for s in self.slots.values() if s.own)
-        while not self.first.stop.is_set():
-            for ended in [s for s in self.slots.values() if s.done and not s.own]:
-                await self.close(ended)
-            if own.done and len(self.slots) == 1:
-                break
-            self.wake.clear()  # before looking: a batch that lands meanwhile sets it again
-            slot = self.next_run()
-            if slot is None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), 1.0)
-                continue
-            groups, slot.batch = slot.batch, None
-            assert groups is not None
-            slot.version = await service.step(slot.ctx, slot.queue, groups, slot.version)
-            slot.steps += 1
-            slot.last_step = self._steps
-            self._steps += 1
-            if not slot.done:
-                self._collect(slot)
-        for slot in list(self.slots.values()):
-            await self.close(slot)
-        return own.version
+    async def drain(self) -> None:
+        """No step after the current one, whose end this waits for."""
+        self.ending = True
+        self.wake.set()
+        await _cancel(self._collector)
+        async with self._busy:
+            pass
+
+    async def close(self) -> None:
+        """Stop reading the run's stream (what it holds un-acked comes back after ack_wait);
+        a sibling's adapter leaves the model."""
+        await _cancel(self._keep_alive)
+        if self.queue is not None:
+            await self.queue.close()
+        if self.sibling is not None:
+            async with self.model:
+                self.sibling.drop()
+        log.info("run %s: closed at v%d (%d steps here)", self.run, self.version, self.steps)
 
 
-async def serve_fleet(ctx: Rank0, start: Resume, store: ObjectStore) -> int:
-    """`service.serve` for a fleet: the own run from `start`, every other live run of the run
-    table as it comes."""
-    trainer = FleetTrainer(ctx, store)
-    await trainer.open(ctx, start, own=True)
-    try:
-        watch = await RunTable(ctx.bus, trainer.fleet).watch(trainer.on_record)
-    except Exception as exc:  # e.g. a bus user without KV rights: the own run still trains
-        log.warning("fleet %s: cannot follow the run table (%r); training this run only", trainer.fleet, exc)
-        watch = None
-    try:
-        return await trainer.serve()
-    finally:
-        if watch is not None:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-
-
-def serves_fleet(engine: object) -> bool:
-    """Whether this trainer can take other runs: one process of the fsdp2 engine."""
-    return isinstance(engine, FSDP2Engine) and engine.world_size == 1
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -142,7 +142,7 @@ def test_checkpoint_round_trip_and_prune(tmp_path):
 
 def test_resume_plan():
     from services.trainer import checkpoint
-    from services.trainer.service import resume_plan
+    from services.trainer.resume import resume_plan
 
     ck = checkpoint.Checkpoint(step=3, version=3, adapter_bytes=b"", optimizer={})
     assert resume_plan(None, None) == (0, False)  # fresh: announce v0

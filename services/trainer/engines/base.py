@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,26 @@ class TrainEngine(Protocol):
     def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
         """Restore a checkpoint (every rank passes the full adapter); collective."""
         ...
+
+
+@runtime_checkable
+class SharedBaseEngine(TrainEngine, Protocol):
+    """An engine other runs can join: one base model, one adapter per run (docs/multi-run.md).
+    The fsdp2 engine is one; in one process only (`shares_base`), since shards are not re-cut."""
+
+    def sibling(self, cfg: LorabusConfig, adapter: str) -> SharedBaseEngine:
+        """An engine for the run `cfg` on this engine's model: its own adapter `adapter` (its
+        rank, alpha and targets), optimizer, schedule and step counter; no second base."""
+        ...
+
+    def drop(self) -> None:
+        """Take this engine's adapter off the shared model (a sibling whose run ended)."""
+        ...
+
+
+def shares_base(engine: TrainEngine) -> TypeGuard[SharedBaseEngine]:
+    """Whether other runs can join `engine`'s model: a `SharedBaseEngine` in one process."""
+    return isinstance(engine, SharedBaseEngine) and engine.world_size == 1
 
 
 def resolve_device(device: str) -> torch.device:
