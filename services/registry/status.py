@@ -65,11 +65,16 @@ def render(status: RegistryStatus) -> str:
             f"{'v' + str(v):>7}  {r.trainer_step:>5}  {state:<8}  {'yes' if r.exported else 'no':<8}  {loaded}"
         )
     if led.replicas:
-        lines += ["", f"{'replica':<16}  {'engine':<8}  {'loaded':<16}  {'failures':>8}  last seen"]
+        header = f"{'replica':<16}  {'engine':<8}  {'loaded':<16}  {'failures':>8}  {'last seen':>13}  incarnation"
+        lines += ["", header]
         for name in sorted(led.replicas):
             s = led.replicas[name]
             loaded = ",".join(f"v{v}" for v in sorted(s.loaded)) or "-"
-            lines.append(f"{name:<16}  {s.engine or '?':<8}  {loaded:<16}  {s.failures:>8}  {s.last_seen:.1f}")
+            # a few characters tell a restart apart; the replaced ones count how often it restarted
+            incarnation = f"{s.incarnation[:8] or '-'} ({len(s.replaced)} replaced)"
+            lines.append(
+                f"{name:<16}  {s.engine or '?':<8}  {loaded:<16}  {s.failures:>8}  {s.last_seen:>13.1f}  {incarnation}"
+            )
     if led.grants:
         lines += ["", f"{'grant':<24}  {'version':>7}  {'replica':<16}  expires at"]
         for gid, g in sorted(led.grants.items(), key=lambda kv: kv[1].issued_at):

@@ -127,6 +127,8 @@ def test_unparseable_schema_version_rejected(version):
         ("AdmissionRequest", "request_id", "", "$.request_id"),
         ("AdmissionRequest", "loaded_versions", "3", "$.loaded_versions"),
         ("ReplicaHeartbeat", "engine", "tgi", "$.engine"),
+        ("ReplicaHeartbeat", "incarnation", "a.b", "$.incarnation"),
+        ("ReplicaHeartbeat", "incarnation", "short", "$.incarnation"),
         ("TrajectoryDecision", "verdict", "maybe", "$.verdict"),
         ("ExportDone", "sha256", "ABC", "$.sha256"),
         ("AdapterLoaded", "via", "carrier-pigeon", "$.via"),

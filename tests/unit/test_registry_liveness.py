@@ -150,3 +150,96 @@ def test_an_admission_request_from_a_restarted_process_frees_the_old_grants_too(
     grant = j.apply(led, j.AdmitOp(second, 101.0), c)
     assert isinstance(grant, p.AdmissionGrant)
     assert list(led.grants) == [grant.grant_id]  # only the new process's grant is held
+
+
+def beat(replica: str, at: float, incarnation: str | None, started_at: float | None = None) -> j.ReportOp:
+    hb = ReplicaHeartbeat(run=RUN, replica=replica, engine="embedded", loaded_versions=[0], in_flight=0, sent_at=at,
+                          started_at=started_at, incarnation=incarnation)  # fmt: skip
+    return j.ReportOp(hb, at)
+
+
+def admit_from(replica: str, rid: str, started_at: float, at: float) -> j.AdmitOp:
+    return j.AdmitOp(msgspec.structs.replace(request(replica, rid), started_at=started_at), at)
+
+
+def test_a_new_incarnation_frees_its_old_selfs_grants_at_once_whatever_the_clocks_say() -> None:
+    """Issue 30: r1 is killed and back within the silence window on a host whose clock is 40 s
+    behind (its start is *earlier* than the dead process's, which the start-time rule alone
+    reads as a late message of an old process). Its new incarnation frees the dead process's
+    grants at its first heartbeat, not after the 60 s lease; the grant the new process got
+    before that heartbeat was processed stays; the dead process's late heartbeat changes
+    neither grants nor the loaded set; r2 keeps its grant; the journal replays the same."""
+    c = cfg()
+    ops: list[j.Op] = [
+        j.AdapterOp(ready(0)),
+        beat("r1", 99.0, "old-self-aaaa", started_at=50.0),
+        beat("r2", 99.0, "r2-self-bbbb", started_at=40.0),
+        admit_from("r1", "q0", 50.0, 100.0),
+        admit_from("r1", "q1", 50.0, 100.0),
+        admit_from("r2", "q2", 40.0, 100.0),
+        admit_from("r1", "q3", 10.0, 102.0),  # the new process asks before its first heartbeat lands
+    ]
+    led = p.new_ledger(RUN)
+    for op in ops:
+        j.apply(led, op, c)
+    assert sorted(led.grants) == ["r1-0", "r1-1", "r1-3", "r2-2"]  # 10 < 50: the start rule freed nothing
+    back = beat("r1", 103.0, "new-self-cccc", started_at=10.0)
+    j.apply(led, back, c)
+    assert sorted(led.grants) == ["r1-3", "r2-2"]  # at once: 3 s after the kill, silence is 8 s
+    assert led.replicas["r1"].incarnation == "new-self-cccc"
+    assert led.replicas["r1"].replaced == ["old-self-aaaa"]
+    late = beat("r1", 104.0, "old-self-aaaa", started_at=50.0)
+    late.report.loaded_versions.clear()
+    assert j.apply(led, late, c) == p.Applied(False)  # changes nothing, so nothing to persist
+    assert sorted(led.grants) == ["r1-3", "r2-2"] and led.replicas["r1"].loaded == {0}
+    assert led.replicas["r1"].incarnation == "new-self-cccc"
+    # the freed grants' late trajectories are rejected, as after a lease expiry
+    decision = j.apply(led, j.DecideOp(p.decision_input(traj("r1-0", [0])), 105.0), c)
+    assert decision.verdict == "rejected-invalid", decision
+    again = j.apply(led, j.DecideOp(p.decision_input(traj("r1-3", [0], tid="t2")), 105.0), c)
+    assert again.verdict == "accepted", again
+    replayed = p.new_ledger(RUN)
+    for op in [*ops, back, late]:
+        j.apply(replayed, op, c)
+    assert sorted(replayed.grants) == ["r1-3", "r2-2"]
+    assert replayed.replicas["r1"] == msgspec.structs.replace(
+        led.replicas["r1"], heard_at=replayed.replicas["r1"].heard_at
+    )
+
+
+def test_the_same_incarnation_and_heartbeats_without_one_free_nothing() -> None:
+    c = cfg()
+    led = p.new_ledger(RUN)
+    for op in [j.AdapterOp(ready(0)), beat("r1", 99.0, "self-aaaa", 50.0), admit_from("r1", "q0", 50.0, 100.0)]:
+        j.apply(led, op, c)
+    for op in [beat("r1", 101.0, "self-aaaa", 50.0), beat("r1", 102.0, None, 50.0), beat("r1", 103.0, None)]:
+        j.apply(led, op, c)
+    assert list(led.grants) == ["r1-0"] and led.replicas["r1"].incarnation == "self-aaaa"
+
+
+def test_the_first_incarnation_heard_of_keeps_grants_that_named_no_start() -> None:
+    """A ledger that hears of r1's first incarnation cannot tell whose an un-stamped grant is
+    (an older sender's request), so it keeps it; a grant stamped with another start is another
+    process's (here an older process's late request), and goes. The next incarnation keeps
+    only its own."""
+    c = cfg()
+    led = p.new_ledger(RUN)
+    j.apply(led, j.AdapterOp(ready(0)), c)
+    j.apply(led, j.AdmitOp(request("r1", "q0"), 100.0), c)  # no start named
+    j.apply(led, admit_from("r1", "q1", 20.0, 100.0), c)
+    j.apply(led, admit_from("r1", "q2", 5.0, 100.5), c)  # an older process's late request
+    assert sorted(led.grants) == ["r1-0", "r1-1", "r1-2"]
+    j.apply(led, beat("r1", 101.0, "self-aaaa", started_at=20.0), c)
+    assert sorted(led.grants) == ["r1-0", "r1-1"]
+    j.apply(led, beat("r1", 103.0, "self-bbbb", started_at=15.0), c)  # restarted, its clock behind
+    assert list(led.grants) == []
+
+
+def test_a_replica_remembers_a_bounded_number_of_replaced_incarnations() -> None:
+    c = cfg()
+    led = p.new_ledger(RUN)
+    for i in range(p.REPLACED_KEPT + 3):
+        j.apply(led, beat("r1", 100.0 + i, f"self-{i:04d}", started_at=float(i)), c)
+    state = led.replicas["r1"]
+    assert state.incarnation == f"self-{p.REPLACED_KEPT + 2:04d}"
+    assert state.replaced == [f"self-{i:04d}" for i in range(2, p.REPLACED_KEPT + 2)]
