@@ -40,7 +40,7 @@ from services.common.lora_targets import HF_LINEAR
 from services.common.store import LocalStore
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.embedded import EmbeddedEngine
-from services.rollout.service import RolloutService
+from services.rollout.service import INCARNATION, RolloutService
 from tests.fixtures.tiny import tiny_qwen2
 from tests.fixtures.waiting import wait_until
 
@@ -195,6 +195,8 @@ async def test_rollout_replica_follows_versions(start_run, base):
         await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=0), what="v0 loaded")
         await wait_until(lambda: any(t.replica == "r1" for t in rec.trajectories), what="a trajectory")
         await wait_until(lambda: rec.of(ReplicaHeartbeat, "r1"), what="a heartbeat")
+        # issue 30: it names this process, so the registry tells a restart by identity
+        assert {b.incarnation for b in rec.of(ReplicaHeartbeat, "r1")} == {INCARNATION}
 
         # trajectories carry the version and logprobs of a separate forward of base + v0
         traj = next(t for t in rec.trajectories if t.replica == "r1")
