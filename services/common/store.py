@@ -14,6 +14,7 @@ environment variables named in the config and never appear in URIs, events, erro
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -58,6 +59,46 @@ class ObjectCorrupt(StoreError):
     """The object's bytes are not the ones its event names (size or sha256), or more than the
     config lets a reader read: reading it again gives the same, so a reader gives the version
     up instead of retrying."""
+
+
+class StoreUnwritable(StoreError):
+    """The disk under the store refuses writes: full (ENOSPC, EDQUOT), read-only (EROFS) or not
+    this process's to write (EACCES, EPERM). The message names the directory and the fix.
+    Objects appear whole or not at all, so what was written before is intact and the failed
+    write left nothing behind; writing again helps only once someone frees space or fixes the
+    mount (`full` says which kind a writer may wait out)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def full(self) -> bool:
+        return self.code in (errno.ENOSPC, errno.EDQUOT)
+
+
+_UNWRITABLE = {
+    errno.ENOSPC: ("has no space left on its device", "free space there or point {setting} at a larger disk"),
+    errno.EDQUOT: ("is over its disk quota", "raise the quota or point {setting} at another disk"),
+    errno.EROFS: ("is on a read-only filesystem", "remount it read-write or point {setting} at a writable directory"),
+    errno.EACCES: ("is not writable by this process", "give uid {uid} write access or point {setting} elsewhere"),
+    errno.EPERM: ("is not writable by this process", "give uid {uid} write access or point {setting} elsewhere"),
+}
+
+
+def write_error(exc: OSError, what: str, directory: Path, setting: str) -> StoreError:
+    """`exc`, raised while `what` into `directory`, as the error a user acts on: a
+    `StoreUnwritable` naming the directory, the cause and the fix (`setting` is the config key
+    that chose the directory) when the disk refuses writes, else a StoreError with the cause."""
+    if exc.errno in _UNWRITABLE:
+        problem, fix = _UNWRITABLE[exc.errno]
+        name = errno.errorcode[exc.errno]
+        return StoreUnwritable(
+            f"{setting}: {directory} {problem} ({name}, {what}); "
+            f"{fix.format(setting=setting, uid=os.getuid())}, then restart: nothing written before is lost",
+            exc.errno,
+        )
+    return StoreError(f"{setting}: {what} into {directory} failed: {exc}")
 
 
 class OutsideStore(StoreError):
@@ -205,7 +246,7 @@ class LocalStore:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise StoreError(f"file://{self.root}: cannot create store directory: {exc}") from exc
+                raise write_error(exc, "creating the store directory", self.root, "store.uri") from exc
         self.uri = f"file://{self.root}"
 
     @classmethod
@@ -241,17 +282,21 @@ class LocalStore:
         try:
             n, sha = _write_atomically(path, fill)
         except OSError as exc:
-            raise StoreError(f"{uri}: write failed: {exc}") from exc
+            raise write_error(exc, f"writing {uri}", path.parent, "store.uri") from exc
         return ObjectRef(uri=uri, bytes=n, sha256=sha)
 
     def put_file(self, key: str, path: str | os.PathLike) -> ObjectRef:
         dest = self._path(key)
         uri = self.uri_for(key)
         try:
-            with open(path, "rb") as src:
-                n, sha = _write_atomically(dest, lambda f: _copy_verified(_file_chunks(src), f.write, uri, None, None))
+            src = open(path, "rb")
         except OSError as exc:
             raise StoreError(f"{uri}: upload of {path} failed: {exc}") from exc
+        try:
+            with src:
+                n, sha = _write_atomically(dest, lambda f: _copy_verified(_file_chunks(src), f.write, uri, None, None))
+        except OSError as exc:
+            raise write_error(exc, f"writing {uri} from {path}", dest.parent, "store.uri") from exc
         return ObjectRef(uri=uri, bytes=n, sha256=sha)
 
     def get_bytes(self, uri: str, *, sha256: str | None = None, size: int | None = None) -> bytes:

@@ -19,7 +19,7 @@ from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.common.config_schema import StoreConfig
 from services.common.megatron_to_hf import ModelShape, convert, target_modules_of
-from services.common.store import ObjectNotFound, S3Store, StoreError
+from services.common.store import ObjectNotFound, S3Store, StoreError, write_error
 
 FILES = [adapter_io.CONFIG_NAME, adapter_io.WEIGHTS_NAME]
 
@@ -96,7 +96,15 @@ def write_export(export_uri: str, version: int, files: PeftFiles, store_cfg: Sto
     sees adapter_model.safetensors also finds adapter_config.json."""
     root = _local_root(export_uri)
     if root is not None:
-        adapter_io.write_peft_dir(root / f"v{version}", files.weights, files.lora)
+        directory = root / f"v{version}"
+        try:
+            adapter_io.write_peft_dir(directory, files.weights, files.lora)
+        except OSError as exc:
+            # adapter_io writes `.<name>.tmp` then renames: a full disk leaves the partial temp
+            # file, which would keep the disk full; the finished files are left alone
+            for partial in directory.glob(".*.tmp"):
+                partial.unlink(missing_ok=True)
+            raise write_error(exc, f"exporting v{version}", directory, "exporter.uri") from exc
     else:
         store = _s3_store(export_uri, store_cfg)
         store.put_bytes(f"v{version}/{adapter_io.CONFIG_NAME}", files.config_bytes())
