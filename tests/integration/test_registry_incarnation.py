@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from proto import subjects
-from proto.messages import AdmissionGrant, AdmissionReply, AdmissionRequest, ReplicaHeartbeat
+from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply, AdmissionRequest, ReplicaHeartbeat
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
 from tests.integration.test_registry_service import Registry, ready, wait_status
@@ -66,7 +66,9 @@ async def heartbeat(bus: Bus, incarnation: str, started_at: float, loaded: list[
 async def admit(bus: Bus, started_at: float) -> str:
     req = AdmissionRequest(run=bus.run, replica="r1", request_id=uuid.uuid4().hex, loaded_versions=[0],
                            started_at=started_at)  # fmt: skip
-    reply = await bus.request(subjects.admission(bus.run), req, AdmissionReply, timeout=5.0)
+    reply: AdmissionGrant | AdmissionDeny = await bus.request(
+        subjects.admission(bus.run), req, AdmissionReply, timeout=5.0
+    )
     assert isinstance(reply, AdmissionGrant), reply
     return reply.grant_id
 

@@ -57,10 +57,11 @@ CHILD = textwrap.dedent(
 
 def in_namespace(disk: Path) -> dict:
     unshare = shutil.which("unshare")
-    probe = unshare and subprocess.run([unshare, "--mount", "--map-root-user", "true"], capture_output=True)
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"needs unshare with user namespaces to mount a small tmpfs ({probe and probe.stderr!r})")
-    assert unshare is not None
+    if unshare is None:
+        pytest.skip("needs unshare (util-linux) to mount a small tmpfs in a private namespace")
+    probe = subprocess.run([unshare, "--mount", "--map-root-user", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs user namespaces to mount a small tmpfs: {probe.stderr.strip()}")
     done = subprocess.run(
         [unshare, "--mount", "--map-root-user", sys.executable, "-c", CHILD, str(disk)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
