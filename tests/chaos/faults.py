@@ -269,6 +269,7 @@ class Run:
     overrides: list[str] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     timeout_s: float = 540.0
+    hold_bound_s: float = HOLD_BOUND_S
     gate: Gate | None = None
 
     def command(self) -> list[str]:
@@ -319,7 +320,7 @@ class Run:
 
     def _await_target(self, fault: Fault, target: int, before: Fault | None, done: threading.Event, gate: Gate) -> bool:
         """Wait until export/v<target> exists and the fault `before` recovered, holding the
-        trainer once it announced LEAD versions past the target, for HOLD_BOUND_S at most;
+        trainer once it announced LEAD versions past the target, for `hold_bound_s` at most;
         False when the run ended first."""
         held_before = 0.0
         pending = before if before is not None and before.recovered is not None else None
@@ -332,11 +333,11 @@ class Run:
                 return True
             waits = f"{fault.name} waits for export v{target}" + (f" and {pending.name} to recover" if pending else "")
             announced = announced_head(self.run_dir)
-            if announced >= target + LEAD and held_before + gate.held_s() < HOLD_BOUND_S:
+            if announced >= target + LEAD and held_before + gate.held_s() < self.hold_bound_s:
                 gate.hold(f"{waits}; v{announced} announced, v{exported} exported")
             elif gate.since is not None:
                 held_before += gate.held_s()
-                gate.release(f"bound: held {HOLD_BOUND_S:g} s while {waits}; v{exported} exported")
+                gate.release(f"bound: held {self.hold_bound_s:g} s while {waits}; v{exported} exported")
             if done.wait(TICK_S):
                 gate.note(f"the run ended while {waits} (v{exported} exported)")
                 return False
