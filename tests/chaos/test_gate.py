@@ -22,8 +22,13 @@ def test_a_gate_whose_export_never_comes_opens_at_its_bound_and_says_so(tmp_path
         (tmp_path / "pids.json").write_text(json.dumps({"trainer": trainer.pid}))
         (tmp_path / "trainer.log").write_text("12:00:00.000 INFO trainer service: v5 announced in 1 ms\n")
         (tmp_path / "export" / "v1").mkdir(parents=True)  # stuck: v2 is never exported
-        fired: list[str] = []
-        fault = Fault("never due", 2, lambda run_dir: fired.append("fired") or "fired")
+        fired: list[Path] = []
+
+        def act(run_dir: Path) -> str:
+            fired.append(run_dir)
+            return "fired"
+
+        fault = Fault("never due", 2, act)
         run = Run(tmp_path, steps=40, faults=[fault], hold_bound_s=1.5)
         started = time.monotonic()
         run.gate = gate = Gate(tmp_path, started)
