@@ -88,6 +88,8 @@ class RunHost(Generic[W]):
         self._views: dict[str, Bus] = {}
         self._retiring: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
+        self.following = False
+        """whether the run table is followed (False: the own run is the only run)"""
 
     @property
     def own(self) -> W:
@@ -98,6 +100,7 @@ class RunHost(Generic[W]):
         await self._open(self.cfg, self.bus)
         try:
             self._watch = await RunTable(self.bus, self.fleet).watch(self.on_record)
+            self.following = True
         except Exception as exc:  # e.g. a bus user without rights on the run table
             log.warning("%s: cannot follow fleet %s's run table (%r); serving run %s alone",
                         self.name, self.fleet, exc, self.fleet)  # fmt: skip

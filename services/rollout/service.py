@@ -1,13 +1,14 @@
-"""The rollout replica: asks for admission, generates, publishes; adapters follow beside it.
+"""One run on a rollout replica: its grants generated, scored and published; its adapters
+followed beside them (a `RunWorker` of the replica's `RunHost`, `services.rollout.fleet`).
 
-Three concurrent loops over one engine, plus the adapter follower (`adapters.AdapterFollower`:
-the durable consumer of adapter versions and the server watch):
-- work: admission request -> grant (pin its version in the follower's book) or deny (wait
-  retry_after_s); up to `rollout.batch_groups` grants per engine batch; completions scored by
-  the reward function and published as one Trajectory per grant. A generation that finds its
-  version gone from a server asks the follower to `restore()` it and runs its grants again on
-  that version, so a trajectory always carries the version that generated it.
-- heartbeat: ReplicaHeartbeat every `rollout.heartbeat_s`.
+The replica's one work loop (`work.work_loop`) asks for admission and hands the run its grants:
+`take` pins a grant's version in the follower's book, `serve` generates up to
+`rollout.batch_groups` grants per engine batch, scores the completions with the run's reward
+function and publishes one Trajectory per grant. A generation that finds its version gone from
+a server asks the follower to `restore()` it and runs its grants again on that version, so a
+trajectory always carries the version that generated it. Beside it, while the run is served:
+- the adapter follower (`adapters.AdapterFollower`: the durable consumer of adapter versions);
+- heartbeat: ReplicaHeartbeat every `rollout.heartbeat_s`;
 - engine watch (server engines): the follower's `watch_engine_loop`.
 """
 
@@ -26,7 +27,6 @@ import nats.errors
 from proto import subjects
 from proto.messages import (
     AdapterReady,
-    AdmissionDeny,
     AdmissionGrant,
     AdmissionReply,
     AdmissionRequest,
@@ -43,6 +43,7 @@ from services.rollout.adapters import AdapterFollower
 from services.rollout.engines.base import Engine, GenRequest
 from services.rollout.engines.http import VersionNotLoaded
 from services.rollout.sampling import mix32
+from services.rollout.work import Run, work_loop
 
 if TYPE_CHECKING:
     from services.rollout.load_path import Stager
@@ -68,11 +69,6 @@ def prompt_cycle(prompts: list[Prompt], seed: int, shuffle: bool) -> Iterator[Pr
         epoch += 1
 
 
-def no_grant_wait(reply: AdmissionDeny | None) -> float:
-    """Seconds to wait before asking again after a deny, or no answer (None)."""
-    return 0.5 if reply is None else reply.retry_after_s  # None: no registry answering yet
-
-
 class RolloutService:
     def __init__(
         self,
@@ -92,6 +88,7 @@ class RolloutService:
         admission_timeout_s: float = 2.0,
         xccl: XcclReceiver | None = None,
         stager: Stager | None = None,
+        release_versions: bool = False,
     ):
         self.cfg, self.run_id, self.replica = cfg, cfg.run, subjects.token(replica, "replica")
         self.engine, self.bus = engine, bus
@@ -108,6 +105,12 @@ class RolloutService:
         self._seed = seed
         self._prompts = prompt_cycle(prompts, seed, cfg.train_dataset.shuffle)
         self._batches = 0
+        self.release_versions = release_versions
+        """unload the run's versions when it closes (a run that shares the replica's engine)"""
+        self.draining = False
+        """no more grants: the run is leaving this replica"""
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
 
     # --- heartbeat ---
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
@@ -134,7 +137,8 @@ class RolloutService:
                 pass
 
     # --- work ---
-    async def admit(self) -> AdmissionGrant | AdmissionDeny | None:
+    async def admit(self, runs: object = None) -> AdmissionReply | None:
+        """Ask the run's own admission subject (a replica that serves this run alone)."""
         req = AdmissionRequest(
             run=self.run_id,
             replica=self.replica,
@@ -149,30 +153,9 @@ class RolloutService:
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
             return None
 
-    async def work_loop(self, stop: asyncio.Event) -> None:
-        changed = self.adapters.changed
-        while not stop.is_set():
-            if self.book.head() is None:
-                async with changed:
-                    try:
-                        await asyncio.wait_for(changed.wait(), 0.5)
-                    except TimeoutError:
-                        pass
-                continue
-            grants: list[AdmissionGrant] = []
-            wait_s = 0.0
-            for _ in range(self.cfg.rollout.batch_groups):
-                reply = await self.admit()
-                wait_s = self.take(reply, grants) if isinstance(reply, AdmissionGrant) else no_grant_wait(reply)
-                if wait_s:
-                    break
-            if grants:
-                wait_s = await self.serve(grants) or wait_s
-            if wait_s:
-                try:
-                    await asyncio.wait_for(stop.wait(), wait_s)
-                except TimeoutError:
-                    pass
+    def loaded(self) -> list[int]:
+        """The run's versions that may be granted (`AdapterFollower.loaded`)."""
+        return self.adapters.loaded()
 
     def take(self, reply: AdmissionGrant, grants: list[AdmissionGrant]) -> float:
         """Add a grant to `grants`, its version pinned; returns the wait before asking again
@@ -297,23 +280,58 @@ class RolloutService:
         metrics.TOKENS_PER_SECOND.labels(self.replica).set(tokens / max(finished - started, 1e-9))
         return trajectories
 
-    # --- all together ---
-    async def run(self, stop: asyncio.Event, *, work: bool = True) -> None:
-        """Serve until `stop`. `work=False`: adapters and heartbeat only, for a replica that
-        asks for work for all its runs at once (`services.rollout.fleet`)."""
-        consumer = await self.adapters.start()
-        tasks = [
-            asyncio.create_task(self.heartbeat_loop(stop), name="heartbeat"),
-            asyncio.create_task(self.adapters.watch_engine_loop(stop), name="watch-engine"),
+    # --- the run's life on the replica (`RunWorker`) ---
+    async def start(self) -> None:
+        """Load the newest version and follow the run's adapters; heartbeat and watch the engine."""
+        self._tasks = [await self.adapters.start()]  # the consumer first: close() cancels it at once
+        self._tasks += [
+            asyncio.create_task(self.heartbeat_loop(self._stop), name=f"heartbeat:{self.run_id}"),
+            asyncio.create_task(self.adapters.watch_engine_loop(self._stop), name=f"watch-engine:{self.run_id}"),
         ]
-        if work:
-            tasks.append(asyncio.create_task(self.work_loop(stop), name="work"))
+
+    async def drain(self) -> None:
+        """Take no more grants, and wait for the generations in flight to end."""
+        self.draining = True
+        while self.book.in_flight():
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        """Stop following and heartbeating; a run sharing the engine takes its versions off it."""
+        self._stop.set()
+        if self._tasks:
+            consumer, *loops = self._tasks
+            consumer.cancel()
+            await _ended(loops, self.cfg.rollout.request_timeout_s)
+            await asyncio.gather(consumer, return_exceptions=True)
+        await self.adapters.close()
+        if not self.release_versions:
+            return
+        for version in await self.engine.loaded_versions():
+            try:
+                await self.engine.unload_version(version)
+            except Exception as exc:
+                log.warning("rollout %s: run %s v%d not unloaded: %r", self.replica, self.run_id, version, exc)
+        log.info("rollout %s: run %s closed; its versions left the engine", self.replica, self.run_id)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve this run alone until `stop`, asking on its own admission subject (a replica of
+        one run, on the replica's work loop)."""
+        await self.start()
+        runs: dict[str, Run] = {self.run_id: self}
+        work = asyncio.create_task(work_loop(runs, self.admit, own=self.run_id, replica=self.replica,
+                                             batch_groups=self.cfg.rollout.batch_groups, stop=stop))  # fmt: skip
         try:
             await stop.wait()
         finally:
-            consumer.cancel()
-            done, pending = await asyncio.wait(tasks, timeout=self.cfg.rollout.request_timeout_s)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(consumer, *tasks, return_exceptions=True)
-            await self.adapters.close()
+            await _ended([work], self.cfg.rollout.request_timeout_s)
+            await self.close()
+
+
+async def _ended(tasks: list[asyncio.Task], within_s: float) -> None:
+    """Let `tasks` end by themselves for up to `within_s` (a generation finishing), then cancel."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=within_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
