@@ -1,4 +1,4 @@
-"""`lorabus up` with SGLang rollouts: the RL loop against the SGLang 0.5.23 protocol server
+"""`lorabus up` with SGLang rollouts: the RL loop against the SGLang 0.5.17 protocol server
 (tests/fixtures/sglang_server.py: SGLang's documented LoRA endpoints, generating with
 transformers + the real peft adapter from the path the sidecar gives it). Real SGLang needs
 CUDA; this checks the sidecar's side of the protocol over a whole run, not SGLang itself.

@@ -284,3 +284,26 @@ async def test_restarted_server_is_noticed_and_reloaded(start, tok):
         assert after[0][0].token_ids == before[0][0].token_ids
     finally:
         await fresh.stop()
+
+
+def test_device_smoke_parses_and_builds_its_model_here(tmp_path):
+    """benchmarks/device/sglang_smoke.py as far as it goes without a GPU: its arguments, the
+    Qwen2 model it writes (loadable, the tiny tokenizer beside it) and the server command line."""
+    import json
+
+    from benchmarks.device import sglang_smoke
+
+    with pytest.raises(SystemExit):
+        sglang_smoke.parse_args(["--out", str(tmp_path / "s.json"), "--n", "0"])
+    out = tmp_path / "s.json"
+    assert sglang_smoke.main(["--tiny", "--dry-run", "--out", str(out), "--work-dir", str(tmp_path)]) == 0
+    res = json.loads(out.read_text())
+    argv = res["argv"]
+    assert argv[:2] == ["-m", "sglang.launch_server"] and res["dry_run"]
+    for flag, value in [("--lora-backend", "triton"), ("--attention-backend", "triton"), ("--max-loaded-loras", "3")]:
+        assert argv[argv.index(flag) + 1] == value
+    model = tmp_path / "model"
+    sglang_smoke.write_model(model, "qwen2", "qwen2.5-1.5b", True, "cpu")
+    loaded = models.load_base_model(model)
+    assert type(loaded).__name__ == "Qwen2ForCausalLM" and loaded.config.hidden_size == 64
+    assert models.encode_prompt(models.load_tokenizer(model), "1+1=")

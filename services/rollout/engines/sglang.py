@@ -127,7 +127,7 @@ class SglangEngine(ServerEngine):
                 f"--max-loaded-loras {self.slots} or more (sglang.max_loaded_loras), or lower "
                 "rollout.lora_keep_versions"
             )
-        registered = await self._registered(url)
+        registered = await self.registered(url)
         if name not in registered and len(registered) >= limit:
             raise AdapterError(
                 f"sglang.max_loaded_loras: {url} already holds {len(registered)} adapters "
@@ -136,7 +136,7 @@ class SglangEngine(ServerEngine):
                 "server need --max-loaded-loras of (rollout.lora_keep_versions + 1) per run"
             )
 
-    async def _registered(self, url: str) -> dict[str, str]:
+    async def registered(self, url: str) -> dict[str, str]:
         """name -> path of every adapter the replica has registered (`/v1/models`)."""
         body = _json(await self.http.get(f"{url}/v1/models"))
         return {m["id"]: m.get("root") for m in body.get("data", []) if m.get("parent") is not None}
@@ -178,7 +178,7 @@ class SglangEngine(ServerEngine):
         for url in self.urls:
             if not self._on[url]:
                 continue
-            registered = await self._registered(url)
+            registered = await self.registered(url)
             gone = [v for v in self._on[url] if self.dirs.name(v) not in registered]
             for version in gone:
                 del self._on[url][version]
