@@ -6,7 +6,14 @@
 #   WHEELS=/some/dir ...   reuses (and fills) a wheel cache instead of a temporary one
 #   ATTN=fa3 ...           keeps FlashAttention 3 (sgl_kernel/flash_ops, 1.1 GB unpacked)
 #   SITE_OUT=/some/dir ... leaves the unpacked site there, for an import check without a GPU
-# DEST must be git-ignored (/.device/ in .git/info/exclude).
+# DEST must be git-ignored (/.device/ in .git/info/exclude). Measured (December 2026): 492,954,103
+# bytes unpacked, 75,028,188 packed = 2 parts (part_aa 47,185,920 + part_ab 27,842,268); with
+# ATTN=fa3 FlashAttention 3 adds 141,209,256 packed bytes (5 parts in all).
+# On the device, one call right after the other (the machine keeps /tmp only while warm):
+#   call 1, carry [".device/sglang/part_aa"]:  mkdir -p /tmp/sw && cp .device/sglang/part_* /tmp/sw/
+#   call 2, carry [".device/sglang/part_ab"]:  cp .device/sglang/part_* /tmp/sw/ && mkdir -p /tmp/ssite &&
+#     cat /tmp/sw/part_* | xz -d -T0 | tar -x -C /tmp/ssite && source benchmarks/h200_env.sh &&
+#     export PYTHONPATH=/tmp/ssite:$PYTHONPATH && python3 benchmarks/device/sglang_smoke.py --out $OUT/s.json
 #
 # What the wheel list holds (sglang-0.5.17-wheels.txt): what `python -m sglang.launch_server`
 # imports in its processes for a dense Qwen2 with --enable-lora --lora-backend triton, less what

@@ -1,7 +1,7 @@
 """Real SGLang on the GPU through the rollout's own engine: two adapters loaded at runtime, logprobs
 under each, one unloaded, an aborted request; timings as JSON.
 
-    python benchmarks/device/sglang_smoke.py --out "$OUT/sglang_smoke.json"        # H200
+    python benchmarks/device/sglang_smoke.py --server-timeout 420 --out "$OUT/sglang_smoke.json"   # H200
     python benchmarks/device/sglang_smoke.py --tiny --dry-run --out /tmp/s.json    # here: args + model only
 
 On the device, after the site has arrived (benchmarks/device/sglang-site.sh packs it; its header
