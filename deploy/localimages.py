@@ -161,7 +161,7 @@ def torch_wheels() -> Path:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: object) -> None:  # `format`: the base class's name
         pass
 
 

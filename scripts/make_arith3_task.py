@@ -29,12 +29,12 @@ from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.make_tiny_task import (  # noqa: E402
+from scripts.make_tiny_task import (
     answer_examples,
     build_model,
     build_tokenizer,
@@ -42,8 +42,8 @@ from scripts.make_tiny_task import (  # noqa: E402
     pretrain,
     save_model,
 )
-from services.common.config_schema import DatasetConfig  # noqa: E402
-from services.common.data import Prompt, load_prompts, write_jsonl  # noqa: E402
+from services.common.config_schema import DatasetConfig
+from services.common.data import Prompt, load_prompts, write_jsonl
 
 SEED = 4321
 MAX_OPERAND = 999

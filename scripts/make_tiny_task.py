@@ -29,9 +29,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.data import Prompt, arith_split, write_jsonl  # noqa: E402
-from services.common.models import decode_completion, encode_prompt  # noqa: E402
-from services.common.rewards import arith_reward  # noqa: E402
+from services.common.data import Prompt, arith_split, write_jsonl
+from services.common.models import decode_completion, encode_prompt
+from services.common.rewards import arith_reward
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 

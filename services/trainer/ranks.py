@@ -80,7 +80,7 @@ class Followers:
         def target() -> None:
             try:
                 broadcast_work(work, 0)
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
+            except BaseException as exc:  # handed to the waiting thread
                 errors.append(exc)
             finally:
                 done.set()

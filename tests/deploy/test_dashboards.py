@@ -16,8 +16,8 @@ from tests.deploy.compose import DEPLOY, REPO
 
 sys.path.insert(0, str(DEPLOY))
 sys.path.insert(0, str(DEPLOY / "grafana"))
-import make_dashboards  # noqa: E402
-import metrics_catalog  # noqa: E402
+import make_dashboards
+import metrics_catalog
 
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 PROMQL_WORDS = {

@@ -29,7 +29,7 @@ from tests.integration.test_trainer_service import (  # noqa: F401 - tiny_model_
 )
 
 
-async def test_a_second_run_trains_beside_the_first(tmp_path, nats_url, tiny_model_dir):  # noqa: F811
+async def test_a_second_run_trains_beside_the_first(tmp_path, nats_url, tiny_model_dir):
     fleet = f"tf{uuid.uuid4().hex[:8]}"
     store_cfg = StoreConfig(uri=f"file://{tmp_path / 'store'}")
     config = write_config(tmp_path, fleet, nats_url, store_cfg, tiny_model_dir)
