@@ -193,10 +193,32 @@ class RolloutService:
         return wait_s
 
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
-        g = self.cfg.gconfig
-        started = time.time()
-        since = time.monotonic()
+        """Generate, check, score and publish one batch of grants; returns the trajectories
+        published (none when the batch overlapped a version whose bytes failed their check)."""
+        started, since = time.time(), time.monotonic()
         metrics.IN_FLIGHT.labels(self.replica).set(len(grants))
+        work = self._requests(grants)
+        outs = await self._generate_by_version(work)
+        work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
+        if not await self.adapters.trusted(since):
+            # a version served meanwhile failed its sha256 check: nothing of this batch may be
+            # accepted; the grants' leases expire at the registry
+            log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
+            metrics.IN_FLIGHT.labels(self.replica).set(0)
+            return []
+        finished = time.time()
+        metrics.IN_FLIGHT.labels(self.replica).set(0)
+        trajectories, tokens = self._trajectories(work, outs, started, finished)
+        for traj in trajectories:
+            await self.bus.publish(subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id)
+            metrics.TRAJECTORIES.labels(self.replica).inc()
+        metrics.TOKENS.labels(self.replica).inc(tokens)
+        metrics.TOKENS_PER_SECOND.labels(self.replica).set(tokens / max(finished - started, 1e-9))
+        return trajectories
+
+    def _requests(self, grants: list[AdmissionGrant]) -> list[tuple[AdmissionGrant, Prompt, GenRequest]]:
+        """Each grant with its next prompt and the request to generate it (seeded per batch)."""
+        g = self.cfg.gconfig
         work = []
         for grant in grants:
             prompt = next(self._prompts)
@@ -212,6 +234,11 @@ class RolloutService:
                 seed=mix32(self._seed + mix32(self._batches)),
             )
             work.append((grant, prompt, req))
+        return work
+
+    async def _generate_by_version(self, work: list[tuple[AdmissionGrant, Prompt, GenRequest]]) -> list[Any]:
+        """The engine's results per request (None where its version's generation failed), one
+        engine call per version; raises only when every version failed."""
         by_version: dict[int, list[int]] = {}
         for i, (grant, _, _) in enumerate(work):
             by_version.setdefault(grant.version, []).append(i)
@@ -237,15 +264,12 @@ class RolloutService:
         for version, exc in failed:
             # their leases expire at the registry; the work loop asks for new grants
             log.warning("rollout %s: grants on v%d dropped: %r", self.replica, version, exc)
-        work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
-        if not await self.adapters.trusted(since):
-            # a version served meanwhile failed its sha256 check: nothing of this batch may be
-            # accepted; the grants' leases expire at the registry
-            log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
-            metrics.IN_FLIGHT.labels(self.replica).set(0)
-            return []
-        finished = time.time()
-        metrics.IN_FLIGHT.labels(self.replica).set(0)
+        return outs
+
+    def _trajectories(
+        self, work: list[tuple[AdmissionGrant, Prompt, GenRequest]], outs: list[Any], started: float, finished: float
+    ) -> tuple[list[Trajectory], int]:
+        """One scored Trajectory per grant, and the tokens generated."""
         trajectories, tokens = [], 0
         for (grant, prompt, req), results in zip(work, outs):
             completions = []
@@ -262,23 +286,20 @@ class RolloutService:
                         finish_reason=r.finish_reason,
                     )
                 )
-            traj = Trajectory(
-                run=self.run_id,
-                trajectory_id=f"{self.replica}-{uuid.uuid4().hex}",
-                grant_id=grant.grant_id,
-                replica=self.replica,
-                prompt_id=prompt.prompt_id,
-                prompt_token_ids=req.prompt_token_ids,
-                completions=completions,
-                started_at=started,
-                finished_at=finished,
+            trajectories.append(
+                Trajectory(
+                    run=self.run_id,
+                    trajectory_id=f"{self.replica}-{uuid.uuid4().hex}",
+                    grant_id=grant.grant_id,
+                    replica=self.replica,
+                    prompt_id=prompt.prompt_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    completions=completions,
+                    started_at=started,
+                    finished_at=finished,
+                )
             )
-            await self.bus.publish(subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id)
-            metrics.TRAJECTORIES.labels(self.replica).inc()
-            trajectories.append(traj)
-        metrics.TOKENS.labels(self.replica).inc(tokens)
-        metrics.TOKENS_PER_SECOND.labels(self.replica).set(tokens / max(finished - started, 1e-9))
-        return trajectories
+        return trajectories, tokens
 
     # --- the run's life on the replica (`RunWorker`) ---
     async def start(self) -> None:
