@@ -72,8 +72,13 @@ def settle(record: RunRecord, ledger: Ledger | None, total_train_steps: int, now
     """The record's next state given its ledger, or None while it stays as it is."""
     if record.state == "stopping" and (ledger is None or ledger.running == 0):
         return structs.replace(record, state="stopped", changed_at=now)
-    if record.state == "active" and ledger is not None and ledger.head is not None and ledger.head >= total_train_steps:
-        return structs.replace(record, state="finished", changed_at=now, reason=f"v{ledger.head} published")
+    # the head's trainer step, not its number: a trainer restarted after announcing a version it
+    # had not checkpointed resumes past it, so versions can run ahead of steps (seen in the chaos
+    # tier at k = 0: finished at v24 after 22 steps, and the trainer waited for its last batch)
+    if record.state == "active" and ledger is not None and ledger.head is not None:
+        head = ledger.versions.get(ledger.head)
+        if head is not None and head.trainer_step >= total_train_steps:
+            return structs.replace(record, state="finished", changed_at=now, reason=f"v{ledger.head} published")
     return None
 
 

@@ -6,7 +6,7 @@ import msgspec
 
 from services.common.config_schema import LorabusConfig
 from services.registry import runs
-from services.registry.policy import Grant, new_ledger
+from services.registry.policy import Grant, VersionRecord, new_ledger
 
 
 def cfg(run: str, **actor) -> LorabusConfig:
@@ -42,8 +42,13 @@ def test_an_active_run_finishes_when_its_head_reaches_its_steps():
     ledger = new_ledger("a")
     assert runs.settle(record, ledger, 3, 2.0) is None
     ledger.head = 2
+    ledger.versions[2] = VersionRecord(published_at=0, trainer_step=2, digest="")
+    assert runs.settle(record, ledger, 3, 2.0) is None
+    ledger.head = 4  # a restarted trainer resumed past an unsaved v3: v4 is still its second step
+    ledger.versions[4] = VersionRecord(published_at=0, trainer_step=2, digest="")
     assert runs.settle(record, ledger, 3, 2.0) is None
     ledger.head = 3
+    ledger.versions[3] = VersionRecord(published_at=0, trainer_step=3, digest="")
     done = runs.settle(record, ledger, 3, 2.0)
     assert done is not None and done.state == "finished" and done.reason == "v3 published"
     info = runs.info(done, cfg("a", lora_rank=4), ledger)
