@@ -7,6 +7,7 @@ Trainer, rollouts, exporter and evaluators must agree token for token on what a 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -21,9 +22,13 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_device(device: str) -> torch.device:
-    """`auto` means cuda when present, else cpu; anything else is passed to torch."""
+    """`auto`: this process's GPU when CUDA is present (torchrun's LOCAL_RANK, else the first),
+    else cpu; anything else is passed to torch. The one reading of `actor.device`,
+    `rollout.device` and `evaluator.device`."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     try:
         return torch.device(device)
     except RuntimeError as exc:

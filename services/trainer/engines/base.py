@@ -141,15 +141,6 @@ def shares_base(engine: TrainEngine) -> TypeGuard[SharedBaseEngine]:
     return isinstance(engine, SharedBaseEngine) and engine.world_size == 1
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto`: this rank's GPU when CUDA is present, else CPU."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(device)
-
-
 def collective_timeout_s() -> float:
     """How long a rank waits in one collective before failing (not hanging) when a peer is
     stuck; `LORABUS_DIST_TIMEOUT_S` overrides it. Idle ranks are kept under it by rank 0's

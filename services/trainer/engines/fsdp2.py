@@ -19,12 +19,12 @@ from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common.config_schema import LorabusConfig
+from services.common.models import resolve_device
 from services.trainer import batching, precision, startup
 from services.trainer.engines.base import (
     StepStats,
     init_distributed,
     make_optimizer,
-    resolve_device,
     step_stats,
     summed_over_ranks,
 )
