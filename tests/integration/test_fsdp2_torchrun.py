@@ -33,19 +33,9 @@ STEPS = 2
 
 
 def tiny_base():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.fixtures.tiny import tiny_qwen2
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=128,
-    )
-    return Qwen2ForCausalLM(cfg)
+    return tiny_qwen2(vocab_size=96, max_position_embeddings=128).train()
 
 
 def config() -> LorabusConfig:

@@ -35,21 +35,10 @@ TEMPERATURE = 0.9
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.fixtures.tiny import tiny_qwen2
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-        eos_token_id=1,
-    )
     path = tmp_path_factory.mktemp("tiny-model")
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tiny_qwen2(vocab_size=64, max_position_embeddings=64, eos_token_id=1).save_pretrained(path)
     return path
 
 

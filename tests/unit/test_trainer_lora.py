@@ -1,27 +1,18 @@
 import pytest
 import torch
 from peft import PeftModel
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from services.common import adapter_io
 from services.common.config_schema import ActorConfig
 from services.trainer.lora import adapter_state, lora_spec, wrap_lora
+from tests.fixtures.tiny import tiny_qwen2 as fixture_qwen2
 
 HF_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=128,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+    return fixture_qwen2(seed, vocab_size=96, max_position_embeddings=128)
 
 
 def test_adapter_keys_shapes_and_zero_b():
