@@ -415,10 +415,17 @@ def capacity(ledger: Ledger, cfg: PolicyConfig) -> int:
     """AReaL's staleness capacity, `min(max_concurrent - running, (k + H + 1) * B - (accepted
     + running))`. `accepted` is floored at `H * B`: the trainer consumes B accepted groups per
     version, so in normal operation the floor never binds, and for a ledger that joined a run
-    late (no history) it is AReaL's recovery rule `accepted = v * B`."""
+    late (no history) it is AReaL's recovery rule `accepted = v * B`.
+
+    H counts the head's trainer steps, not its version number: a trainer restarted after
+    announcing a version it had not checkpointed resumes past it, and a version-numbered H would
+    then admit a batch more than the trainer consumes for the rest of the run (at k = 0 that
+    batch turned stale at every version: 35 groups in a chaos run)."""
     if ledger.head is None:
         return 0
-    k, b, h = cfg.max_head_offpolicyness, cfg.consumer_batch_size, ledger.head
+    record = ledger.versions.get(ledger.head)
+    h = record.trainer_step if record is not None else ledger.head
+    k, b = cfg.max_head_offpolicyness, cfg.consumer_batch_size
     counted = max(ledger.accepted, h * b)
     return min(
         cfg.max_concurrent_rollouts - ledger.running,

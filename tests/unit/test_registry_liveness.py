@@ -243,3 +243,18 @@ def test_a_replica_remembers_a_bounded_number_of_replaced_incarnations() -> None
     state = led.replicas["r1"]
     assert state.incarnation == f"self-{p.REPLACED_KEPT + 2:04d}"
     assert state.replaced == [f"self-{i:04d}" for i in range(2, p.REPLACED_KEPT + 2)]
+
+
+def test_capacity_follows_the_trainers_steps_when_a_restart_skipped_a_version() -> None:
+    """A trainer killed after announcing v2 but before checkpointing it resumes from step 1 and
+    announces v3: at k = 0 the budget is one batch past the 2 steps trained, as before the
+    restart, not one past the version number (which kept a batch too many in flight, turned
+    stale at every later version)."""
+    c = cfg(silent=None)  # k = 0, B = 4
+    led = p.new_ledger(RUN)
+    for op in [j.AdapterOp(ready(0)), j.AdapterOp(ready(1)), j.AdapterOp(ready(2)), j.AdapterOp(ready(3, step=1))]:
+        j.apply(led, op, c)
+    led.accepted = 8
+    assert led.head == 3 and p.capacity(led, c) == (0 + 1 + 1) * 4 - 8 == 0
+    j.apply(led, j.AdapterOp(ready(4, step=2)), c)  # the redelivered batch trained again
+    assert p.capacity(led, c) == (0 + 2 + 1) * 4 - 8 == 4
