@@ -13,8 +13,9 @@ would have used by default (AReaL's defaults, not lorabus's) is translated as if
 
 Allocation strings (`fsdp:d4`, `vllm:d4p1t1`, `megatron:(attn:d1p6t1c1|ffn:d1p6t1e1)`) give
 the trainer's ranks and Megatron sizes, and the number of rollout replicas and each server's
-tensor/pipeline size. `total_train_epochs` becomes steps from the training set's size, as AReaL
-counts them: epochs * (rows // train_dataset.batch_size). Native lorabus keys that AReaL has no
+tensor/pipeline size. `total_train_epochs` stays epochs (lorabus's own `total_train_epochs`): the
+config loader turns it into steps as AReaL counts them, epochs * (rows // batch size), when a
+service loads the config with its data; translating reads no data. Native lorabus keys that AReaL has no
 word for (bus, store, server URLs) go under a top-level `lorabus:` section, merged last.
 """
 
@@ -22,14 +23,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["is_areal", "translate", "report", "rename_hint", "Translation", "Row", "RENAMES"]
+__all__ = ["is_areal", "translate", "flatten", "report", "rename_hint", "Translation", "Row", "RENAMES"]
 
 NATIVE_SECTION = "lorabus"
 _AREAL_ONLY_TOP = ("cluster", "allocation_mode")
@@ -51,6 +51,8 @@ class Translation:
     problems: list[str] = field(default_factory=list)
     origin: dict[str, str] = field(default_factory=dict)
     """native dotted key -> the AReaL key it came from (to point native problems back)"""
+    asked: set[str] = field(default_factory=set)
+    """every AReaL key the translation looked for (the AReaL names a command line may use)"""
 
 
 def is_areal(tree: Any) -> bool:
@@ -104,11 +106,11 @@ def _dims(text: str, allowed: str) -> dict[str, int]:
 # --- the translator --------------------------------------------------------------------------
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict) and tree:
         out: dict[str, Any] = {}
         for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: tree}
 
@@ -123,7 +125,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 class _Translator:
     def __init__(self, src: dict[str, Any]):
         self.src = src
-        self.flat = _flatten(src)
+        self.flat = flatten(src)
         self.used: set[str] = set()
         self.asked: set[str] = set()
         """every AReaL key the translation looked for: the candidates for 'did you mean'"""
@@ -176,9 +178,9 @@ class _Translator:
             self.refuse(key, why)
 
 
-def translate(areal: dict[str, Any], *, count_rows: Callable[[dict[str, Any]], int] | None = None) -> Translation:
-    """Translate a resolved AReaL tree. `count_rows(dataset_tree)` gives the training set's size
-    (for epochs -> steps); by default the dataset is loaded with `services.common.data`."""
+def translate(areal: dict[str, Any]) -> Translation:
+    """Translate an AReaL tree (its `${...}` are resolved here, in AReaL's vocabulary). Reads no
+    file and no data: epochs stay epochs until a service loads the config with its data."""
     areal = dict(areal)
     native_extra = areal.pop(NATIVE_SECTION, None)
     try:
@@ -197,16 +199,17 @@ def translate(areal: dict[str, Any], *, count_rows: Callable[[dict[str, Any]], i
     _actor(x)
     _rollout(x)
     _servers(x)
-    _datasets(x, count_rows or _count_rows)
+    _datasets(x)
     _utilities(x)
     for key in x.flat:
         if key not in x.used:
             x.t.problems.append(_unknown(key, x.flat[key], x.asked))
+    x.t.asked = set(x.asked)
     if native_extra is not None:
         if not isinstance(native_extra, dict):
             x.t.problems.append(f"{NATIVE_SECTION}: {native_extra!r} must be a section of native lorabus keys")
         else:
-            for key, value in _flatten(native_extra).items():
+            for key, value in flatten(native_extra).items():
                 _set(x.t.tree, key, value)
                 x.t.rows.append(Row(f"{NATIVE_SECTION}.{key}", value, f"{key} = {value!r}", "native key, as written"))
     return x.t
@@ -387,21 +390,31 @@ def _gconfig(x: _Translator) -> None:
             note="1e8 and above: no limit (lorabus writes 0)" if top_k >= 1_000_000 else "",
         )
     x.to(f"{g}.stop_token_ids", "gconfig.stop_token_ids")
-    if x.has(f"{g}.max_tokens"):
-        cap = x.get(f"{g}.max_tokens")
-        longest = x.get("train_dataset.max_length")
-        new = x.get(f"{g}.max_new_tokens", 16384)
-        if longest is not None and longest + new <= cap:
-            x.noop(
-                f"{g}.max_tokens", f"never binds: train_dataset.max_length {longest} + max_new_tokens {new} <= {cap}"
-            )
+    cap = x.get(f"{g}.max_tokens", 32768)
+    longest = x.get("train_dataset.max_length")
+    new = x.get(f"{g}.max_new_tokens", 16384)
+    if longest is not None and longest + new <= cap:
+        reason = f"never binds: train_dataset.max_length {longest} + max_new_tokens {new} <= {cap}"
+        if x.has(f"{g}.max_tokens"):
+            x.noop(f"{g}.max_tokens", reason)
         else:
-            x.refuse(
+            x.t.rows.append(Row(f"{g}.max_tokens", f"{cap} (AReaL default)", "-", reason))
+    elif not x.has(f"{g}.max_tokens"):
+        x.t.rows.append(
+            Row(
                 f"{g}.max_tokens",
-                "is not supported: lorabus caps only the new tokens "
-                "(gconfig.max_new_tokens); raise max_tokens to at least train_dataset.max_length "
-                "+ max_new_tokens so that it never binds, or remove it",
+                f"{cap} (AReaL default)",
+                "-",
+                f"binds only on a prompt over {cap - new} tokens; set train_dataset.max_length to drop those",
             )
+        )
+    else:
+        x.refuse(
+            f"{g}.max_tokens",
+            "can bind, which lorabus cannot honour: it caps only the new tokens "
+            "(gconfig.max_new_tokens); set train_dataset.max_length to at most max_tokens - "
+            "max_new_tokens (prompts over it are dropped, so it never binds), or remove it",
+        )
     for name, default in (
         ("ignore_eos", False),
         ("stop", None),
@@ -573,8 +586,36 @@ def _warmup(x: _Translator, o: str) -> None:
     x.to(f"{o}.warmup_steps_proportion", "actor.optimizer.warmup_steps_proportion", default=0.001)
 
 
+_OLD_MODES = {"token_mask": "mask", "token_truncate": "clamp"}
+"""AReaL's removed behave_imp_weight_mode values -> rejection_sampling.action (its own mapping)"""
+
+
 def _rejection(x: _Translator) -> None:
     r, p = "actor.rejection_sampling", "actor.ppo"
+    cap, mode = "actor.behave_imp_weight_cap", "actor.behave_imp_weight_mode"
+    if x.has(cap) or x.has(mode):
+        # AReaL 1.0 removed these keys and refuses files that still have them (its own GSM8K
+        # Megatron LoRA example among them); lorabus reads them by AReaL's migration mapping
+        why = "AReaL <= 0.5 key, removed in 1.0; read by AReaL's migration mapping"
+        if x.has(r):
+            x.refuse(cap if x.has(cap) else mode, f"and {r} are both set; keep only {r}")
+            x.used.add(mode)
+        elif x.get(mode, "token_mask") == "disabled":
+            x.to(mode, f"{p}.behav_imp_weight_cap", None, note=why + " (no cap)")
+            x.noop(cap, "unused: behave_imp_weight_mode is disabled")
+        elif x.get(mode, "token_mask") in _OLD_MODES:
+            x.to(cap, f"{p}.behav_imp_weight_cap", default=5.0, note=why)
+            x.to(
+                mode,
+                f"{p}.behav_imp_weight_mode",
+                _OLD_MODES[x.get(mode, "token_mask")],
+                default="token_mask",
+                note=why,
+            )
+        else:
+            x.refuse(mode, f"is not one of disabled, {', '.join(_OLD_MODES)}")
+            x.used.add(cap)
+        return
     if not any(k.startswith(r + ".") for k in x.flat) and x.get(r) is None:
         if x.has(r):
             x.to(r, f"{p}.behav_imp_weight_cap", None, note="no filtering of stale tokens")
@@ -804,15 +845,26 @@ def _servers(x: _Translator) -> None:
     _set(x.t.tree, f"{s}.extra_args", flags)
 
 
+GSM8K_INSTRUCTION = "\nPlease put your final answer within \\boxed{}."
+"""what AReaL's GSM8K RL loader appends to each question (areal/dataset/gsm8k.py)"""
+
 _GSM8K = {
     "prompt_field": "question",
     "answer_field": "answer",
     "config_name": "main",
-    "reward_fn": "services.common.rewards:numeric_final_answer",
+    "instruction": GSM8K_INSTRUCTION,
+    "chat_template": True,
+    "reward_fn": "services.common.rewards:math_answer",
 }
+"""AReaL's GSM8K RL dataset and reward (`"gsm8k" in path` with type rl): the question plus its
+instruction as one user message through the chat template, scored by math-verify"""
+
+_OWN_DATA_KEYS = ("prompt_field", "answer_field", "config_name", "reward_fn", "instruction", "chat_template")
+"""lorabus's dataset keys, accepted in an AReaL file's dataset sections too (AReaL has no word for
+a schema it does not recognise; these are the keys a loading error names)"""
 
 
-def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> None:
+def _datasets(x: _Translator) -> None:
     for name, split in (("train_dataset", "train"), ("valid_dataset", "test")):
         d = name
         if not any(k.startswith(d + ".") for k in x.flat):
@@ -820,11 +872,17 @@ def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> No
                 x.noop(d, "no validation set")
             continue
         x.to(f"{d}.path", f"{name}.path")
-        x.to(f"{d}.type", f"{name}.type")
+        kind = x.get(f"{d}.type")
+        if kind is None:
+            x.t.problems.append(f"{d}.type: missing; AReaL requires it (type: rl)")
+        elif kind != "rl":
+            x.refuse(f"{d}.type", "is not supported: lorabus trains RL on prompts (type: rl)")
+        else:
+            x.to(f"{d}.type", f"{name}.type")
         x.to(f"{d}.split", f"{name}.split", default=split)
         x.to(f"{d}.shuffle", f"{name}.shuffle", default=name == "train_dataset")
         path = str(x.get(f"{d}.path", ""))
-        if "gsm8k" in path.lower():
+        if "gsm8k" in path and kind == "rl":
             for key, value in _GSM8K.items():
                 _set(x.t.tree, f"{name}.{key}", value)
             x.t.rows.append(
@@ -832,12 +890,17 @@ def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> No
                     f"{d}.path",
                     path,
                     f"{name}: " + ", ".join(f"{k} = {v!r}" for k, v in _GSM8K.items()),
-                    "AReaL's reward and prompt live in its Python script (gsm8k_reward_fn, a "
-                    "chat-template prompt asking for \\boxed{}); lorabus sends the question as is "
-                    "and scores the final number",
+                    "AReaL's GSM8K loader and reward: the question and its instruction through the "
+                    "chat template, the answer after '####', scored by math-verify",
                 )
             )
-        x.noop(f"{d}.max_length", "lorabus keeps every prompt (AReaL drops prompts over max_length tokens)")
+        for key in _OWN_DATA_KEYS:
+            x.to(f"{d}.{key}", f"{name}.{key}", note="lorabus's own dataset key")
+        x.to(
+            f"{d}.max_length",
+            f"{name}.max_length",
+            note="prompts longer than this many tokens are dropped, as AReaL does",
+        )
         x.noop(f"{d}.pin_memory", "data loading is per service; nothing to pin")
         x.noop(f"{d}.num_workers", "data loading is per service")
         x.noop(f"{d}.num_dataset_workers", "data loading is per service")
@@ -845,17 +908,26 @@ def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> No
         x.noop(f"{d}.setup_timeout", "data loading is per service")
         x.only(
             f"{d}.dataset_kwargs",
-            {},
-            "is not supported: lorabus's loader takes path, split and "
-            "the prompt/answer fields (under lorabus: train_dataset:)",
+            ({}, None),
+            "is not supported: lorabus's loader takes path, split and the prompt/answer fields "
+            f"({', '.join(_OWN_DATA_KEYS)})",
         )
         x.noop(
             f"{d}.batch_size",
-            "the trainer's step is rollout.consumer_batch_size groups"
+            "the trainer's step is rollout.consumer_batch_size groups (made equal to it)"
             if name == "train_dataset"
-            else "`lorabus evaluate` batches by itself",
+            else "`lorabus evaluate` batches by itself (evaluator.batch_size)",
         )
-        x.noop(f"{d}.drop_last", "counted in the epochs -> steps conversion")
+        if name == "valid_dataset":
+            x.noop(f"{d}.drop_last", "`lorabus evaluate` scores every held-out prompt")
+        else:
+            x.only(
+                f"{d}.drop_last",
+                True,
+                "is not supported: a lorabus epoch is prompts // consumer_batch_size steps, the "
+                "last partial batch dropped (set true)",
+                note="AReaL's default: an epoch is prompts // batch_size steps",
+            )
     if (
         x.has("train_dataset.batch_size")
         and x.has("rollout.consumer_batch_size")
@@ -866,58 +938,26 @@ def _datasets(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> No
             f"rollout.consumer_batch_size {x.get('rollout.consumer_batch_size')}; a lorabus step "
             "trains on consumer_batch_size groups, one per prompt (make them equal)"
         )
-    _steps(x, count_rows)
+    _steps(x)
 
 
-def _steps(x: _Translator, count_rows: Callable[[dict[str, Any]], int]) -> None:
+def _steps(x: _Translator) -> None:
+    """Epochs stay epochs: they become steps when a service loads the config and its data
+    (`services.common.config`), so translating a file reads no data and needs no network."""
     epochs, steps = x.get("total_train_epochs"), x.get("total_train_steps")
-    total = None
+    if epochs is None and steps is None:
+        x.t.problems.append("total_train_epochs: missing; AReaL requires it (or total_train_steps)")
+        return
     if epochs is not None:
-        batch = x.get("train_dataset.batch_size", 1)
-        try:
-            rows = count_rows(x.t.tree.get("train_dataset", {}))
-        except ValueError as e:
-            x.refuse(
-                "total_train_epochs",
-                f"cannot become steps: the training set could not be "
-                f"counted ({e}); make it loadable, or set total_train_steps",
-            )
-            rows = None
-        if rows is not None:
-            per_epoch = rows // batch if x.get("train_dataset.drop_last", True) else -(-rows // batch)
-            total = epochs * per_epoch
-            x.used.add("total_train_epochs")
-            x.t.rows.append(
-                Row(
-                    "total_train_epochs",
-                    epochs,
-                    f"total_train_steps = {total}",
-                    f"{epochs} x ({rows} prompts // batch {batch})",
-                )
-            )
+        batch = x.get("train_dataset.batch_size", x.get("rollout.consumer_batch_size", 1))
+        x.to(
+            "total_train_epochs",
+            "total_train_epochs",
+            note=f"steps = {epochs} x (train prompts // batch {batch}), counted when the run starts and "
+            "loads the data" + (", or total_train_steps where smaller" if steps is not None else ""),
+        )
     if steps is not None:
-        x.used.add("total_train_steps")
-        note = "AReaL stops at whichever ends first"
-        total = steps if total is None else min(total, steps)
-        x.t.rows.append(Row("total_train_steps", steps, f"total_train_steps = {total}", note))
-    if total is not None:
-        _set(x.t.tree, "total_train_steps", total)
-        x.t.origin["total_train_steps"] = "total_train_epochs"
-    elif epochs is None:
-        x.t.problems.append("total_train_epochs: missing; AReaL requires it")
-
-
-def _count_rows(dataset: dict[str, Any]) -> int:
-    import msgspec
-
-    from services.common.config_schema import DatasetConfig
-    from services.common.data import DataError, load_prompts
-
-    try:
-        cfg = msgspec.convert(dataset, DatasetConfig)
-        return len(load_prompts(cfg))
-    except (DataError, msgspec.ValidationError) as e:
-        raise ValueError(str(e)) from None
+        x.to("total_train_steps", "total_train_steps", note="AReaL stops at whichever ends first")
 
 
 def _utilities(x: _Translator) -> None:
@@ -966,7 +1006,6 @@ RENAMES: dict[str, str] = {
     "actor.rejection_sampling": "actor.ppo.behav_imp_weight_cap and actor.ppo.behav_imp_weight_mode",
     "actor.reward_norm": "actor.ppo.group_adv_norm and actor.ppo.adv_norm_std",
     "actor.adv_norm": "actor.ppo.batch_adv_norm and actor.ppo.batch_adv_norm_std",
-    "total_train_epochs": "total_train_steps (steps, not epochs: epochs x prompts // batch size)",
     "rollout.backend": "rollout.engine and rollout.replicas",
     "rollout.request_timeout": "rollout.request_timeout_s",
     "sglang.random_seed": "sglang.extra_args",
@@ -991,7 +1030,8 @@ _NO_EQUIVALENT = {
     "launcher": "lorabus up or the deployment",
     "perf_tracer": "no tracer",
     "enable_offload": "nothing to offload",
-    "gconfig.max_tokens": "lorabus caps new tokens only (gconfig.max_new_tokens)",
+    "gconfig.max_tokens": "lorabus caps new tokens only (gconfig.max_new_tokens); "
+    "train_dataset.max_length drops long prompts",
 }
 
 

@@ -65,9 +65,12 @@ class ConfigError(ValueError):
 # --- loading ----------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> LorabusConfig:
-    """Read, resolve, back-fill and validate one config file; raises `ConfigError`."""
-    return config_from_dict(read_tree(path), overrides, source=os.fspath(path))
+def load_config(
+    path: str | os.PathLike[str], overrides: Iterable[str] = (), *, read_data: bool = True
+) -> LorabusConfig:
+    """Read, resolve, back-fill and validate one config file; raises `ConfigError`.
+    `read_data=False` reads no dataset (no network): `total_train_epochs` stays unconverted."""
+    return config_from_dict(read_tree(path), overrides, source=os.fspath(path), read_data=read_data)
 
 
 def read_tree(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -94,22 +97,60 @@ def read_tree(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def config_from_dict(
-    tree: dict[str, Any], overrides: Iterable[str] = (), *, source: str | None = None
+    tree: dict[str, Any], overrides: Iterable[str] = (), *, source: str | None = None, read_data: bool = True
 ) -> LorabusConfig:
     """The same pipeline as `load_config`, for a tree already in memory (tests, launchers).
     An AReaL experiment tree is translated first (`services.common.areal`); its problems and
-    the native ones are reported together, and overrides name native keys."""
+    the native ones are reported together. Overrides on an AReaL tree in AReaL's names
+    (`actor.path=...`) apply to it before translation, as AReaL's launcher takes them; the rest
+    name native keys and apply after."""
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
     if not areal.is_areal(tree):
-        return _native_config(tree, overrides, source)
-    t = areal.translate(tree)
+        cfg = _native_config(tree, overrides, source)
+        written = "total_train_steps" in deep_merge(tree, parse_overrides(overrides, source))
+        _count_epochs(cfg, written, read_data, source)
+        return cfg
+    areal_overrides, native_overrides = _split_overrides(tree, overrides, source)
+    t = areal.translate(deep_merge(tree, parse_overrides(areal_overrides, source)))
     try:
-        cfg = _native_config(t.tree, overrides, source)
+        cfg = _native_config(t.tree, native_overrides, source)
     except ConfigError as e:
         raise ConfigError(t.problems + [areal.point_back(p, t.origin) for p in e.problems], source) from None
     if t.problems:
         raise ConfigError(t.problems, source)
+    written = "total_train_steps" in deep_merge(t.tree, parse_overrides(native_overrides, source))
+    how = _count_epochs(cfg, written, read_data, source)
+    if how is not None:
+        steps = f"total_train_steps = {cfg.total_train_steps}"
+        t.rows.append(areal.Row("total_train_epochs", cfg.total_train_epochs, steps, how))
     areal.announce(t, source)
     return cfg
+
+
+def _count_epochs(cfg: LorabusConfig, steps_written: bool, read_data: bool, source: str | None) -> str | None:
+    if not read_data:
+        return None
+    try:
+        how = epochs_to_steps(cfg, steps_written)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
+    if how is not None and (problems := check_schedule(cfg)):
+        raise ConfigError(problems, source)
+    return how
+
+
+def _split_overrides(tree: dict[str, Any], overrides: list[str], source: str | None) -> tuple[list[str], list[str]]:
+    """(AReaL overrides, native overrides) for an AReaL tree: a key the translator reads, or one
+    the file has, is AReaL's; any other key (rollout.replicas, bus.url, lorabus.*) is native."""
+    parse_overrides(overrides, source)  # malformed ones are reported in lorabus's words first
+    asked = areal.translate(tree).asked | set(areal.flatten(tree))
+    theirs: list[str] = []
+    ours: list[str] = []
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        is_theirs = key in asked or any(a.startswith(key + ".") for a in asked)
+        (theirs if is_theirs or key.startswith(areal.NATIVE_SECTION + ".") else ours).append(item)
+    return theirs, ours
 
 
 def _native_config(tree: dict[str, Any], overrides: Iterable[str], source: str | None) -> LorabusConfig:
@@ -405,7 +446,40 @@ def backfill(cfg: LorabusConfig) -> LorabusConfig:
         cfg.vllm.lora_modules.append(v0_entry)
     if ro.preload_v0 and ro.engine == "sglang" and not _names(cfg.sglang.lora_paths) & {v0}:
         cfg.sglang.lora_paths.append(v0_entry)
+    for ds in (cfg.train_dataset, cfg.valid_dataset):
+        if ds.tokenizer_path is None and (ds.chat_template or ds.max_length is not None):
+            ds.tokenizer_path = cfg.actor.tokenizer_path or cfg.actor.path
     return cfg
+
+
+def epochs_to_steps(cfg: LorabusConfig, steps_written: bool) -> str | None:
+    """With `total_train_epochs` set: read the training set and set `total_train_steps` as AReaL
+    counts it, epochs x (prompts // consumer_batch_size), or the steps written where fewer.
+    Returns how it was counted (for the start-up summary); raises `ConfigError`."""
+    epochs = cfg.total_train_epochs
+    if epochs is None:
+        return None
+    from services.common.data import DataError, load_prompts
+
+    try:
+        rows = len(load_prompts(cfg.train_dataset))
+    except DataError as e:
+        raise ConfigError(
+            f"total_train_epochs: {epochs} cannot become steps: the training set cannot be read "
+            f"(train_dataset.{e}); make it readable, or set total_train_steps instead"
+        ) from None
+    batch = cfg.rollout.consumer_batch_size
+    counted = epochs * (rows // batch)
+    how = f"{epochs} x ({rows} prompts // batch {batch}) = {counted}"
+    if steps_written and cfg.total_train_steps < counted:
+        return f"{how}; total_train_steps {cfg.total_train_steps} is fewer and wins"
+    if counted < 1:
+        raise ConfigError(
+            f"total_train_epochs: {epochs} is 0 steps: {rows} training prompts make no whole batch of "
+            f"rollout.consumer_batch_size {batch}; lower consumer_batch_size or give more prompts"
+        )
+    cfg.total_train_steps = counted
+    return how
 
 
 def _names(entries: list[str]) -> set[str]:
@@ -675,6 +749,11 @@ def check_run(cfg: LorabusConfig) -> list[str]:
     out = []
     if cfg.total_train_steps < 1:
         out.append(f"total_train_steps: {cfg.total_train_steps} must be >= 1")
+    if cfg.total_train_epochs is not None and cfg.total_train_epochs < 1:
+        out.append(f"total_train_epochs: {cfg.total_train_epochs} must be >= 1 (or unset: total_train_steps decides)")
+    for name, ds in (("train_dataset", cfg.train_dataset), ("valid_dataset", cfg.valid_dataset)):
+        if ds.max_length is not None and ds.max_length < 1:
+            out.append(f"{name}.max_length: {ds.max_length} must be >= 1 tokens (or null: keep every prompt)")
     try:
         token(cfg.run, "run")
     except SubjectError as e:

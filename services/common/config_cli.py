@@ -3,7 +3,10 @@ experiment file (or a native one) amounts to, so a user can switch for good.
 
 The translation table goes to stderr, the YAML to stdout: `lorabus config translate a.yaml >
 native.yaml` keeps only the config. The printed file holds every value resolved, derived
-defaults included, and loads to the same config (a test checks this).
+defaults included, and loads to the same config (a test checks this). It reads no dataset and
+needs no network: a length in epochs is printed as epochs (`total_train_epochs`), which become
+steps when a service loads the file with its data; `total_train_steps` is printed with it only
+where the file or an override wrote it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import msgspec
 import yaml
 
 from services.common import areal
-from services.common.config import load_config
+from services.common.config import load_config, read_tree
 
 
 def main(argv: list[str]) -> int:
@@ -26,10 +29,20 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     t = sub.add_parser("translate", help="print the equivalent native lorabus YAML")
     t.add_argument("file")
-    t.add_argument("overrides", nargs="*", help="native key=value overrides")
+    t.add_argument("overrides", nargs="*", help="key=value overrides (AReaL's key names in an AReaL file)")
     args = p.parse_args(argv)
     os.environ.pop(areal.REPORTED_ENV, None)  # the table is what this command is for
-    cfg = load_config(args.file, args.overrides)
+    cfg = load_config(args.file, args.overrides, read_data=False)
+    out = msgspec.to_builtins(cfg)
+    if cfg.total_train_epochs is not None and not _steps_written(args.file, args.overrides):
+        del out["total_train_steps"]
     print(f"# lorabus config translated from {args.file}", file=sys.stdout)
-    sys.stdout.write(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+    sys.stdout.write(yaml.safe_dump(out, sort_keys=False))
     return 0
+
+
+def _steps_written(file: str, overrides: list[str]) -> bool:
+    tree = read_tree(file)
+    if areal.is_areal(tree):
+        tree = areal.translate(tree).tree
+    return "total_train_steps" in tree or any(o.partition("=")[0].strip() == "total_train_steps" for o in overrides)

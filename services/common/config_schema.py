@@ -250,6 +250,17 @@ class DatasetConfig(Section):
     """Hugging Face datasets (hub id or saved directory): the split to read"""
     config_name: str | None = None
     """Hugging Face hub datasets: the configuration (e.g. `main` for openai/gsm8k)"""
+    instruction: str = ""
+    """appended to each prompt's text (AReaL's GSM8K prompt adds
+    "\\nPlease put your final answer within \\boxed{}.")"""
+    chat_template: bool = False
+    """send the prompt as one user message through the tokenizer's chat template, with the
+    generation prompt and no thinking block (AReaL's RLVR workflow); false: the text as is"""
+    max_length: int | None = None
+    """drop prompts whose text (instruction included, before the chat template) is longer than
+    this many tokens, as AReaL's `max_length` does; null: keep every prompt"""
+    tokenizer_path: str | None = None
+    """the tokenizer for chat_template and max_length; unset: actor.tokenizer_path or actor.path"""
 
 
 class ExporterConfig(Section):
@@ -308,6 +319,12 @@ class LorabusConfig(Section):
     run_dir: str = "./runs/${run}"
     seed: int = 1
     total_train_steps: int = 10
+    """the run's length in trainer steps (with total_train_epochs: the most it may be)"""
+    total_train_epochs: int | None = None
+    """the run's length in passes over train_dataset (AReaL's way): when a service loads the
+    config it reads the dataset and sets total_train_steps = epochs x (prompts //
+    rollout.consumer_batch_size), or the total_train_steps written where that is smaller;
+    `lorabus config translate` reads no data and keeps the epochs"""
     bus: BusConfig = field(default_factory=BusConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -1,9 +1,13 @@
 """Prompt sets: JSONL or Parquet files (plain or GSM8K-style), `datasets` directories, Hugging
-Face hub ids (through the optional `datasets` library, when online), and the shipped `arith` task.
+Face hub ids (a copy in the local HF cache first, with no network; else through the optional
+`datasets` library, when online), and the shipped `arith` task.
 
-`load_prompts(cfg)` is the only entry point services need. The `arith` task is generated, not
-read, so that its train and held-out splits are identical on every machine: the universe of
-problems is enumerated in a fixed order, shuffled with a fixed seed, and cut in two.
+`load_prompts(cfg)` is the only entry point services need. A prompt's text is what the rollout
+encodes: the prompt field plus `instruction`, rendered through the tokenizer's chat template when
+`chat_template` is set (AReaL's RLVR prompt), so `encode_prompt(tok, text)` gives the ids AReaL's
+`apply_chat_template(..., tokenize=True)` gives. The `arith` task is generated, not read, so that
+its train and held-out splits are identical on every machine: the universe of problems is
+enumerated in a fixed order, shuffled with a fixed seed, and cut in two.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from msgspec import Struct
@@ -150,9 +155,12 @@ def _read_hf(cfg: DatasetConfig, local: Path | None) -> list[tuple[str, object]]
 
 def _read_dir(cfg: DatasetConfig, path: Path) -> list[tuple[str, object]]:
     """A directory: saved by `datasets` (dataset_dict.json/state.json), or holding one split's
-    JSONL/Parquet files, named after the split (`train.jsonl`, `main/train-00000-of-00001.parquet`)."""
+    JSONL/Parquet files, named after the split (`train.jsonl`, `main/train-00000-of-00001.parquet`);
+    where a folder is named after `config_name` (a hub snapshot: `main/`, `socratic/`), only it."""
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return _read_hf(cfg, path)
+    if cfg.config_name and (path / cfg.config_name).is_dir():
+        path = path / cfg.config_name
     files = sorted(f for f in path.rglob(f"{cfg.split}*") if f.suffix in (".jsonl", ".parquet") and f.is_file())
     if not files:
         raise DataError(
@@ -167,6 +175,20 @@ def _is_hub_id(spec: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", spec)) and not local_suffix and not Path(spec).exists()
 
 
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The local HF cache's copy of dataset `repo_id` (as `huggingface-cli download --repo-type
+    dataset` or `datasets` leave it), found without the network; None if there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
 def _read_records(cfg: DatasetConfig) -> tuple[str, list[tuple[str, object]]]:
     path = Path(cfg.path)
     if path.is_dir():
@@ -175,6 +197,11 @@ def _read_records(cfg: DatasetConfig) -> tuple[str, list[tuple[str, object]]]:
         records = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
         return path.stem, records
     if _is_hub_id(cfg.path):
+        # the cached copy first: `datasets` asks the hub before its cache, and offline that is
+        # about 24 s of retries before it fails
+        cached = hub_snapshot(cfg.path)
+        if cached is not None and any(cached.rglob(f"{cfg.split}*.parquet")):
+            return cfg.path.replace("/", "-"), _read_dir(cfg, cached)
         return cfg.path.replace("/", "-"), _read_hf(cfg, None)
     raise DataError(
         f"path: {cfg.path!r} is not a file or directory (relative paths are resolved against the "
@@ -183,14 +210,14 @@ def _read_records(cfg: DatasetConfig) -> tuple[str, list[tuple[str, object]]]:
     )
 
 
-def _load_records(cfg: DatasetConfig) -> list[Prompt]:
+def _load_records(cfg: DatasetConfig, shape: Callable[[str], str | None]) -> list[Prompt]:
     stem, records = _read_records(cfg)
     prompts = []
     seen: dict[str, str] = {}
     for n, (where, record) in enumerate(records, start=1):
         if not isinstance(record, dict):
             raise DataError(f"{where}: each line must be a JSON object, got {record!r:.80}")
-        text = _field(record, cfg.prompt_field, where, "prompt_field")
+        text = shape(_field(record, cfg.prompt_field, where, "prompt_field") + cfg.instruction)
         answer = final_answer(_field(record, cfg.answer_field, where, "answer_field"))
         if "prompt_id" in record:
             prompt_id = str(record["prompt_id"])
@@ -206,10 +233,48 @@ def _load_records(cfg: DatasetConfig) -> list[Prompt]:
             )
         tail = where.rpartition(":")[2]
         seen[prompt_id] = f"line {tail}" if tail.isdigit() else tail
-        prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer))
+        if text is not None:
+            prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer))
     if not prompts:
-        raise DataError(f"path: {cfg.path!r} holds no prompts")
+        longest = f" of at most max_length {cfg.max_length} tokens" if cfg.max_length is not None else ""
+        raise DataError(f"path: {cfg.path!r} holds no prompts{longest}")
     return prompts
+
+
+def _shaper(cfg: DatasetConfig) -> Callable[[str], str | None]:
+    """text -> the prompt text the rollout encodes, or None for a prompt max_length drops."""
+    if not cfg.chat_template and cfg.max_length is None:
+        return lambda text: text
+    if not cfg.tokenizer_path:
+        needs = "chat_template" if cfg.chat_template else f"max_length {cfg.max_length}"
+        raise DataError(f"tokenizer_path: unset, but {needs} needs a tokenizer; set it (or actor.path)")
+    from services.common.models import ModelLoadError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg.tokenizer_path)
+    except (ModelLoadError, OSError, ValueError) as e:
+        raise DataError(f"tokenizer_path: {cfg.tokenizer_path!r} cannot be loaded: {e}") from None
+    if cfg.chat_template and not tok.chat_template:
+        raise DataError(
+            f"chat_template: true, but the tokenizer {cfg.tokenizer_path!r} has no chat template; "
+            "use an instruct model's tokenizer, or set chat_template: false"
+        )
+
+    def shape(text: str) -> str | None:
+        # AReaL counts the user content's tokens, special tokens included, before the template
+        if cfg.max_length is not None and len(tok.encode(text)) > cfg.max_length:
+            return None
+        if not cfg.chat_template:
+            return text
+        rendered = tok.apply_chat_template(  # tokenize=False: one str
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        assert isinstance(rendered, str)
+        # encode_prompt puts the bos token back in front
+        bos = tok.bos_token
+        return rendered[len(bos) :] if bos and rendered.startswith(bos) else rendered
+
+    return shape
 
 
 def load_prompts(cfg: DatasetConfig) -> list[Prompt]:
@@ -220,7 +285,7 @@ def load_prompts(cfg: DatasetConfig) -> list[Prompt]:
     if cfg.path.startswith(BUILTIN_PREFIX):
         prompts = _load_builtin(cfg.path)
     else:
-        prompts = _load_records(cfg)
+        prompts = _load_records(cfg, _shaper(cfg))
     if cfg.max_prompts is not None:
         if cfg.max_prompts < 1:
             raise DataError(f"max_prompts: {cfg.max_prompts} must be >= 1 (or null for all)")

@@ -8,9 +8,11 @@ a rollout and an evaluator compute the same number for the same sample.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -83,3 +85,48 @@ def numeric_final_answer(prompt: str, completion: str, answer: str) -> float:
     if got is None:
         return 0.0
     return 1.0 if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9) else 0.0
+
+
+class _NoTimeoutNotice(logging.Filter):
+    """math-verify warns on every call that its timeout is off; it is off on purpose here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _math_verify() -> Any:
+    try:
+        import math_verify
+    except ImportError:
+        raise RewardError(
+            "reward_fn: math_answer needs the math-verify library (pip install math-verify, or lorabus's `data` extra)"
+        ) from None
+    for name in ("math_verify.parser", "math_verify.grader", "math_verify"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTimeoutNotice) for f in logger.filters):
+            logger.addFilter(_NoTimeoutNotice())
+    return math_verify
+
+
+def math_answer(prompt: str, completion: str, answer: str) -> float:
+    """1.0 when the completion's final answer is mathematically equal to `answer`, else 0.0,
+    as math-verify (Hugging Face's maintained verifier, the one AReaL's GSM8K reward uses) reads
+    it: `\\boxed{}` first, then LaTeX or plain expressions; fractions, decimals, thousands
+    separators, signs and units around the number are understood.
+
+    Where the completion writes GSM8K's `#### N`, only the text after the last `####` is read:
+    AReaL's reward gives 0 for a bare `####72` (math-verify finds no number glued to the marker)
+    and reads a number that follows the marked answer (`#### 72 ... 3 apples`) as the answer.
+    No timeout is armed: math-verify's own uses SIGALRM, which works in the main thread only
+    (AReaL turns it off for the same reason)."""
+    del prompt
+    mv = _math_verify()
+    gold = mv.parse(answer, parsing_timeout=None)
+    if not gold:
+        raise RewardError(f"answer: {answer!r:.80} holds no answer math-verify can read")
+    if "####" in completion:
+        completion = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    pred = mv.parse(completion, parsing_timeout=None)
+    if not pred:
+        return 0.0
+    return 1.0 if mv.verify(gold, pred, timeout_seconds=None) else 0.0

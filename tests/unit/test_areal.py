@@ -3,7 +3,6 @@ cannot honour a field, all problems in one pass (services/common/areal.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import msgspec
@@ -17,6 +16,7 @@ from services.common.config_schema import DatasetConfig
 from services.common.data import DataError, load_prompts
 from services.trainer.loss import batch_normalise, group_advantages
 from services.trainer.schedule import warmup_steps
+from tests.fixtures import gsm8k as gsm8k_data
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "areal"
 TRAIN_ROWS = 600  # 600 // 256 = 2 steps per epoch; 600 // 16 = 37
@@ -24,19 +24,36 @@ TRAIN_ROWS = 600  # 600 // 256 = 2 steps per epoch; 600 // 16 = 37
 
 @pytest.fixture
 def gsm8k(tmp_path, monkeypatch):
-    d = tmp_path / "gsm8k"
-    d.mkdir()
-    for split, n in (("train", TRAIN_ROWS), ("test", 40)):
-        with (d / f"{split}.jsonl").open("w") as f:
-            for i in range(n):
-                f.write(json.dumps({"question": f"{split} {i}?", "answer": f"work #### {i}"}) + "\n")
-    monkeypatch.setenv("GSM8K_DIR", str(d))
+    """`openai/gsm8k` as a user's HF cache holds it (TRAIN_ROWS train rows), offline."""
+    import huggingface_hub.constants
+
+    home = tmp_path / "hf"
+    hub = home / "hub" / "datasets--openai--gsm8k" / "snapshots" / gsm8k_data.REVISION / "main"
+    hub.mkdir(parents=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fixture_rows = gsm8k_data.rows("train")
+    train = [fixture_rows[i % len(fixture_rows)] for i in range(TRAIN_ROWS)]
+    pq.write_table(pa.Table.from_pylist(train), hub / "train-00000-of-00001.parquet")
+    gsm8k_data.write_parquet(hub / "test-00000-of-00001.parquet", "test")
+    (home / "hub" / "datasets--openai--gsm8k" / "refs").mkdir()
+    (home / "hub" / "datasets--openai--gsm8k" / "refs" / "main").write_text(gsm8k_data.REVISION)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv(areal.REPORTED_ENV, "1")
-    return d
+    return home
 
 
-def test_fsdp_sglang_example_shape(gsm8k):
-    cfg = load_config(FIXTURES / "gsm8k_grpo_lora.yaml")
+@pytest.fixture
+def chat_tok(tmp_path):
+    """An instruct tokenizer (chat template), given as AReaL's `tokenizer_path=` override."""
+    return gsm8k_data.chat_tokenizer(tmp_path / "tok")
+
+
+def test_fsdp_sglang_example_shape(gsm8k, chat_tok):
+    # AReaL's file as it is; the tokenizer given as AReaL's own override (the hub is unreachable)
+    cfg = load_config(FIXTURES / "gsm8k_grpo_lora.yaml", [f"tokenizer_path={chat_tok}"])
     a, p, o, g, r = cfg.actor, cfg.actor.ppo, cfg.actor.optimizer, cfg.gconfig, cfg.rollout
     assert (cfg.experiment_name, cfg.trial_name, cfg.seed) == ("gsm8k-grpo", "trial0", 1)
     assert cfg.total_train_steps == 10 * (TRAIN_ROWS // 256)
@@ -72,7 +89,6 @@ def test_fsdp_sglang_example_shape(gsm8k):
     assert (g.top_p, g.top_k, g.lora_name) == (1.0, 0, "lora-gsm8k")
     assert (r.engine, r.replicas, r.max_concurrent_rollouts, r.consumer_batch_size) == ("sglang", 4, 256, 256)
     assert (r.max_head_offpolicyness, r.use_lora, r.lora_name) == (2, True, "lora-gsm8k")
-    assert len(r.server_urls) == 4  # from the lorabus: section
     s = cfg.sglang
     assert (s.model_path, s.enable_lora, s.max_lora_rank, s.max_loaded_loras, s.lora_backend) == (
         "Qwen/Qwen2.5-1.5B-Instruct",
@@ -89,18 +105,24 @@ def test_fsdp_sglang_example_shape(gsm8k):
     ]
     t, v = cfg.train_dataset, cfg.valid_dataset
     assert (t.path, t.split, t.shuffle, t.prompt_field, t.answer_field) == (
-        str(gsm8k),
+        "openai/gsm8k",
         "train",
         True,
         "question",
         "answer",
     )
-    assert t.reward_fn == "services.common.rewards:numeric_final_answer"
-    assert (v.split, v.shuffle) == ("test", False)
+    assert t.reward_fn == "services.common.rewards:math_answer"
+    assert (t.config_name, t.instruction, t.chat_template, t.max_length) == (
+        "main",
+        areal.GSM8K_INSTRUCTION,
+        True,
+        1024,
+    )
+    assert (v.split, v.shuffle, v.max_length, v.tokenizer_path) == ("test", False, None, str(chat_tok))
 
 
-def test_megatron_vllm_example_shape(gsm8k):
-    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora.yaml")
+def test_megatron_vllm_example_shape(gsm8k, chat_tok):
+    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora.yaml", [f"tokenizer_path={chat_tok}"])
     a, m = cfg.actor, cfg.actor.megatron
     assert (a.backend, a.nproc_per_node, a.path) == ("megatron", 4, "Qwen/Qwen3-0.6B")
     assert (
@@ -123,10 +145,12 @@ def test_megatron_vllm_example_shape(gsm8k):
         8,
     )
     assert v.extra_args == ["--seed=1", "--gpu-memory-utilization=0.9", "--enforce-eager"]
-    assert cfg.total_train_steps == 20
+    assert (cfg.total_train_epochs, cfg.total_train_steps) == (10, 20)
+    # AReaL 1.0.4 refuses its own file (behave_imp_weight_cap was removed); read by its mapping
+    assert (a.ppo.behav_imp_weight_cap, a.ppo.behav_imp_weight_mode) == (5.0, "mask")
 
 
-def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k):
+def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k, chat_tok):
     with pytest.raises(ConfigError) as info:
         load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml")
     assert info.value.problems == [
@@ -135,7 +159,10 @@ def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k):
         "tensor_model_parallel_size or more trainer ranks instead) (from AReaL's actor.backend)"
     ]
     # everything else of the file survives: with the stage count overridden it loads
-    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml", ["actor.megatron.pipeline_model_parallel_size=1"])
+    cfg = load_config(
+        FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml",
+        ["actor.megatron.pipeline_model_parallel_size=1", f"tokenizer_path={chat_tok}"],
+    )
     a, o = cfg.actor, cfg.actor.optimizer
     assert (a.nproc_per_node, a.lora_rank, a.lora_alpha, a.path) == (6, 32, 32, "Qwen/Qwen3-30B-A3B-Base")
     assert (o.lr, o.lr_scheduler_type, o.warmup_steps, o.warmup_steps_proportion) == (3e-6, "cosine", None, 0.001)
@@ -144,9 +171,9 @@ def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k):
     assert cfg.vllm.extra_args[0] == "--tensor-parallel-size=2"
 
 
-def test_startup_table_is_printed_once(gsm8k, monkeypatch, capsys):
+def test_startup_table_is_printed_once(gsm8k, chat_tok, monkeypatch, capsys):
     monkeypatch.delenv(areal.REPORTED_ENV)
-    load_config(FIXTURES / "gsm8k_grpo_lora.yaml")
+    load_config(FIXTURES / "gsm8k_grpo_lora.yaml", [f"tokenizer_path={chat_tok}"])
     err = capsys.readouterr().err
     assert "is an AReaL experiment file" in err
     lines = err.splitlines()
@@ -154,7 +181,9 @@ def test_startup_table_is_printed_once(gsm8k, monkeypatch, capsys):
     def row(field: str) -> str:
         return "\n".join(line for line in lines if line.startswith(field + " "))
 
-    assert "total_train_steps = 20 (10 x (600 prompts // batch 256))" in row("total_train_epochs")
+    assert "counted when the run starts and loads the data" in row("total_train_epochs")
+    assert "total_train_steps = 20 (10 x (600 prompts // batch 256) = 20)" in row("total_train_epochs")
+    assert "never binds: train_dataset.max_length 1024 + max_new_tokens 1024 <= 32768" in row("gconfig.max_tokens")
     assert "actor.ppo.reward_scaling = 10.0" in row("actor.reward_scaling")
     assert "actor.optimizer.type = 'adamw'" in row("actor.optimizer.type")
     assert "actor.ppo.reward_clip = 20.0" in row("actor.reward_clip") and "(AReaL default)" in row("actor.reward_clip")
@@ -163,7 +192,7 @@ def test_startup_table_is_printed_once(gsm8k, monkeypatch, capsys):
     assert "no effect: the trainer checkpoints" in row("saver.*")
     assert "no effect: metrics are Prometheus" in row("stats_logger.*")
     assert "rollout.engine = 'sglang', rollout.replicas = 4" in row("rollout.backend")
-    load_config(FIXTURES / "gsm8k_grpo_lora.yaml")
+    load_config(FIXTURES / "gsm8k_grpo_lora.yaml", [f"tokenizer_path={chat_tok}"])
     assert capsys.readouterr().err == ""
 
 
@@ -174,7 +203,7 @@ def test_every_key_lands_in_one_row(gsm8k):
     t = areal.translate(src)
     assert t.problems == []
     resolved = OmegaConf.to_container(OmegaConf.create({k: v for k, v in src.items() if k != "lorabus"}), resolve=True)
-    keys = set(areal._flatten(resolved))
+    keys = set(areal.flatten(resolved))
     reported = {r.areal for r in t.rows}
     assert keys - reported == set()
 
@@ -190,7 +219,6 @@ def test_malformed_file_reports_every_problem_at_once(gsm8k, tmp_path):
     src["gconfig"]["min_new_tokens"] = 8
     src["gconfig"]["top_k"] = "many"
     src["rollout"]["backend"] = "sglang:d4e2"
-    del src["lorabus"]
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(src))
     with pytest.raises(ConfigError) as info:
@@ -210,13 +238,30 @@ def test_malformed_file_reports_every_problem_at_once(gsm8k, tmp_path):
     assert len(info.value.problems) >= 8
 
 
-def test_uncountable_dataset_is_an_error_that_says_what_to_do(gsm8k, monkeypatch):
-    monkeypatch.setenv("GSM8K_DIR", str(gsm8k / "missing"))
+def test_uncountable_dataset_is_an_error_that_says_what_to_do(gsm8k, chat_tok, tmp_path):
+    missing = tmp_path / "missing"
     with pytest.raises(ConfigError) as info:
-        load_config(FIXTURES / "gsm8k_grpo_lora.yaml")
+        load_config(FIXTURES / "gsm8k_grpo_lora.yaml", [f"tokenizer_path={chat_tok}", f"train_dataset.path={missing}"])
     assert len(info.value.problems) == 1
     assert info.value.problems[0].startswith("total_train_epochs: 10 cannot become steps")
-    assert info.value.problems[0].endswith("make it loadable, or set total_train_steps")
+    assert info.value.problems[0].endswith("make it readable, or set total_train_steps instead")
+
+
+def test_translating_reads_no_data_and_needs_no_network(monkeypatch, tmp_path, capsys):
+    """No HF cache, no tokenizer, no network: `config translate` still works, in well under the
+    ~24 s that `datasets` spends retrying the hub offline."""
+    import time
+
+    import huggingface_hub.constants
+
+    from services.common.config_cli import main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    started = time.monotonic()
+    assert main(["translate", str(FIXTURES / "gsm8k_grpo_lora.yaml")]) == 0
+    assert time.monotonic() - started < 5
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["total_train_epochs"] == 10 and "total_train_steps" not in out
 
 
 def test_native_file_with_areal_keys_gets_same_meaning_hints(tmp_path):
@@ -228,9 +273,7 @@ def test_native_file_with_areal_keys_gets_same_meaning_hints(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     text = "\n".join(info.value.problems)
-    assert (
-        "total_train_epochs: unknown key (value 3); AReaL's total_train_epochs is lorabus's total_train_steps" in text
-    )
+    assert "total_train_epochs" not in text  # lorabus's own key too
     assert "AReaL's actor.disable_dropout has no lorabus equivalent" in text
     assert "AReaL's actor.eps_clip is lorabus's actor.ppo.eps_clip" in text
     assert "checkpoint_dir" not in text
@@ -261,15 +304,17 @@ def test_parse_alloc_rejects(text):
         areal.parse_alloc(text)
 
 
-def test_config_translate_round_trips(gsm8k, tmp_path, capsys):
+def test_config_translate_round_trips(gsm8k, chat_tok, tmp_path, capsys):
     from services.common.config_cli import main
 
-    assert main(["translate", str(FIXTURES / "gsm8k_grpo_megatron_lora.yaml")]) == 0
+    areal_file = FIXTURES / "gsm8k_grpo_megatron_lora.yaml"
+    assert main(["translate", str(areal_file), f"tokenizer_path={chat_tok}"]) == 0
     out, err = capsys.readouterr()
     assert "AReaL field" in err and "lorabus config translated from" in out
     native = tmp_path / "native.yaml"
     native.write_text(out)
-    assert load_config(native) == load_config(FIXTURES / "gsm8k_grpo_megatron_lora.yaml")
+    assert load_config(native) == load_config(areal_file, [f"tokenizer_path={chat_tok}"])
+    assert load_config(native).total_train_steps == 20
 
 
 # --- the semantics behind the translated fields -----------------------------------------------
@@ -358,6 +403,7 @@ def test_areal_tiny_example_is_the_tiny_task(monkeypatch):
         "actor.ppo.reward_clip": (20.0, None),  # AReaL's default clip
         "actor.ppo.norm_eps": (1e-5, 1e-6),  # AReaL's default epsilon
         "valid_dataset.split": ("test", "train"),  # AReaL's default; builtin:arith:valid names its own
+        "total_train_epochs": (1, None),  # kept, and counted into the same total_train_steps
     }
 
 
