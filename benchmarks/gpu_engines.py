@@ -53,6 +53,7 @@ from proto.messages import LoraSpec, ObjectPayload  # noqa: E402
 from services.common import adapter_io, durable  # noqa: E402
 from services.common.lora_targets import HF_LINEAR  # noqa: E402
 from services.common.store import LocalStore  # noqa: E402
+from services.local.inference_servers import log_tail  # noqa: E402
 from services.rollout.engines.base import GenRequest  # noqa: E402
 
 VERSIONS = 6
@@ -284,19 +285,25 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
     async with httpx.AsyncClient(timeout=2.0) as client:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{url}: server exited with {proc.returncode}:\n{_tail(log)}")
+                raise RuntimeError(f"{url}: server exited with {proc.returncode}:\n{log_tail(log, 40)}")
             try:
                 if (await client.get(f"{url}/health")).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+                raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s:\n{log_tail(log, 40)}")
             await asyncio.sleep(0.5)
 
 
-def _tail(log: Path, n: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.exists() else "(no log)"
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Path) -> dict:
@@ -343,15 +350,10 @@ async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Pat
         await engine.close()
     except Exception as exc:  # noqa: BLE001 - one engine failing must not cost the others' figures
         res["error"] = f"{type(exc).__name__}: {exc}"
-        res["log_tail"] = _tail(log)
+        res["log_tail"] = log_tail(log, 40)
         print(f"{kind}: FAILED {res['error']}\n{res['log_tail']}", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     shutil.copy(log, args.out_dir / f"gpu_engines_{kind}{'_' + args.label if args.label else ''}.log")
     return res
 

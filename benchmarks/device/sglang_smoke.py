@@ -238,7 +238,8 @@ async def smoke(engine, url: str, blobs, spec, args, vocab: int, res: dict) -> N
 async def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from benchmarks.gpu_engines import _tail, wait_healthy
+    from benchmarks.gpu_engines import stop_server, wait_healthy
+    from services.local.inference_servers import log_tail
     from services.local.ports import free_port
     from services.rollout import server_cmd
     from services.rollout.engines.sglang import SglangEngine
@@ -278,14 +279,9 @@ async def run(args: argparse.Namespace) -> dict:
     finally:
         if engine is not None:
             await engine.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         if "error" in res or not all(res["checks"].values()):
-            res["log_tail"] = _tail(log, 80)
+            res["log_tail"] = log_tail(log, 80)
         shutil.copy(log, args.out.with_suffix(".log"))
         shutil.rmtree(work, ignore_errors=True)
     return res

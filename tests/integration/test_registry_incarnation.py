@@ -15,7 +15,7 @@ from proto import subjects
 from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply, AdmissionRequest, ReplicaHeartbeat
 from services.common.bus import Bus
 from services.common.config_schema import BusConfig
-from tests.integration.test_registry_service import Registry, ready, wait_status
+from tests.integration.test_registry_service import ready, start_registry, wait_status
 
 
 @pytest.fixture
@@ -25,26 +25,13 @@ def run() -> str:
 
 @pytest.fixture
 def registry(tmp_path, nats_url, run):
-    config = tmp_path / "registry.yaml"
-    config.write_text(
-        f"""
-experiment_name: {run}
-trial_name: t
-run: {run}
-bus: {{url: "{nats_url}"}}
-metrics: {{host: 127.0.0.1, port: 0}}
-actor: {{path: examples/tiny/model}}
-train_dataset: {{path: "builtin:arith"}}
-rollout:
-  max_head_offpolicyness: 1
-  consumer_batch_size: 4
-  max_concurrent_rollouts: 8
-  lease_seconds: 60
-  heartbeat_s: 30
-"""
+    reg = start_registry(
+        tmp_path,
+        nats_url,
+        run,
+        "  max_head_offpolicyness: 1\n  consumer_batch_size: 4\n  max_concurrent_rollouts: 8\n"
+        "  lease_seconds: 60\n  heartbeat_s: 30\n",
     )
-    reg = Registry(config, tmp_path / "registry.log")
-    reg.start()
     yield reg
     reg.stop()
 
@@ -63,6 +50,13 @@ async def heartbeat(bus: Bus, incarnation: str, started_at: float, loaded: list[
     await bus.publish(subjects.rollout_report(bus.run, "r1", "heartbeat"), beat)
 
 
+def incarnation(st) -> str | None:
+    """r1's incarnation in a status; None until its first heartbeat is in (a status can be
+    answered before the registry has read it)."""
+    replica = st.ledger.replicas.get("r1")
+    return None if replica is None else replica.incarnation
+
+
 async def admit(bus: Bus, started_at: float) -> str:
     req = AdmissionRequest(run=bus.run, replica="r1", request_id=uuid.uuid4().hex, loaded_versions=[0],
                            started_at=started_at)  # fmt: skip
@@ -78,7 +72,7 @@ async def test_a_replica_back_with_a_new_incarnation_loses_its_old_grants_at_onc
     await wait_status(bus, registry, lambda s: s.ledger.head == 0)
     old_start = time.time()
     await heartbeat(bus, "old-self-0001", old_start, [0])
-    await wait_status(bus, registry, lambda s: s.ledger.replicas["r1"].incarnation == "old-self-0001")
+    await wait_status(bus, registry, lambda s: incarnation(s) == "old-self-0001")
     old = {await admit(bus, old_start) for _ in range(3)}
 
     # killed and back at once, on a host whose clock is 30 s behind: the start-time rule alone
@@ -88,7 +82,7 @@ async def test_a_replica_back_with_a_new_incarnation_loses_its_old_grants_at_onc
     st = await wait_status(bus, registry, lambda s: len(s.ledger.grants) == 4)
     t0 = time.monotonic()
     await heartbeat(bus, "new-self-0002", new_start, [0])
-    st = await wait_status(bus, registry, lambda s: s.ledger.replicas["r1"].incarnation == "new-self-0002")
+    st = await wait_status(bus, registry, lambda s: incarnation(s) == "new-self-0002")
     freed_after = time.monotonic() - t0
     assert {g.started_at for g in st.ledger.grants.values()} == {new_start}, st.ledger.grants
     assert st.ledger.running == 1 and freed_after < 5.0  # nowhere near 120 s of silence or a 60 s lease

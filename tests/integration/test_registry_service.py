@@ -52,8 +52,8 @@ def run() -> str:
     return f"reg{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
-def registry(tmp_path, nats_url, run):
+def start_registry(tmp_path: Path, nats_url: str, run: str, rollout: str) -> Registry:
+    """A registry process for `run` with these `rollout:` settings (YAML lines, indented)."""
     config = tmp_path / "registry.yaml"
     config.write_text(
         f"""
@@ -65,14 +65,21 @@ metrics: {{host: 127.0.0.1, port: 0}}
 actor: {{path: examples/tiny/model}}
 train_dataset: {{path: "builtin:arith"}}
 rollout:
-  max_head_offpolicyness: 1
-  consumer_batch_size: 2
-  max_concurrent_rollouts: 3
-  lease_seconds: 30
-"""
+{rollout}"""
     )
     reg = Registry(config, tmp_path / "registry.log")
     reg.start()
+    return reg
+
+
+@pytest.fixture
+def registry(tmp_path, nats_url, run):
+    reg = start_registry(
+        tmp_path,
+        nats_url,
+        run,
+        "  max_head_offpolicyness: 1\n  consumer_batch_size: 2\n  max_concurrent_rollouts: 3\n  lease_seconds: 30\n",
+    )
     yield reg
     reg.stop()
 
