@@ -4,7 +4,7 @@
     python deploy/metrics_catalog.py --check    # exit 1 if docs/metrics.md is stale
 
 Every service declares its metrics in `services/<svc>/metrics.py` (and the bus client in
-`services.common.bus`) on prometheus-client's default registry; importing those modules is
+the `BUS_CLIENT` modules) on prometheus-client's default registry; importing those modules is
 all it takes to see every name, type, label and help text.
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "metrics.md"
+# the modules below the Bus that every service imports, so every service exports their metrics
+BUS_CLIENT = ("services.common.bus", "services.common.nats_client")
 
 # the series each metric type puts on /metrics (prometheus-client adds `_created` too,
 # which dashboards have no use for)
@@ -40,7 +42,7 @@ class Metric:
 
     @property
     def service(self) -> str:
-        return "every service (bus client)" if self.module == "services.common.bus" else self.module.split(".")[1]
+        return "every service (bus client)" if self.module in BUS_CLIENT else self.module.split(".")[1]
 
     @property
     def series(self) -> tuple[str, ...]:
@@ -49,7 +51,7 @@ class Metric:
 
 def metric_modules() -> list[str]:
     found = sorted(f"services.{p.parent.name}.metrics" for p in (REPO / "services").glob("*/metrics.py"))
-    return [m for m in found if m != "services.common.metrics"] + ["services.common.bus"]
+    return [m for m in found if m != "services.common.metrics"] + list(BUS_CLIENT)
 
 
 def catalog() -> list[Metric]:

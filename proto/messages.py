@@ -245,7 +245,7 @@ AdmissionReply = AdmissionGrant | AdmissionDeny
 
 class FleetAdmissionRequest(Message, kw_only=True):
     """`lorabus.<fleet>.fleet.admission`: a replica asks for one group of work for whichever
-    run of the fleet the registry picks (the weighted fair share, `services.fleet.share`)."""
+    run of the fleet the registry picks (the weighted fair share, `services.common.share`)."""
 
     max_bytes: ClassVar[int] = 16 * 1024
 
@@ -400,7 +400,7 @@ class RunSubmit(Message, kw_only=True):
     fleet: Name
     run: Name
     config: dict[str, Any]
-    """the run file as written: lorabus config keys a run may set (`services.fleet.runconfig`),
+    """the run file as written: lorabus config keys a run may set (`services.common.runconfig`),
     laid over the fleet's config and validated by the registry with the config loader's rules"""
 
 

@@ -48,8 +48,7 @@ from services.common.bus import Bus, decode
 from services.common.config import ConfigError
 from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
-from services.registry import fleet_metrics as metrics
-from services.registry import policy, runs
+from services.registry import metrics, policy, runs
 from services.registry.persistence import AdmitOp
 from services.registry.policy import PolicyConfig
 from services.registry.service import RegistryService, new_grant_token
@@ -128,7 +127,7 @@ class FleetRegistry:
         await service.start()
         service.failed.add_done_callback(self._service_failed)
         self.services[run] = service
-        metrics.SHARE.labels(run).set(self.records[run].share)
+        metrics.FLEET_SHARE.labels(run).set(self.records[run].share)
 
     async def _close(self, run: str) -> None:
         service = self.services.pop(run, None)
@@ -137,7 +136,7 @@ class FleetRegistry:
         view = self._views.pop(run, None)
         if view is not None:
             await view.close()
-        metrics.SHARE.labels(run).set(0)
+        metrics.FLEET_SHARE.labels(run).set(0)
 
     def _service_failed(self, failed: asyncio.Future) -> None:
         exc = None if failed.cancelled() else failed.exception()
@@ -271,7 +270,7 @@ class FleetRegistry:
                     else f"{DENY_FLEET_IDLE}: no active run can grant replica {request.replica!r} a group now "
                     f"(runs it has loaded: {sorted(request.loaded) or 'none'})"
                 )
-                metrics.DENIALS.labels(policy.code_of(reason)).inc()
+                metrics.FLEET_DENIALS.labels(policy.code_of(reason)).inc()
                 deny = AdmissionDeny(request_id=request.request_id, reason=reason, retry_after_s=0.25)
                 await self.bus.send_raw(msg.reply, self._encode(deny))
                 return
@@ -291,10 +290,10 @@ class FleetRegistry:
                 self._routes.popitem(last=False)
             self._grants += 1
             self._last_grant[run] = self._grants
-            metrics.GRANTS.labels(run).inc()
+            metrics.FLEET_GRANTS.labels(run).inc()
             journal.send_after_commit(msg.reply, self._encode(msgspec.structs.replace(reply, run=run)))
         else:
-            metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
+            metrics.FLEET_DENIALS.labels(policy.code_of(reply.reason)).inc()
             await self.bus.send_raw(msg.reply, self._encode(reply))
 
     # --- run states ---------------------------------------------------------------------------
@@ -314,12 +313,12 @@ class FleetRegistry:
                         await self._close(run)
                         continue
                 ledger = service.ledger
-                metrics.RUNNING.labels(run).set(ledger.running)
-                metrics.ACCEPTED.labels(run).set(ledger.accepted)
+                metrics.FLEET_RUNNING.labels(run).set(ledger.running)
+                metrics.FLEET_ACCEPTED.labels(run).set(ledger.accepted)
                 if ledger.head is not None:
-                    metrics.HEAD_VERSION.labels(run).set(ledger.head)
+                    metrics.FLEET_HEAD_VERSION.labels(run).set(ledger.head)
         for state in ("active", "stopping", "stopped", "finished"):
-            metrics.RUNS.labels(state).set(sum(r.state == state for r in self.records.values()))
+            metrics.FLEET_RUNS.labels(state).set(sum(r.state == state for r in self.records.values()))
 
     async def _settle_loop(self) -> None:
         while True:

@@ -1,4 +1,8 @@
-"""The registry's Prometheus metrics (default registry, served by services.common.metrics)."""
+"""The registry's Prometheus metrics (default registry, served by services.common.metrics).
+
+The `lorabus_registry_*` series describe one run's ledger; the `FLEET_*` series (`lorabus_fleet_*`)
+the fleet's run table, one series per run (`run` label).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 LEDGER_WRITES = Counter("lorabus_registry_ledger_writes_total", "Ledger snapshots written to the KV bucket")
+
+FLEET_RUNS = Gauge("lorabus_fleet_runs", "Runs in the fleet's run table, by state", ["state"])
+FLEET_GRANTS = Counter("lorabus_fleet_grants_total", "Fleet admission grants, by the run picked", ["run"])
+FLEET_DENIALS = Counter(
+    "lorabus_fleet_denials_total", "Fleet admission requests no run could take, by reason", ["reason"]
+)
+FLEET_RUNNING = Gauge("lorabus_fleet_running", "Groups in flight (grants issued, not yet finished), by run", ["run"])
+FLEET_HEAD_VERSION = Gauge("lorabus_fleet_head_version", "Latest adapter version published, by run", ["run"])
+FLEET_ACCEPTED = Gauge("lorabus_fleet_accepted", "Trajectories accepted so far, by run", ["run"])
+FLEET_SHARE = Gauge("lorabus_fleet_share", "A run's weight in the fair share (0 once it stops)", ["run"])
 
 
 @functools.cache
