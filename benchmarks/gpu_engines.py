@@ -244,7 +244,7 @@ async def run_embedded(model_dir: Path, adapters, lora, args, work: Path) -> dic
 
 
 def server_config(kind: str, model_dir: Path, args, work: Path):
-    from services.common.config import config_from_dict
+    from services.config.loader import config_from_dict
 
     extra = list(args.vllm_arg if kind == "vllm" else args.sglang_arg)
     section = (

@@ -88,7 +88,7 @@ class Watch:
 
     async def attach(self, url: str, run: str):
         from services.common.bus import Bus
-        from services.common.config_schema import BusConfig
+        from services.config.schema import BusConfig
 
         bus = await Bus.connect(BusConfig(url=url), run=run, service="gpu-loop-bench")
 

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proto.messages import Completion, Trajectory
 from services.common import adapter_io, lora_targets
-from services.common.config_schema import OptimizerConfig, PPOConfig
 from services.common.megatron_to_hf import ModelShape, target_modules_of
+from services.config.schema import OptimizerConfig, PPOConfig
 from services.trainer.engines.megatron.state import (
     adapter_named_parameters,
     merge_tp,
@@ -332,7 +332,7 @@ def init_megatron(seed: int, device: torch.device):
 
 
 def gpu_run(report: Report, args) -> None:
-    from services.common.config_schema import ActorConfig, LorabusConfig
+    from services.config.schema import ActorConfig, LorabusConfig
     from services.trainer.engines.base import make_optimizer
     from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
     from services.trainer.engines.megatron.step import train_step

@@ -102,7 +102,7 @@ async def completion_tokens(nats_url: str, runs: list[str]) -> int:
     from proto.messages import Trajectory
     from services.common import streams
     from services.common.bus import Bus
-    from services.common.config_schema import BusConfig
+    from services.config.schema import BusConfig
 
     bus = await Bus.connect(BusConfig(url=nats_url), run=runs[0], service="bench")
     total = 0
@@ -125,7 +125,7 @@ async def completion_tokens(nats_url: str, runs: list[str]) -> int:
 
 def final_scores(exports: dict[str, Path], version: int) -> dict[str, float]:
     from services.clients.evaluate import Evaluator, heldout_reward
-    from services.common.config import load_config
+    from services.config.loader import load_config
 
     evaluator = Evaluator(load_config(CONFIG), heldout_reward)
     return {run: round(evaluator.score(path / f"v{version}")[1], 4) for run, path in exports.items()}

@@ -144,8 +144,8 @@ async def replica_main(index: int, nats_url: str) -> None:
     from proto import codec
     from proto.messages import AdapterReady
     from services.common import adapter_io, xccl
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.rollout.xccl_receiver import XcclReceiver
 
     name = f"rep{index}"
@@ -311,8 +311,8 @@ async def run_bench(args) -> dict:
     from proto import codec
     from proto.messages import LoraSpec
     from services.common import adapter_io, xccl
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.local.nats_server import start_nats_server
     from services.local.s3_server import start_weed_s3
     from services.trainer.publish import build_payloads, deliver

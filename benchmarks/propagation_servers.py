@@ -89,7 +89,7 @@ def adapter_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def bench_config(model_dir: Path, servers: int):
-    from services.common.config import config_from_dict
+    from services.config.loader import config_from_dict
 
     return config_from_dict(
         {
@@ -118,8 +118,8 @@ async def sidecar_main(index: int, nats_url: str, url: str, adapter_dir: str) ->
     from proto import codec
     from proto.messages import AdapterReady
     from services.common import durable, xccl
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.rollout.engines.http import AdapterDirs, Http
     from services.rollout.engines.vllm import VllmEngine
     from services.rollout.xccl_receiver import XcclReceiver
@@ -246,8 +246,8 @@ async def run_vllm_cells(args, nats_url: str, s3_cfg: dict, local_cfg: dict, ack
     from proto import codec
     from proto.messages import LoraSpec
     from services.common import adapter_io, xccl
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.trainer.publish import deliver
 
     work = Path(tempfile.mkdtemp(prefix="lorabus-prop-vllm-"))

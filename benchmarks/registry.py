@@ -66,7 +66,7 @@ from proto.messages import (  # noqa: E402
 )
 from services.common import entry  # noqa: E402
 from services.common.bus import Bus, Raw, decode  # noqa: E402
-from services.common.config_schema import BusConfig  # noqa: E402
+from services.config.schema import BusConfig  # noqa: E402
 from services.local.nats_server import start_nats_server  # noqa: E402
 from services.registry.status import RegistryStatus, StatusRequest  # noqa: E402
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from proto import messages as m  # noqa: E402
 from services.common import streams  # noqa: E402
 from services.common.bus import Bus  # noqa: E402
-from services.common.config_schema import BusConfig  # noqa: E402
+from services.config.schema import BusConfig  # noqa: E402
 from services.local.nats_server import start_nats_server  # noqa: E402
 
 RUN = "tiny-trial0"

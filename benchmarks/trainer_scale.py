@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import device_name, sync  # noqa: E402
 from proto.messages import Completion, Trajectory  # noqa: E402
-from services.common.config_schema import (  # noqa: E402
+from services.config.schema import (  # noqa: E402
     ActorConfig,
     LorabusConfig,
     OptimizerConfig,

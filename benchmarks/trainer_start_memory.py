@@ -48,8 +48,8 @@ def peak_rss_mb() -> float:
 def worker(mode: str, model_dir: str, out_dir: str) -> None:
     import torch  # noqa: F401
 
-    from services.common.config_schema import ActorConfig, LorabusConfig
     from services.common.models import load_base_model
+    from services.config.schema import ActorConfig, LorabusConfig
     from services.trainer.engines.base import leave_distributed
     from services.trainer.engines.fsdp2 import FSDP2Engine
 

@@ -29,7 +29,7 @@ from benchmarks.shapes import SHAPES  # noqa: E402
 from benchmarks.timing import device_name, sync  # noqa: E402
 from proto.messages import Completion, Trajectory  # noqa: E402
 from services.common import adapter_io  # noqa: E402
-from services.common.config_schema import (  # noqa: E402
+from services.config.schema import (  # noqa: E402
     ActorConfig,
     GenerationConfig,
     LorabusConfig,

@@ -400,7 +400,7 @@ class RunSubmit(Message, kw_only=True):
     fleet: Name
     run: Name
     config: dict[str, Any]
-    """the run file as written: lorabus config keys a run may set (`services.common.runconfig`),
+    """the run file as written: lorabus config keys a run may set (`services.config.runconfig`),
     laid over the fleet's config and validated by the registry with the config loader's rules"""
 
 

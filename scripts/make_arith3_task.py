@@ -42,8 +42,8 @@ from scripts.make_tiny_task import (
     pretrain,
     save_model,
 )
-from services.common.config_schema import DatasetConfig
 from services.common.data import Prompt, load_prompts, write_jsonl
+from services.config.schema import DatasetConfig
 
 SEED = 4321
 MAX_OPERAND = 999

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("services.clients.watch", "print the run's events live"),
     "evaluate": ("services.clients.evaluate", "score every new version, publish the result"),
     "streams": ("services.clients.streams", "create or update the run's streams (the operator)"),
-    "config": ("services.common.config_cli", "translate FILE: an AReaL YAML as native lorabus YAML"),
+    "config": ("services.config.cli", "translate FILE: an AReaL YAML as native lorabus YAML"),
 }
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"lorabus: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    from services.common.config import ConfigError
+    from services.config.loader import ConfigError
 
     module = importlib.import_module(COMMANDS[name][0])
     try:

@@ -129,8 +129,8 @@ def adapters(model_dir: Path, arch: str, shape: str, tiny: bool):
 
 
 def config(model_dir: Path, work: Path, args: argparse.Namespace):
-    from services.common.config import config_from_dict
     from services.common.lora_targets import HF_LINEAR
+    from services.config.loader import config_from_dict
 
     extra = ["--dtype", "bfloat16", "--attention-backend", args.attention_backend, *args.sglang_arg]
     return config_from_dict(

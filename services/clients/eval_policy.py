@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.common.config_schema import EvaluatorConfig
+from services.config.schema import EvaluatorConfig
 
 
 def wanted(e: EvaluatorConfig, version: int, final: int) -> bool:

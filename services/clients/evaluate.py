@@ -25,7 +25,7 @@ import torch
 from proto import messages as m
 from proto import subjects
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 log = logging.getLogger("lorabus.evaluate")
 PROG = "lorabus evaluate"

@@ -21,8 +21,8 @@ import nats.errors
 from proto import subjects
 from proto.messages import RunReply
 from services.common import entry
-from services.common.config import ConfigError
-from services.common.config_schema import LorabusConfig
+from services.config.loader import ConfigError
+from services.config.schema import LorabusConfig
 
 PROG = "lorabus run"
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = entry.start(args, PROG, service="run-cli")
     run_tree, run_name = None, ""
     if args.op == "submit":
-        from services.common import runconfig
+        from services.config import runconfig
 
         try:
             run_tree, cfg = runconfig.load_run(fleet, runconfig.fleet_tree(args.config, args.overrides), args.file)

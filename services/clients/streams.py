@@ -9,7 +9,7 @@ import asyncio
 import sys
 
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 PROG = "lorabus streams"
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from proto import codec, subjects
 from proto import messages as m
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 PROG = "lorabus watch"
 

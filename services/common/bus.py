@@ -38,7 +38,6 @@ from prometheus_client import Counter
 from proto import codec, subjects
 from proto.messages import DeadLetter, DeadLetterReason
 from services.common import nats_client, streams
-from services.common.config_schema import BusConfig
 from services.common.inbox import Inbox
 from services.common.nats_client import (
     DEAD_LETTER_ERRORS,
@@ -59,6 +58,7 @@ from services.common.nats_client import (
     Refused as Refused,  # re-exported: handlers raise it (`dispatch`)
 )
 from services.common.pull import Puller, handle_all
+from services.config.schema import BusConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from services.common import lora_targets
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 
 def need(cfg: LorabusConfig) -> int:

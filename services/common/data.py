@@ -20,7 +20,7 @@ from pathlib import Path
 
 from msgspec import Struct
 
-from services.common.config_schema import DatasetConfig
+from services.config.schema import DatasetConfig
 
 BUILTIN_PREFIX = "builtin:"
 ARITH_SEED = 1234

@@ -23,9 +23,9 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from services.common.bus import Bus
-from services.common.config import ConfigError, load_config
-from services.common.config_schema import LorabusConfig
 from services.common.logs import setup_logging
+from services.config.loader import ConfigError, load_config
+from services.config.schema import LorabusConfig
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 T = TypeVar("T")

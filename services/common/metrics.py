@@ -10,7 +10,7 @@ import re
 
 from prometheus_client import start_http_server
 
-from services.common.config_schema import MetricsConfig
+from services.config.schema import MetricsConfig
 
 _PART = re.compile(r"^[a-z][a-z0-9_]*$")
 

@@ -24,7 +24,7 @@ from nats.aio.client import Client as _NatsClient
 from prometheus_client import Counter
 
 from proto import codec
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 
 log = logging.getLogger(__name__)
 

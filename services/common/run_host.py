@@ -30,10 +30,10 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Generic, Protocol, TypeVar
 
 from proto.messages import RunRecord, RunStateName
-from services.common import runconfig
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
+from services.config import runconfig
+from services.config.schema import LorabusConfig
 
 log = logging.getLogger(__name__)
 

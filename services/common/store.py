@@ -27,7 +27,7 @@ from typing import Protocol
 
 import msgspec
 
-from services.common.config_schema import StoreConfig
+from services.config.schema import StoreConfig
 
 PART_SIZE = 16 * 1024 * 1024
 """S3 multipart part size; also the size above which `put_file` uploads in parts."""

@@ -17,9 +17,9 @@ from msgspec import Struct
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
-from services.common.config_schema import StoreConfig
 from services.common.megatron_to_hf import ModelShape, convert, target_modules_of
 from services.common.store import ObjectNotFound, S3Store, StoreError, write_error
+from services.config.schema import StoreConfig
 
 FILES = [adapter_io.CONFIG_NAME, adapter_io.WEIGHTS_NAME]
 

@@ -26,11 +26,11 @@ from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
 from services.common import durable, lineage, streams, xccl
 from services.common.bus import Bus, MsgMeta, Refused
-from services.common.config_schema import LorabusConfig
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
 from services.common.run_host import ALL_STATES, RunHost
 from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, store_for_uri
+from services.config.schema import LorabusConfig
 from services.exporter import metrics
 from services.exporter.peft_dir import (
     FILES,

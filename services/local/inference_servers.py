@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.local.ports import free_port
 from services.rollout.server_cmd import server_env, vllm_command
 

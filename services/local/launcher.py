@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 
 from proto import messages as m
 from proto import subjects
-from services.common.config import load_config
-from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
+from services.config.loader import load_config
+from services.config.schema import LorabusConfig
 from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.ports import free_port

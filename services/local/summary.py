@@ -20,7 +20,7 @@ from services.clients import eval_policy
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
-    from services.common.config_schema import LorabusConfig
+    from services.config.schema import LorabusConfig
 
 
 @dataclass

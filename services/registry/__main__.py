@@ -8,7 +8,7 @@ import logging
 import sys
 
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 log = logging.getLogger("services.registry")
 PROG = "lorabus registry"
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cfg = entry.start(args, PROG, service="registry")
-    from services.common.runconfig import fleet_tree
+    from services.config.runconfig import fleet_tree
 
     try:
         return entry.run(serve(cfg, fleet_tree(args.config, args.overrides)))

@@ -43,11 +43,12 @@ from proto.messages import (
     RunStop,
     RunSubmit,
 )
-from services.common import capacity, runconfig, share
+from services.common import capacity, share
 from services.common.bus import Bus, decode
-from services.common.config import ConfigError
-from services.common.config_schema import LorabusConfig
 from services.common.run_table import RunTable
+from services.config import runconfig
+from services.config.loader import ConfigError
+from services.config.schema import LorabusConfig
 from services.registry import metrics, policy, runs
 from services.registry.persistence import AdmitOp
 from services.registry.policy import PolicyConfig

@@ -66,7 +66,7 @@ from services.common import ranges
 from services.common.lineage import lineage_problem  # pure: the one rule every receiver applies
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
-    from services.common.config_schema import LorabusConfig
+    from services.config.schema import LorabusConfig
 
 # Reason codes (the part of a reason before ": "); metrics are labelled with these.
 DENY_NO_ADAPTER = "no-adapter"

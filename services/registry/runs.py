@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from msgspec import structs
 
 from proto.messages import RunInfo, RunRecord, RunStateName
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.registry.policy import Ledger
 
 LIVE: tuple[RunStateName, ...] = ("active", "stopping")

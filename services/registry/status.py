@@ -13,7 +13,7 @@ from proto import subjects
 from proto.codec import MAX_MESSAGE_BYTES
 from proto.messages import Message, Name, UnixTime
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.registry.policy import Ledger
 
 STATUS_TIMEOUT_S = 3.0

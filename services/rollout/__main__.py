@@ -8,7 +8,7 @@ import sys
 
 from proto.messages import EngineKind
 from services.common import entry
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 log = logging.getLogger("services.rollout")
 PROG = "lorabus rollout"

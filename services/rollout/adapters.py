@@ -37,9 +37,9 @@ from proto import subjects
 from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, LoadedVia
 from services.common import lineage, streams, xccl
 from services.common.bus import Bus, Refused
-from services.common.config_schema import LorabusConfig
 from services.common.pull import Puller
 from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore
+from services.config.schema import LorabusConfig
 from services.rollout import metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook

@@ -30,8 +30,8 @@ import nats.errors
 from proto import subjects
 from proto.messages import AdmissionReply, FleetAdmissionRequest
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
 from services.common.run_host import RunHost
+from services.config.schema import LorabusConfig
 from services.rollout.engines.base import Engine
 from services.rollout.run_engines import RunEngines
 from services.rollout.service import STARTED_AT, RolloutService

@@ -1,6 +1,6 @@
 """The vLLM / SGLang server command lines a config asks for (`lorabus rollout --print-server-cmd`).
 
-The slot flags come from the config's `vllm` / `sglang` sections, which `services.common.config`
+The slot flags come from the config's `vllm` / `sglang` sections, which `services.config.loader`
 has already checked against the keep window and the adapter rank. `host`/`port` are separate
 because one config describes every data-parallel replica.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 
 # vLLM's runtime load/unload endpoints exist only with this set.
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}

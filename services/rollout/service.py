@@ -36,8 +36,8 @@ from proto.messages import (
     Trajectory,
 )
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
 from services.common.data import Prompt, epoch_order
+from services.config.schema import LorabusConfig
 from services.rollout import metrics
 from services.rollout.adapters import AdapterFollower
 from services.rollout.engines.base import Engine, GenRequest

@@ -17,8 +17,8 @@ import msgspec
 from proto.messages import Trajectory
 from services.common import ranges, streams
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
 from services.common.pull import Delivery, Puller
+from services.config.schema import LorabusConfig
 from services.trainer.batching import to_samples
 
 log = logging.getLogger(__name__)

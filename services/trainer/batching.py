@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from proto.messages import Trajectory
-from services.common.config_schema import PPOConfig
+from services.config.schema import PPOConfig
 from services.trainer.loss import batch_normalise, group_advantages
 
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from proto.messages import LoraSpec
 from services.common.adapter_io import DTYPES, dtype_name, standardize_key
-from services.common.config_schema import ActorConfig
 from services.common.lora_targets import for_backend
+from services.config.schema import ActorConfig
 from services.trainer.precision import upcast
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common import adapter_io
-from services.common.config_schema import LorabusConfig
 from services.common.store import ObjectStore
+from services.config.schema import LorabusConfig
 from services.trainer import checkpoint
 from services.trainer.engines.base import TrainEngine
 from services.trainer.publish import parse_adapter_version

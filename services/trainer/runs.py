@@ -39,7 +39,7 @@ from proto import subjects
 from proto.messages import AdapterReady, TrainerStep, Trajectory
 from services.common import adapter_io
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.trainer import checkpoint, metrics
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine

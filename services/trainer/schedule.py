@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.common.config_schema import OptimizerConfig
+from services.config.schema import OptimizerConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 

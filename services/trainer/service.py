@@ -33,8 +33,8 @@ import torch
 from proto.messages import RunStateName
 from services.common import share
 from services.common.bus import Bus
-from services.common.config_schema import LorabusConfig
 from services.common.run_host import MakeWorker, RunHost
+from services.config.schema import LorabusConfig
 from services.trainer import checkpoint
 from services.trainer.engines.base import TrainEngine, shares_base
 from services.trainer.publish import trainer_epoch

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.common.adapter_io import DTYPES
-from services.common.config_schema import ActorConfig
+from services.config.schema import ActorConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

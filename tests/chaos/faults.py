@@ -44,7 +44,7 @@ from proto import codec
 from proto import messages as m
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from services.local.nats_server import start_nats_server
 from tests.fixtures.waiting import until
 

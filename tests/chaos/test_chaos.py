@@ -80,7 +80,7 @@ def check_run(run: Run, proc, streams: Streams) -> dict:
 
 def summary_batch(run: Run) -> int:
     """The run's consumer batch size B (groups per trainer step)."""
-    from services.common.config import load_config
+    from services.config.loader import load_config
 
     return load_config(ROOT / "examples" / "tiny.yaml", run.overrides).rollout.consumer_batch_size
 

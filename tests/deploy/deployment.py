@@ -15,8 +15,8 @@ from minio import Minio
 from proto import messages as m
 from proto import subjects
 from services.common.bus import Bus, MsgMeta
-from services.common.config import load_config
-from services.common.config_schema import LorabusConfig
+from services.config.loader import load_config
+from services.config.schema import LorabusConfig
 from tests.deploy.compose import DEPLOY, Project
 from tests.fixtures.waiting import wait_until
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from services.cli import COMMANDS
-from services.common.config import load_config
+from services.config.loader import load_config
 from tests.deploy.compose import (
     COMPOSE_FILE,
     CPU_COMPOSE_FILE,

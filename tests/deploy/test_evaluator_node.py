@@ -14,7 +14,7 @@ import pytest
 
 from proto import codec, subjects
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config
 from tests.deploy.test_nats_permissions import adapter_event
 

@@ -25,8 +25,8 @@ from proto import codec, subjects
 from proto import messages as m
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
 from services.common.run_table import RunTable
+from services.config.schema import BusConfig
 from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config, users
 from tests.fixtures.waiting import wait_until
 
@@ -528,7 +528,7 @@ async def test_a_heartbeat_naming_another_replica_is_refused_by_the_registry(
     """Issue 17, abuse 4: NATS sees subjects, not payloads, so a rollout may publish on its own
     heartbeat subject a heartbeat naming another replica: the registry compares the two and
     dead-letters it ("sender"); the other replica's state is untouched."""
-    from services.common.config import load_config
+    from services.config.loader import load_config
     from services.registry.status import fetch_status
 
     await streams_ready(server, passwords, run, registry)
@@ -561,7 +561,7 @@ async def test_the_registry_health_check_is_allowed_to_ask(server, passwords, ru
     not, and the registry container never turned healthy)."""
     import yaml
 
-    from services.common.config import load_config
+    from services.config.loader import load_config
     from services.registry.status import fetch_status
 
     check = yaml.safe_load((REPO / "deploy" / compose_file).read_text())["services"]["registry"]["healthcheck"]["test"]
@@ -595,7 +595,7 @@ async def test_operator_runs_lorabus_watch_and_registry_status_but_publishes_no_
     """`lorabus watch` (a `lorabus.<run>.>` subscription) and `lorabus registry status` work
     with the operator credential; the operator cannot publish run events."""
     from services.clients.watch import watch
-    from services.common.config import load_config
+    from services.config.loader import load_config
     from services.registry.status import fetch_status
 
     await streams_ready(server, passwords, run, registry)

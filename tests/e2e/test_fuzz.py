@@ -44,7 +44,7 @@ from proto import codec, subjects
 from proto import messages as m
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from tests.fixtures.fuzz import draw_many, hostile_bytes, valid
 from tests.fixtures.waiting import wait_until
 

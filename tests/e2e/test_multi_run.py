@@ -33,9 +33,9 @@ from proto import codec, subjects
 from proto.messages import Trajectory, TrajectoryDecision
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config import load_config
-from services.common.config_schema import BusConfig
 from services.common.run_table import RunTable
+from services.config.loader import load_config
+from services.config.schema import BusConfig
 from tests.fixtures.waiting import until
 from tests.integration.test_registry_service import stream_messages
 

@@ -22,7 +22,7 @@ from proto.messages import (
 )
 from services.common import streams
 from services.common.bus import MSG_ID_HEADER, Bus, BusError, MsgMeta, Raw, Refused
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
 
@@ -494,8 +494,8 @@ async def test_user_password_from_env(nats_server_factory, tmp_path, monkeypatch
 async def test_bus_counters_are_served_on_metrics_endpoint(bus, run):
     import urllib.request
 
-    from services.common.config_schema import MetricsConfig
     from services.common.metrics import start_metrics_server
+    from services.config.schema import MetricsConfig
 
     await bus.publish(subjects.trainer_step(run), step(0, run))
     port = start_metrics_server(MetricsConfig(host="127.0.0.1", port=0))

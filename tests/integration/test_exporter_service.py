@@ -24,9 +24,9 @@ from proto import codec, subjects
 from proto.messages import AdapterReady, DeadLetter, ExportDone, LoraSpec, ObjectPayload
 from services.common import adapter_io, streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig, StoreConfig
 from services.common.lora_targets import HF_LINEAR
 from services.common.store import open_store
+from services.config.schema import BusConfig, StoreConfig
 from tests.fixtures.service_process import ServiceProcess
 from tests.fixtures.waiting import wait_until
 

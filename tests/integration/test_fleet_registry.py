@@ -23,8 +23,8 @@ from proto.messages import (
 )
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
 from services.common.run_table import RunTable
+from services.config.schema import BusConfig
 from tests.fixtures.service_process import REPO, ServiceProcess
 from tests.fixtures.waiting import wait_until
 from tests.integration.test_registry_service import ready, stream_messages, trajectory

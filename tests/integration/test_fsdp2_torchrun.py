@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:  # when run as a torchrun worker script
     sys.path.insert(0, str(REPO))
 
 from proto.messages import Completion, Trajectory  # noqa: E402
-from services.common.config_schema import (  # noqa: E402
+from services.config.schema import (  # noqa: E402
     ActorConfig,
     GenerationConfig,
     LorabusConfig,

@@ -14,7 +14,7 @@ import pytest
 from proto import subjects
 from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply, AdmissionRequest, ReplicaHeartbeat
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from tests.integration.test_registry_service import ready, start_registry, wait_status
 
 

@@ -11,7 +11,7 @@ import pytest
 from proto.messages import AdapterReady, AdmissionGrant, AdmissionRequest, LoraSpec, ObjectPayload
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from services.registry import persistence as j
 from services.registry import policy as p
 

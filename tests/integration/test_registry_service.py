@@ -33,7 +33,7 @@ from proto.messages import (
 )
 from services.common import streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
+from services.config.schema import BusConfig
 from services.registry.status import RegistryStatus, StatusRequest
 from tests.fixtures.service_process import ServiceProcess
 from tests.fixtures.waiting import wait_until

@@ -27,7 +27,10 @@ from proto.messages import (
 )
 from services.common import adapter_io
 from services.common.bus import Bus
-from services.common.config_schema import (
+from services.common.data import Prompt
+from services.common.lora_targets import HF_LINEAR
+from services.common.store import LocalStore
+from services.config.schema import (
     BusConfig,
     DatasetConfig,
     GenerationConfig,
@@ -35,9 +38,6 @@ from services.common.config_schema import (
     RolloutConfig,
     StoreConfig,
 )
-from services.common.data import Prompt
-from services.common.lora_targets import HF_LINEAR
-from services.common.store import LocalStore
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.service import INCARNATION, RolloutService

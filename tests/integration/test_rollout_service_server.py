@@ -28,7 +28,9 @@ from proto.messages import (
 )
 from services.common import models
 from services.common.bus import Bus
-from services.common.config_schema import (
+from services.common.data import Prompt
+from services.common.store import LocalStore
+from services.config.schema import (
     BusConfig,
     DatasetConfig,
     GenerationConfig,
@@ -36,8 +38,6 @@ from services.common.config_schema import (
     RolloutConfig,
     StoreConfig,
 )
-from services.common.data import Prompt
-from services.common.store import LocalStore
 from services.local.ports import free_port
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.http import AdapterDirs, Http

@@ -39,7 +39,8 @@ from proto import subjects
 from proto.messages import AdapterLoaded, AdapterReady, LoraSpec, ObjectPayload, RolloutReport, XcclPayload
 from services.common import adapter_io, durable, models
 from services.common.bus import Bus
-from services.common.config_schema import (
+from services.common.store import LocalStore
+from services.config.schema import (
     ActorConfig,
     BusConfig,
     DatasetConfig,
@@ -48,7 +49,6 @@ from services.common.config_schema import (
     RolloutConfig,
     StoreConfig,
 )
-from services.common.store import LocalStore
 from services.rollout.__main__ import fetcher
 from services.rollout.adapters import AdapterFollower
 from services.rollout.engines.base import GenRequest

@@ -10,7 +10,6 @@ import time
 import msgspec
 import pytest
 
-from services.common.config_schema import StoreConfig
 from services.common.store import (
     PART_SIZE,
     LocalStore,
@@ -20,6 +19,7 @@ from services.common.store import (
     open_store,
     store_for_uri,
 )
+from services.config.schema import StoreConfig
 
 BAD_KEYS = ["", "/abs/key", "a//b", "a/", "a\\b", "../x", "a/../b", "a/./b", "a/\x00b"]
 

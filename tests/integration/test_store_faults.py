@@ -22,7 +22,7 @@ CHILD = textwrap.dedent(
     import json, os, subprocess, sys
     from pathlib import Path
     from proto.messages import LoraSpec
-    from services.common.config_schema import StoreConfig
+    from services.config.schema import StoreConfig
     from services.common.store import LocalStore, StoreUnwritable
     from services.exporter.peft_dir import PeftFiles, write_export
 

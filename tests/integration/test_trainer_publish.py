@@ -12,8 +12,8 @@ from proto import codec, subjects
 from proto.messages import AdapterReady, LoraSpec, ObjectPayload
 from services.common import adapter_io, streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
 from services.common.store import LocalStore
+from services.config.schema import BusConfig
 from services.trainer.publish import publish_adapter, trainer_epoch
 
 LORA = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj"], base_model="tiny")

@@ -11,13 +11,14 @@ import torch
 
 from proto import codec, subjects
 from proto.messages import DeadLetter, RunRecord, TrainerStep
-from services.common import runconfig, streams
+from services.common import streams
 from services.common.bus import Bus
-from services.common.config import load_config
-from services.common.config_schema import BusConfig, StoreConfig
 from services.common.models import load_base_model
 from services.common.run_table import RunTable
 from services.common.store import open_store
+from services.config import runconfig
+from services.config.loader import load_config
+from services.config.schema import BusConfig, StoreConfig
 from tests.fixtures.waiting import wait_until
 from tests.integration.test_trainer_service import (  # noqa: F401 - tiny_model_dir is a fixture
     fetch_adapter,

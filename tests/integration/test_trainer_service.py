@@ -22,9 +22,9 @@ from proto import codec, subjects
 from proto.messages import AdapterReady, Completion, TrainerStep, Trajectory
 from services.common import adapter_io, streams
 from services.common.bus import Bus
-from services.common.config_schema import BusConfig
 from services.common.models import load_base_model
 from services.common.store import open_store
+from services.config.schema import BusConfig
 from tests.fixtures.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def fetch_adapter(store, event: AdapterReady) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("store_kind", ["local", "s3"])
 async def test_trainer_publishes_trains_and_resumes(store_kind, request, tmp_path, nats_url, tiny_model_dir):
     if store_kind == "local":
-        from services.common.config_schema import StoreConfig
+        from services.config.schema import StoreConfig
 
         store_cfg = StoreConfig(uri=f"file://{tmp_path / 'store'}")
     else:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as a torchrun worker script
     sys.path.insert(0, str(REPO))
 
-from services.common.config_schema import ActorConfig, LorabusConfig, OptimizerConfig  # noqa: E402
+from services.config.schema import ActorConfig, LorabusConfig, OptimizerConfig  # noqa: E402
 from services.trainer.engines.base import leave_distributed  # noqa: E402
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 from tests.fixtures.tiny import tiny_qwen2  # noqa: E402

@@ -20,10 +20,10 @@ import yaml
 
 from proto import subjects
 from services.common.bus import Bus
-from services.common.config import load_config
-from services.common.config_schema import BusConfig, StoreConfig
 from services.common.models import load_base_model
 from services.common.store import open_store
+from services.config.loader import load_config
+from services.config.schema import BusConfig, StoreConfig
 from services.trainer.engines import make_engine
 from tests.integration.test_trainer_service import (  # noqa: F401 (tiny_model_dir: fixture)
     fetch_adapter,

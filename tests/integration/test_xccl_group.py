@@ -314,8 +314,8 @@ def test_deliver_announces_right_after_the_broadcast_and_seals_the_verified_copy
     import asyncio
 
     from services.common import adapter_io, durable
-    from services.common.config_schema import StoreConfig
     from services.common.store import ObjectNotFound, open_store
+    from services.config.schema import StoreConfig
     from services.rollout.xccl_receiver import XcclReceiver
     from services.trainer import publish as pub
 
@@ -378,8 +378,8 @@ def test_versions_written_into_the_send_sets_arrive_like_packed_ones_and_the_cop
     import asyncio
 
     from services.common import adapter_io, durable
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.rollout.xccl_receiver import XcclReceiver
     from services.trainer import publish as pub
 
@@ -504,8 +504,8 @@ def test_a_resumed_trainer_stores_and_seals_a_copy_its_predecessor_announced_but
 
     from proto.messages import AdapterReady, LoraSpec, ObjectPayload
     from services.common import adapter_io, durable
-    from services.common.config_schema import StoreConfig
     from services.common.store import open_store
+    from services.config.schema import StoreConfig
     from services.trainer import publish as pub
 
     store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))

@@ -1,5 +1,5 @@
 """AReaL experiment files: translated field by field, reported once, refused where lorabus
-cannot honour a field, all problems in one pass (services/common/areal.py)."""
+cannot honour a field, all problems in one pass (services/config/areal.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from services.common import areal
-from services.common.config import ConfigError, load_config
-from services.common.config_schema import DatasetConfig
 from services.common.data import DataError, load_prompts
+from services.config import areal
+from services.config.loader import ConfigError, load_config
+from services.config.schema import DatasetConfig
 from services.trainer.loss import batch_normalise, group_advantages
 from services.trainer.schedule import warmup_steps
 from tests.fixtures import gsm8k as gsm8k_data
@@ -254,7 +254,7 @@ def test_translating_reads_no_data_and_needs_no_network(monkeypatch, tmp_path, c
 
     import huggingface_hub.constants
 
-    from services.common.config_cli import main
+    from services.config.cli import main
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     started = time.monotonic()
@@ -305,7 +305,7 @@ def test_parse_alloc_rejects(text):
 
 
 def test_config_translate_round_trips(gsm8k, chat_tok, tmp_path, capsys):
-    from services.common.config_cli import main
+    from services.config.cli import main
 
     areal_file = FIXTURES / "gsm8k_grpo_megatron_lora.yaml"
     assert main(["translate", str(areal_file), f"tokenizer_path={chat_tok}"]) == 0

@@ -1,4 +1,4 @@
-"""Config loading, back-fill and validation (services.common.config)."""
+"""Config loading, back-fill and validation (services.config.loader)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from services.common import config as C
-from services.common.config import (
+from services.common.lora_targets import for_backend
+from services.config import loader as C
+from services.config.loader import (
     ConfigError,
     config_from_dict,
     load_config,
     validate,
 )
-from services.common.config_schema import LorabusConfig, RolloutConfig
-from services.common.lora_targets import for_backend
+from services.config.schema import LorabusConfig, RolloutConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_schema import DatasetConfig
 from services.common.data import (
     ARITH_VALID_SIZE,
     DataError,
@@ -13,6 +12,7 @@ from services.common.data import (
     final_answer,
     load_prompts,
 )
+from services.config.schema import DatasetConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DATA = REPO / "examples" / "tiny" / "data"

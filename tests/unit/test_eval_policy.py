@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.clients.eval_policy import should_score, still_to_score
-from services.common.config_schema import EvaluatorConfig, LorabusConfig
+from services.config.schema import EvaluatorConfig, LorabusConfig
 from services.local.summary import Progress, RunRecord, training_done
 
 FINAL = 10

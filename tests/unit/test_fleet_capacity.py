@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from services.common import capacity
-from services.common.config import backfill
-from services.common.config_schema import LorabusConfig
+from services.config.loader import backfill
+from services.config.schema import LorabusConfig
 
 
 def cfg(run: str, engine: str = "embedded", **tree) -> LorabusConfig:

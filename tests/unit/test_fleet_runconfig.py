@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common import runconfig as rc
-from services.common.config import ConfigError, load_config
+from services.config import runconfig as rc
+from services.config.loader import ConfigError, load_config
 
 FLEET = "examples/tiny.yaml"
 OVERRIDES = ["run_dir=/tmp/fleet-x"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.registry import runs
 from services.registry.policy import Grant, VersionRecord, new_ledger
 

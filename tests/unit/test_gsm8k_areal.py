@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import areal
-from services.common.config_schema import DatasetConfig
 from services.common.data import DataError, load_prompts
 from services.common.models import encode_prompt, load_tokenizer
 from services.common.rewards import math_answer
+from services.config import areal
+from services.config.schema import DatasetConfig
 from tests.fixtures import gsm8k
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import load_config
+from services.config.loader import load_config
 from services.local import inference_servers
 from services.local.launcher import child_commands
 

@@ -20,8 +20,8 @@ from torch import nn
 from benchmarks import megatron_lora_step as bench  # its --cpu-check is a test below
 from proto.messages import Completion, Trajectory
 from services.common import adapter_io, lora_targets
-from services.common.config_schema import ActorConfig, PPOConfig
 from services.common.megatron_to_hf import ModelShape
+from services.config.schema import ActorConfig, PPOConfig
 from services.trainer.engines.megatron import MegatronNotInstalled
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer

@@ -14,9 +14,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
-from services.common.config_schema import StoreConfig
 from services.common.lora_targets import HF_LINEAR
 from services.common.megatron_to_hf import ModelShape
+from services.config.schema import StoreConfig
 from services.exporter.peft_dir import (
     existing_sha256,
     load_model_shape,

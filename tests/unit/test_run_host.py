@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from proto.messages import RunRecord, RunStateName
-from services.common import runconfig
-from services.common.config import load_config
 from services.common.run_host import RunHost
+from services.config import runconfig
+from services.config.loader import load_config
 
 FLEET = "examples/tiny.yaml"
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import config_from_dict
+from services.config.loader import config_from_dict
 from services.rollout.server_cmd import server_command, server_env, sglang_command, shell_line, vllm_command
 
 

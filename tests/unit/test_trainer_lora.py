@@ -4,7 +4,7 @@ from peft import PeftModel
 from transformers import Qwen2ForCausalLM
 
 from services.common import adapter_io
-from services.common.config_schema import ActorConfig
+from services.config.schema import ActorConfig
 from services.trainer.lora import adapter_state, lora_spec, wrap_lora
 from tests.fixtures.tiny import tiny_qwen2 as fixture_qwen2
 

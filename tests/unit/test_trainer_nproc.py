@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import ConfigError, config_from_dict
+from services.config.loader import ConfigError, config_from_dict
 from services.local.launcher import child_commands, trainer_launcher
 
 BASE = {

@@ -9,7 +9,7 @@ import copy
 import torch
 
 from proto.messages import Completion, Trajectory
-from services.common.config_schema import ActorConfig, LorabusConfig, OptimizerConfig
+from services.config.schema import ActorConfig, LorabusConfig, OptimizerConfig
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from services.trainer.lora import lora_parameters
 from tests.fixtures.tiny import tiny_qwen2

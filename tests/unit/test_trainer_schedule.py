@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from services.common.config import ConfigError, config_from_dict
-from services.common.config_schema import ActorConfig, LorabusConfig, OptimizerConfig
+from services.config.loader import ConfigError, config_from_dict
+from services.config.schema import ActorConfig, LorabusConfig, OptimizerConfig
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from services.trainer.schedule import make_scheduler, warmup_steps
 from tests.fixtures.tiny import tiny_qwen2

@@ -13,7 +13,7 @@ from peft import PeftModel
 
 from proto.messages import Completion, Trajectory
 from services.common import adapter_io
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from tests.fixtures.tiny import tiny_qwen2
 

@@ -32,7 +32,7 @@ from services.rollout.lora_slots import LoraSlots
 from services.rollout.sampling import DecodeGraphs, Row, decode, mix32, static_unsupported
 
 if TYPE_CHECKING:
-    from services.common.config_schema import LorabusConfig
+    from services.config.schema import LorabusConfig
 
 
 class EmbeddedEngine:

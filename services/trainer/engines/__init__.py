@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.trainer.engines.base import TrainEngine
 
 if TYPE_CHECKING:

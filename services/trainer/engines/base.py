@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
-from services.common.config_schema import LorabusConfig
+from services.config.schema import LorabusConfig
 from services.trainer.loss import LossStats
 
 TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
-from services.common.config_schema import LorabusConfig
 from services.common.models import resolve_device
+from services.config.schema import LorabusConfig
 from services.trainer import batching, precision, startup
 from services.trainer.engines.base import (
     StepStats,

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from services.common.config_schema import ActorConfig
 from services.common.lora_targets import for_backend
 from services.common.megatron_to_hf import ModelShape, convert
+from services.config.schema import ActorConfig
 
 _ADAPTER = re.compile(
     r"^(?P<module>.*\.(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2))"

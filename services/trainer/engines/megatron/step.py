@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from proto.messages import Trajectory
-from services.common.config_schema import PPOConfig
+from services.config.schema import PPOConfig
 from services.trainer import batching
 from services.trainer.engines.base import StepStats, step_stats, summed_over_ranks
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer

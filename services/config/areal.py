@@ -943,7 +943,7 @@ def _datasets(x: _Translator) -> None:
 
 def _steps(x: _Translator) -> None:
     """Epochs stay epochs: they become steps when a service loads the config and its data
-    (`services.common.config`), so translating a file reads no data and needs no network."""
+    (`services.config.loader`), so translating a file reads no data and needs no network."""
     epochs, steps = x.get("total_train_epochs"), x.get("total_train_steps")
     if epochs is None and steps is None:
         x.t.problems.append("total_train_epochs: missing; AReaL requires it (or total_train_steps)")

@@ -18,8 +18,8 @@ import sys
 import msgspec
 import yaml
 
-from services.common import areal
-from services.common.config import load_config, read_tree
+from services.config import areal
+from services.config.loader import load_config, read_tree
 
 
 def main(argv: list[str]) -> int:

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from services.common import areal
-from services.common.config import ConfigError, config_from_dict, deep_merge, parse_overrides, read_tree
-from services.common.config_schema import LorabusConfig
+from services.config import areal
+from services.config.loader import ConfigError, config_from_dict, deep_merge, parse_overrides, read_tree
+from services.config.schema import LorabusConfig
 
 RUN_KEYS: tuple[str, ...] = (
     "experiment_name",

@@ -30,9 +30,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from proto.messages import adapter_name
 from proto.subjects import SubjectError, token
-from services.common import areal, lora_targets
-from services.common.config_schema import ActorConfig, LorabusConfig
+from services.common import lora_targets
 from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
+from services.config import areal
+from services.config.schema import ActorConfig, LorabusConfig
 
 __all__ = [
     "ConfigError",
@@ -100,7 +101,7 @@ def config_from_dict(
     tree: dict[str, Any], overrides: Iterable[str] = (), *, source: str | None = None, read_data: bool = True
 ) -> LorabusConfig:
     """The same pipeline as `load_config`, for a tree already in memory (tests, launchers).
-    An AReaL experiment tree is translated first (`services.common.areal`); its problems and
+    An AReaL experiment tree is translated first (`services.config.areal`); its problems and
     the native ones are reported together. Overrides on an AReaL tree in AReaL's names
     (`actor.path=...`) apply to it before translation, as AReaL's launcher takes them; the rest
     name native keys and apply after."""

@@ -1,7 +1,7 @@
 """The typed shape of a lorabus config file (AReaL-style YAML).
 
 Only the shape and defaults live here; loading, `${a.b}` interpolation and the cross-field
-validation rules are in `services.common.config`. Every service reads the same file and uses
+validation rules are in `services.config.loader`. Every service reads the same file and uses
 the sections it needs, so one YAML describes a whole run.
 """
 
