@@ -263,15 +263,33 @@ class FleetAdmissionRequest(Message, kw_only=True):
 # --- trajectories ----------------------------------------------------------------------------
 
 
+class TokenRange(Struct, kw_only=True):
+    """Which policy generated tokens `[start, end)` of a completion, as the replica that served
+    it knows it: the version, the sha256 of the adapter bytes its loader handed the engine
+    (hashed by the loader from those bytes, never copied from the event), and the engine."""
+
+    start: NonNegInt
+    end: NonNegInt
+    version: Version
+    adapter_sha256: Sha256 | None
+    """None: the version arrived as tensors by XCCL broadcast, with no bytes to hash"""
+    engine: EngineKind
+    engine_id: Short
+    """the engine instance: the replica's id (embedded) or its servers' URLs"""
+
+
 class Completion(Struct, kw_only=True):
     """One sampled completion. `logprobs` and `versions` are per completion token: the
-    behaviour log-probability and the adapter version that produced that token."""
+    behaviour log-probability and the adapter version that produced that token. `ranges`
+    covers the tokens in order, one range per run of one version; empty from senders that
+    predate it."""
 
     token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_ITEMS)]
     logprobs: Annotated[list[float], Meta(max_length=MAX_ITEMS)]
     versions: Annotated[list[Version], Meta(max_length=MAX_ITEMS)]
     reward: float
     finish_reason: FinishReason = "stop"
+    ranges: Annotated[list[TokenRange], Meta(max_length=64)] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -280,6 +298,22 @@ class Completion(Struct, kw_only=True):
                 f"completion: token_ids ({n}), logprobs ({len(self.logprobs)}) and versions "
                 f"({len(self.versions)}) must have one entry per generated token"
             )
+        if self.ranges:
+            self._check_ranges(n)
+
+    def _check_ranges(self, n: int) -> None:
+        at = 0
+        for i, r in enumerate(self.ranges):
+            if r.start != at or r.end <= r.start:
+                raise ValueError(
+                    f"ranges[{i}]: [{r.start}, {r.end}) does not continue at token {at}; "
+                    "ranges cover the tokens in order, each non-empty"
+                )
+            if any(v != r.version for v in self.versions[r.start : r.end]):
+                raise ValueError(f"ranges[{i}]: version {r.version} is not the version of each of its tokens")
+            at = r.end
+        if at != n:
+            raise ValueError(f"ranges: cover {at} of {n} tokens; every generated token needs its range")
 
 
 class Trajectory(Message, kw_only=True):
