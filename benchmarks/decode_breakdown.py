@@ -44,8 +44,17 @@ KINDS: list[tuple[str, re.Pattern]] = [
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax_warp|efficient", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|splitK|sm90|Kernel2", re.I)),
     ("lora_correction", re.compile(r"shrink|expand|lora|_stacked|_fused", re.I)),
-    ("sampling", re.compile(r"sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce", re.I)),
+    # RMSNorm's mean is a reduce kernel too: norms first
     ("norm_rope_act", re.compile(r"rms|norm|rotary|rope|silu|gelu|act_and_mul|pow|rsqrt|mean", re.I)),
+    # the sampler's integer hash (int32 since the breakdown first ran; int64 before)
+    (
+        "sampling",
+        re.compile(
+            r"sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce|"
+            r"bitwise|rshift|<long, long|<int, int|log_kernel",
+            re.I,
+        ),
+    ),  # fmt: skip
     ("kv_write_copy", re.compile(r"copy|memcpy|memset|index_put|scatter|cat|fill|index", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|add|mul|where|neg|exp", re.I)),
 ]
@@ -95,10 +104,10 @@ def kernel_times(fn, device) -> tuple[dict[str, float], dict[str, int]]:
     return times, counts
 
 
-def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device) -> dict:
+def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device, grouped: bool) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    graphs = DecodeGraphs(model, capture=device.type == "cuda")
+    graphs = DecodeGraphs(model, capture=device.type == "cuda", grouped_attention=grouped)
     versions = [slots.head] * batch
 
     def run(new: int):
@@ -138,6 +147,7 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
     kv_bytes = 2 * cfg.num_hidden_layers * batch * mean_len * cfg.num_key_value_heads * head_dim * 2
     return {
         "batch": batch,
+        "attention": "grouped" if grouped else model.config._attn_implementation,
         "step_ms": round(step_ms, 3),
         "tokens_per_s": round(batch / step_ms * 1e3, 1),
         "gpu_busy_ms": round(busy_ms, 3),
@@ -163,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64, help="decode steps measured (the long run's minus one)")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
+    ap.add_argument(
+        "--attention", nargs="+", choices=["own", "grouped"], default=["own", "grouped"],
+        help="the decode step's attention: the model's own (transformers' sdpa) and/or "
+             "services.rollout.decode_attention, side by side",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     if not args.tiny and not torch.cuda.is_available():
@@ -179,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         slots = LoraSlots.install(model, adapter, slots=4)
         slots.load(0, adapter, 2.0)
         slots.set_head(0)
-        for batch in batches:
+        own = model.config._attn_implementation
+        for batch, attention in [(b, a) for b in batches for a in args.attention]:
+            model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
             try:
-                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device)
+                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, attention == "grouped")
             except torch.OutOfMemoryError as exc:
-                r = {"batch": batch, "error": f"out of memory: {exc}"[:300]}
+                r = {"batch": batch, "attention": attention, "error": f"out of memory: {exc}"[:300]}
                 torch.cuda.empty_cache()
             r["shape"] = shape
             if "step_ms" in r:
@@ -192,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["fraction_of_limit"] = round(limit_ms / r["step_ms"], 3)
                 kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms"].items())[:6])
                 print(
-                    f"{shape} batch {batch}: step {r['step_ms']:.2f} ms ({r['tokens_per_s']:,.0f} tok/s), GPU busy "
+                    f"{shape} batch {batch} {r['attention']}: step {r['step_ms']:.2f} ms "
+                    f"({r['tokens_per_s']:,.0f} tok/s), GPU busy "
                     f"{r['gpu_busy_ms']:.2f}, host {r['host_ms']:.2f}; {kinds}; {r['kernels_per_step']:.0f} "
                     f"kernels; limit {limit_ms:.3f} ms = {r['fraction_of_limit']:.1%}",
                     flush=True,

@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
+from services.rollout import decode_attention
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
@@ -68,16 +69,24 @@ def mix32(x: int) -> int:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` on int32 tensors holding uint32 bit patterns: the product wraps mod 2**32 as the
+    hash needs, and the shifts are made logical by masking (int32 shifts are arithmetic). Half
+    the bytes of int64 over [rows, vocab], which is what a decode step's sampling reads."""
     for _ in range(2):
-        x = ((x ^ (x >> 16)) * _MUL) & _M32
-    return x ^ (x >> 16)
+        x = (x ^ ((x >> 16) & 0xFFFF)) * _MUL
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """The per-token half of the noise's hash (computed once per decode)."""
+    return _mix32(torch.arange(vocab, dtype=torch.int32, device=device))
 
 
 def gumbel_noise(seeds: torch.Tensor, step: int, vocab_hash: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] standard Gumbel noise, a pure function of (seed, step, token)."""
-    row_key = _mix32((seeds + step * 0x9E3779B1) & _M32)
+    row_key = _mix32(((seeds + step * 0x9E3779B1) & _M32).to(torch.int32))
     bits = _mix32(row_key[:, None] ^ vocab_hash[None, :])
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(u))
 
 
@@ -129,14 +138,26 @@ class DecodeGraphs:
     length is rounded up to `length_multiple` so prompts of similar length share one. A state
     is used by one decode at a time; up to `max_states` idle ones are kept (least recently used
     go first). `capture=False` runs the same static steps eagerly (CPU; tests of this path).
+    `grouped_attention` (default) switches the model to `decode_attention`, whose one-token step
+    reads the cache without repeating K/V per query head; False keeps the model's own.
     """
 
-    def __init__(self, model: PreTrainedModel, *, capture: bool, max_states: int = 4, length_multiple: int = 64):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        capture: bool,
+        max_states: int = 4,
+        length_multiple: int = 64,
+        grouped_attention: bool = True,
+    ):
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"static decoding: {reason}")
         if capture and not torch.cuda.is_available():
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
+        if grouped_attention:
+            decode_attention.use(model)
         self.model = model
         self.capture = capture
         self.max_states = max_states
@@ -162,7 +183,7 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
     mask, which transformers uses as is for full attention under sdpa/eager only."""
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", decode_attention.NAME):
         return f"attention implementation {impl!r}; the static path needs 'sdpa' or 'eager'"
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -258,7 +279,7 @@ def decode(
             with step_context() as variant:
                 logits = stepper.prefill(ids, positions) if t == 0 else stepper.step(tok, variant)
             if vocab_hash is None:
-                vocab_hash = _mix32(torch.arange(logits.shape[-1], dtype=torch.long, device=device))
+                vocab_hash = vocab_hashes(logits.shape[-1], device)
             tok, lp = sample(logits, temperature, top_p, top_k, seeds, t, vocab_hash, needs_truncation)
             tokens[:, t], logprobs[:, t] = tok, lp
             running = length == 0
