@@ -153,7 +153,9 @@ class HostBuffers:
             self._free.append(base)
 
 
-def _verify(buf: torch.Tensor, obj: ObjectPayload, times: LoadTimes) -> None:
+def _verify(buf: torch.Tensor, obj: ObjectPayload, times: LoadTimes) -> str:
+    """The sha256 of the bytes in `buf` (those the slot was filled from), once they are the
+    announced ones."""
     t0 = time.perf_counter()
     # hashlib releases the GIL for large buffers: this runs beside the copies and decode steps
     actual = hashlib.sha256(buf.numpy().data).hexdigest()
@@ -162,6 +164,7 @@ def _verify(buf: torch.Tensor, obj: ObjectPayload, times: LoadTimes) -> None:
         raise VerifyError(
             f"{obj.uri}: sha256 mismatch: expected {obj.sha256} ({obj.bytes} bytes), got {actual} ({buf.numel()} bytes)"
         )
+    return actual
 
 
 @dataclass
@@ -170,8 +173,9 @@ class Staged:
     generates may leave the replica."""
 
     times: LoadTimes
-    verified: Future[None]
-    """raises VerifyError when the bytes were not the announced ones"""
+    verified: Future[str]
+    """the sha256 of the bytes copied into the slot; raises VerifyError when they were not the
+    announced ones"""
 
 
 class Stager:

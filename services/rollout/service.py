@@ -4,9 +4,11 @@ followed beside them (a `RunWorker` of the replica's `RunHost`, `services.rollou
 The replica's one work loop (`work.work_loop`) asks for admission and hands the run its grants:
 `take` pins a grant's version in the follower's book, `serve` generates up to
 `rollout.batch_groups` grants per engine batch, scores the completions with the run's reward
-function and publishes one Trajectory per grant. A generation that finds its version gone from
-a server asks the follower to `restore()` it and runs its grants again on that version, so a
-trajectory always carries the version that generated it. Beside it, while the run is served:
+function and publishes one Trajectory per grant, each completion's tokens naming the policy
+that generated them (version, the sha256 its loader hashed, the engine: `TokenRange`). A
+generation that finds its version gone from a server asks the follower to `restore()` it and
+runs its grants again on that version, so a trajectory always carries the version that
+generated it. Beside it, while the run is served:
 - the adapter follower (`adapters.AdapterFollower`: the durable consumer of adapter versions);
 - heartbeat: ReplicaHeartbeat every `rollout.heartbeat_s`;
 - engine watch (server engines): the follower's `watch_engine_loop`.
@@ -15,6 +17,7 @@ trajectory always carries the version that generated it. Beside it, while the ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -33,6 +36,7 @@ from proto.messages import (
     Completion,
     EngineKind,
     ReplicaHeartbeat,
+    TokenRange,
     Trajectory,
 )
 from services.common.bus import Bus
@@ -272,6 +276,9 @@ class RolloutService:
         """One scored Trajectory per grant, and the tokens generated."""
         trajectories, tokens = [], 0
         for (grant, prompt, req), results in zip(work, outs):
+            sha256, engine_id = self.adapters.identity(grant.version)
+            span = functools.partial(TokenRange, start=0, version=grant.version, adapter_sha256=sha256,
+                                     engine=self.engine_name, engine_id=engine_id)  # fmt: skip
             completions = []
             for r in results:
                 reward = float(self.reward_fn(prompt.text, self.decode_text(r.token_ids), prompt.answer))
@@ -284,6 +291,7 @@ class RolloutService:
                         versions=[grant.version] * len(r.token_ids),
                         reward=reward,
                         finish_reason=r.finish_reason,
+                        ranges=[span(end=len(r.token_ids))] if r.token_ids else [],
                     )
                 )
             trajectories.append(

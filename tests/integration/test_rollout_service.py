@@ -210,6 +210,10 @@ async def test_rollout_replica_follows_versions(start_run, base):
             p = len(traj.prompt_token_ids)
             want = logits[p - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+            # issue 28: every token's range names the bytes the loader hashed and the engine
+            assert [(r.start, r.end, r.version) for r in c.ranges] == [(0, len(c.token_ids), 0)]
+            assert c.ranges[0].adapter_sha256 == adapter_io.sha256(versions[0][1])
+            assert (c.ranges[0].engine, c.ranges[0].engine_id) == ("embedded", "r1")
 
         await publish(1, versions[1][1])
         await wait_until(lambda: rec.of(AdapterLoaded, "r1", version=1), what="v1 loaded")
@@ -281,7 +285,7 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
     def slow_verify(buf, obj, times):
         if slow_check.is_set():
             time.sleep(1.5)
-        verify(buf, obj, times)
+        return verify(buf, obj, times)
 
     monkeypatch.setattr(load_path, "_verify", slow_verify)
     generated_on: list[int] = []
@@ -315,6 +319,11 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
         await publish(1, peft_version(base, seed=31)[1])
         await wait_until(lambda: len(rec.trajectories) >= 3, what="trajectories of the verified v1")
         assert {t.oldest_version() for t in rec.trajectories} == {1}
+        # issue 28: the digest the ranges name is the background check's, of the bytes copied
+        want = adapter_io.sha256(peft_version(base, seed=31)[1])
+        assert {(r.version, r.adapter_sha256) for t in rec.trajectories for c in t.completions for r in c.ranges} == {
+            (1, want)
+        }
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
