@@ -7,10 +7,12 @@ view its tensors straight out of the bucket bytes (`unpack`) without a copy.
 The trainer's TCPStore is the control plane of the group (the bus announces versions to the
 world; the store tells the members what is about to be broadcast). Keys:
 
-    join_seq, join/<i>      a replica asks to be in the next group (`add` gives i)
+    join_seq, join/<i>      a replica asks to be in the next group (`add` gives i): JSON
+                            {"replica", "gpu"} (`join_record`; the GPU it stages on, or null)
     epoch                   the newest group's number e
     g<e>/members            JSON {replica: rank} (rank 0 is the trainer)
-    g<e>/plan               JSON {"manifest": [...], "bucket_bytes": n}
+    g<e>/plan               JSON {"manifest": [...], "bucket_bytes": n, "backend": the group's
+                            (`group_backend`: nccl only where every rank has a GPU of its own)}
     g<e>/pg/...             the process group's own rendezvous (a PrefixStore)
     g<e>/released/v<N>      how many members are done with version N's staged copy (`add`)
     g<e>/released/v<N>/all  set by the member whose `add` completes the count
@@ -246,9 +248,72 @@ def new_group(backend: str, store, prefix: str, rank: int, world_size: int, time
 
 
 def resolve_backend(configured: Literal["auto", "gloo", "nccl"], device: torch.device) -> XcclBackend:
+    """The backend the trainer asks for; each group may still be gloo (`group_backend`)."""
     if configured == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     return configured
+
+
+# --- which backend a group can use (pure but for `gpu_id`) -----------------------------------
+#
+# NCCL takes one rank per GPU: a communicator with two ranks on the same device fails at its
+# first collective ("Duplicate GPU detected : rank 0 and rank 1 both on CUDA device ...",
+# ncclInvalidUsage). On one GPU the trainer and every replica share it, so an nccl group
+# there fails for every version and every version falls back to the object copy (seen on the
+# H200: 0 of 81 versions reached vLLM by broadcast). Each member says at its join which GPU
+# it stages on, and a group is nccl only when every rank has a GPU of its own; else gloo,
+# which broadcasts the trainer's CUDA buckets through host memory (a sidecar writes the
+# version into a file from host memory anyway).
+
+
+def gpu_id(device: torch.device | str) -> str | None:
+    """The physical GPU a device is (its UUID, unique across hosts), or None off the GPU or
+    when CUDA cannot say (then the rank is never counted as having a GPU of its own)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        props = torch.cuda.get_device_properties(device)
+    except Exception:  # no driver here, or a device index this process cannot see
+        return None
+    uuid = getattr(props, "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else None
+
+
+def join_record(replica: str, gpu: str | None) -> str:
+    """What a member writes under join/<i>: its name and the GPU it stages on."""
+    return dumps({"replica": replica, "gpu": gpu})
+
+
+def parse_join(raw: bytes | str) -> tuple[str, str | None]:
+    """(replica, gpu) of a join record; a bare name (a member that predates the record) has
+    no GPU known."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    if text.startswith("{"):
+        doc = loads(text)
+        return str(doc["replica"]), doc.get("gpu")
+    return text, None
+
+
+def group_backend(
+    preferred: XcclBackend, trainer_gpu: str | None, member_gpus: Mapping[str, str | None]
+) -> tuple[XcclBackend, str]:
+    """The backend of a group and, when it is not the preferred one, why (for the log).
+
+    nccl only if asked for and every rank (the trainer's included) stages on a GPU of its own;
+    gloo otherwise: a group NCCL cannot form would fail at every version."""
+    if preferred == "gloo":
+        return "gloo", ""
+    if trainer_gpu is None:
+        return "gloo", "the trainer's buckets are on no GPU that NCCL can use"
+    seen = {trainer_gpu: "the trainer"}
+    for name, gpu in sorted(member_gpus.items()):
+        if gpu is None:
+            return "gloo", f"replica {name} stages on no GPU (NCCL needs one per rank)"
+        if gpu in seen:
+            return "gloo", f"replica {name} shares {gpu} with {seen[gpu]} (NCCL takes one rank per GPU)"
+        seen[gpu] = f"replica {name}"
+    return "nccl", ""
 
 
 def set_timeout(pg, seconds: float) -> None:

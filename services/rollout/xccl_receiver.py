@@ -4,7 +4,8 @@ group and stages every broadcast version, and `take` for the service's adapter h
 Lifecycle of the thread (one session per trainer handle, i.e. master address/port):
 
     connect to the trainer's store, `join` (that is the capability announcement: it proves
-    this replica can reach the trainer) -> wait for a g<e>/members that names us -> build the
+    this replica can reach the trainer, and names the GPU it would stage on, so the trainer
+    picks a backend every rank can use: `xccl.group_backend`) -> wait for a g<e>/members that names us -> build the
     group, allocate two staging sets of buckets from g<e>/plan -> block in the header receive
     (no timeout: the trainer may train for hours; its death closes the connection) -> on a
     VERSION header receive every bucket into a free staging set (now within `timeout_s`),
@@ -82,6 +83,8 @@ class XcclReceiver:
     ):
         self.replica = replica
         self.device = torch.device(device)
+        self.gpu = xccl.gpu_id(self.device)
+        """the GPU an nccl group would stage on, told to the trainer at the join (None: none)"""
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._cond = threading.Condition()
         self._target: tuple[str, int] | None = None
@@ -253,7 +256,7 @@ class XcclReceiver:
         store = xccl.connect_store(*target, min(self.timeout_s, 1.0))
         self._store = store
         self.sessions += 1
-        store.set(f"join/{store.add('join_seq', 1)}", self.replica)
+        store.set(f"join/{store.add('join_seq', 1)}", xccl.join_record(self.replica, self.gpu))
         self.joined = target
         epoch = int(store.get("epoch")) if store.check(["epoch"]) else 0
         while True:

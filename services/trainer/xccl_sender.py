@@ -4,7 +4,9 @@ Per version (`send`, blocking; publish.py runs it in a thread):
 
     new joins or new layout?  -> re-form: send the old group an END header, drop it, write
                                  g<e>/members + g<e>/plan, build the group (waits for every
-                                 member, at most `timeout_s`)
+                                 member, at most `timeout_s`); the group is nccl only when
+                                 every rank has a GPU of its own (`xccl.group_backend`: the
+                                 members name theirs at the join), else gloo
     the adapter in a send set: written there by the trainer itself (`fill_views`: the
     engine's cast lands in the buckets, no pack), or else packed into the free set
     broadcast the header [VERSION, version, digest]   (members block in this receive between
@@ -105,15 +107,21 @@ class XcclSender:
     ):
         """`release_wait_s`: how long the durable copy waits for the members' swap
         (`wait_released`); 0 starts it at once (the benchmark's `xccl_eager` compares)."""
-        self.address, self.backend = address, backend
+        self.address = address
+        self.backend: XcclBackend = backend
+        """the backend asked for; `group_backend` is the current group's (`xccl.group_backend`)"""
+        self.group_backend: XcclBackend = backend
         self.release_wait_s = release_wait_s
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.device = torch.device(device)
+        self.gpu = xccl.gpu_id(self.device)
         self.store = xccl.host_store(address, port, timeout_s)
         self.port = self.store.port
         self.token = uuid.uuid4().hex[:8]
         self.epoch = 0
         self.members: dict[str, int] = {}
+        self.member_gpus: dict[str, str | None] = {}
+        """the GPU each replica said at its last join it stages on"""
         self.pg = None
         self.layout: Layout | None = None
         self.current = 0
@@ -137,7 +145,7 @@ class XcclSender:
 
     def handle(self, manifest: list[TensorSpec], ranks: dict[str, int]) -> XcclPayload:
         return XcclPayload(
-            backend=self.backend,
+            backend=self.group_backend,
             master_address=self.address,
             master_port=self.port,
             world_size=len(ranks) + 1 if ranks else 1,
@@ -163,7 +171,11 @@ class XcclSender:
     def new_joins(self) -> list[str]:
         """Replicas that asked to join since the last look (in join order, deduplicated)."""
         total = self.store.add("join_seq", 0)
-        names = [self.store.get(f"join/{i}").decode() for i in range(self.joins_read + 1, total + 1)]
+        names = []
+        for i in range(self.joins_read + 1, total + 1):
+            name, gpu = xccl.parse_join(self.store.get(f"join/{i}"))
+            self.member_gpus[name] = gpu
+            names.append(name)
         self.joins_read = total
         return list(dict.fromkeys(names))
 
@@ -171,6 +183,10 @@ class XcclSender:
         self._drop_group(reason_next=self.epoch + 1)
         self.epoch += 1
         self.members = {name: i + 1 for i, name in enumerate(members)}
+        backend, why = xccl.group_backend(self.backend, self.gpu, {n: self.member_gpus.get(n) for n in members})
+        if why:
+            log.warning("xccl: group %s is %s, not %s: %s", self.group_name, backend, self.backend, why)
+        self.group_backend = backend
         e = self.epoch
         self.store.set(
             f"g{e}/plan",
@@ -179,7 +195,7 @@ class XcclSender:
                     "manifest": [[s.name, list(s.shape), s.dtype] for s in manifest],
                     "bucket_bytes": self.bucket_bytes,
                     "digest": self.digest,
-                    "backend": self.backend,
+                    "backend": backend,
                 }
             ),
         )
@@ -187,7 +203,7 @@ class XcclSender:
         self.store.set("epoch", str(e))
         # its own client connection: the group's rendezvous must not hold up our key writes
         pg_store = xccl.connect_store(self.address, self.port, self.timeout_s)
-        self.pg = xccl.new_group(self.backend, pg_store, f"g{e}/pg", 0, len(members) + 1, self.timeout_s)
+        self.pg = xccl.new_group(backend, pg_store, f"g{e}/pg", 0, len(members) + 1, self.timeout_s)
 
     def _drop_group(self, reason_next: int | None = None) -> None:
         if self.pg is not None and reason_next is not None:
@@ -361,7 +377,7 @@ class XcclSender:
         return [int(x) for x in torch.cat(flags).cpu().tolist()]
 
     def _flag_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        return self.device if self.group_backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
         if self.durable is not None:  # the last version's object copy finishes uploading first

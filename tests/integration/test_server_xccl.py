@@ -36,7 +36,15 @@ import pytest
 import torch
 
 from proto import subjects
-from proto.messages import AdapterLoaded, AdapterReady, LoraSpec, ObjectPayload, RolloutReport, XcclPayload
+from proto.messages import (
+    AdapterLoaded,
+    AdapterReady,
+    LoraSpec,
+    ObjectPayload,
+    RolloutReport,
+    XcclBackend,
+    XcclPayload,
+)
 from services.common import adapter_io, durable, models
 from services.common.bus import Bus
 from services.common.store import LocalStore
@@ -118,8 +126,8 @@ class Run:
 
         await self.bus.subscribe(subjects.rollout_report_all(self.id), RolloutReport, on_report)
 
-    def new_sender(self) -> XcclSender:
-        self.sender = XcclSender(address="127.0.0.1", port=0, backend="gloo", bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
+    def new_sender(self, backend: XcclBackend = "gloo") -> XcclSender:
+        self.sender = XcclSender(address="127.0.0.1", port=0, backend=backend, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
         return self.sender
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> AdapterReady:
@@ -351,6 +359,32 @@ async def test_a_trainer_killed_mid_broadcast_never_reaches_the_server(server, n
     finally:
         trainer.stop()
         await run.close()
+
+
+async def test_nccl_asked_where_a_rank_has_no_gpu_of_its_own_forms_a_gloo_group(nats_url, tmp_path):
+    """The H200 symptom, on CPU: the trainer asks for nccl (`auto` on a GPU) and the sidecar
+    cannot take an NCCL rank of its own (here it has no GPU; on one GPU it shares the
+    trainer's, which NCCL refuses). The group must still form, as gloo, and the versions
+    arrive by broadcast, not every one by the object copy."""
+    srv = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=4, max_lora_rank=16))
+    url = await srv.start()
+    run = Run(nats_url, tmp_path)
+    await run.start()
+    run.new_sender(backend="nccl")
+    try:
+        await run.publish(0, tensors_of(0))
+        a = await run.sidecar("sglang", url, "a", run.lora)
+        assert await run.loaded(a, 0) == "object"
+        await joins(run.sender, 1)
+        for v in (1, 2):
+            ev = await run.publish(v, tensors_of(v))
+            xp = ev.xccl_payload()
+            assert xp is not None and xp.ranks == {"a": 1} and xp.backend == "gloo", xp
+            assert await run.loaded(a, v) == "xccl"
+        assert run.sender.stats.error == "" and run.sender.epoch == 1  # one group, never dropped
+    finally:
+        await run.close()
+        await srv.stop()
 
 
 # --- a trainer in a process of its own, to be SIGKILLed mid-broadcast -------------------------
