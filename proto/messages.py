@@ -337,6 +337,12 @@ class Trajectory(Message, kw_only=True):
             raise ValueError("completions: a trajectory needs at least one completion")
         if not any(c.versions for c in self.completions):
             raise ValueError("completions: no completion has a generated token")
+        named = [bool(c.ranges) for c in self.completions if c.token_ids]
+        if any(named) and not all(named):
+            raise ValueError(
+                f"completions: {named.count(False)} of {len(named)} completions name no token ranges; "
+                "a sender that names the policy names it for every generated token"
+            )
 
     def oldest_version(self) -> int:
         """The version that counts for off-policyness: the oldest token's."""
