@@ -64,6 +64,7 @@ from proto.messages import (
 )
 from services.common import ranges
 from services.common.lineage import lineage_problem  # pure: the one rule every receiver applies
+from services.registry import identity
 
 if TYPE_CHECKING:  # the policy stays free of service imports at run time
     from services.config.schema import LorabusConfig
@@ -156,6 +157,9 @@ class VersionRecord(Struct, kw_only=True):
     trainer_step: int
     digest: str
     """sha256 of the AdapterReady event, to tell a replay from a conflicting republish"""
+    adapter_sha256: str | None = None
+    """sha256 of the adapter bytes the event announced (None: an XCCL event, sent before the
+    copy was hashed): what trajectories' token ranges must name (`identity`)"""
     loaded_by: set[str] = field(default_factory=set)
     exported: bool = False
     retired: bool = False
@@ -273,11 +277,13 @@ class AdapterFacts(Struct, array_like=True, frozen=True):
     trainer_step: int
     created_at: float
     digest: str
+    adapter_sha256: str | None = None
 
 
 def adapter_facts(event: AdapterReady) -> AdapterFacts:
+    obj = event.object_payload()
     return AdapterFacts(event.run, event.trainer_epoch, event.version, event.trainer_step, event.created_at,
-                        event_digest(event))  # fmt: skip
+                        event_digest(event), obj.sha256 if obj is not None else None)  # fmt: skip
 
 
 def on_adapter_ready(ledger: Ledger, event: AdapterReady | AdapterFacts, cfg: PolicyConfig) -> Applied:
@@ -311,6 +317,7 @@ def on_adapter_ready(ledger: Ledger, event: AdapterReady | AdapterFacts, cfg: Po
         published_at=facts.created_at,
         trainer_step=facts.trainer_step,
         digest=facts.digest,
+        adapter_sha256=facts.adapter_sha256,
         loaded_by={r for r, s in ledger.replicas.items() if facts.version in s.loaded},
     )
     k = cfg.max_head_offpolicyness
@@ -726,6 +733,8 @@ class DecisionInput(Struct, array_like=True, frozen=True):
     sender: str | None = None
     """the replica whose subject the trajectory arrived on (who sent it); None in entries
     journaled before the check"""
+    claims: identity.Claims | None = None
+    """the (version, adapter sha256) pairs its token ranges name (`identity.claims`)"""
 
 
 def decision_input(trajectory: Trajectory, sender: str | None = None) -> DecisionInput:
@@ -738,6 +747,7 @@ def decision_input(trajectory: Trajectory, sender: str | None = None) -> Decisio
         max(max(c.versions) for c in trajectory.completions if c.versions),
         _bad_values(trajectory),
         sender,
+        identity.claims(trajectory),
     )
 
 
@@ -795,6 +805,8 @@ def decide_input(ledger: Ledger, t: DecisionInput, now: float, cfg: PolicyConfig
         reason = f"{REJECT_BAD_VALUES}: {t.bad_values}"
     elif head - oldest > k:
         reason = f"{REJECT_STALE}: head v{head} - oldest v{oldest} = {head - oldest} > k = {k}"
+    elif (mismatch := identity.problem(t.claims, ledger.versions)) is not None:
+        reason = mismatch
     else:
         reason = ""
     if consume:
