@@ -17,7 +17,7 @@ PROG = "lorabus exporter"
 
 def main(argv: list[str] | None = None) -> int:
     from services.common.metrics import start_metrics_server
-    from services.exporter.service import run
+    from services.exporter.service import ExportStopped, run
 
     args = entry.parser(PROG, __doc__.splitlines()[0]).parse_args(argv)
     cfg = entry.start(args, PROG, service="exporter")
@@ -27,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         await run(cfg, entry.stop_event())
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except ExportStopped as exc:  # logged where it happened; the one line a launcher shows
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

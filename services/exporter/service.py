@@ -13,6 +13,13 @@ event finds its directory written with the same weights and only re-announces it
 plus `Nats-Msg-Id` dedup); an event whose weights differ from an existing export (a version
 re-announced with other content) is refused, never written over it. Only the run's trainer
 lineage is exported (`services.common.lineage`: its epoch, bounded version steps).
+
+A write the export directory refuses (full, read-only, not ours, an S3 endpoint that stays
+silent after the store's own bounded retries) stops the exporter with that error, naming the
+directory and the fix: the event is not acked, so it and every later one stay in the durable
+and are exported once the disk is fixed and the exporter restarted, none dead-lettered.
+Retrying in place would not help (space is freed and mounts fixed by people, and the
+launcher's restart policy already retries with backoff).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import NoReturn
 
 from proto import codec, subjects
 from proto.messages import AdapterReady, ExportDone, ObjectPayload
@@ -29,7 +37,7 @@ from services.common.bus import Bus, MsgMeta, Refused
 from services.common.megatron_to_hf import ModelShape
 from services.common.pull import Puller
 from services.common.run_host import ALL_STATES, RunHost
-from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, store_for_uri
+from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore, StoreError, store_for_uri
 from services.config.schema import LorabusConfig
 from services.exporter import metrics
 from services.exporter.peft_dir import (
@@ -57,10 +65,16 @@ def _stage(name: str):
         raise
 
 
+class ExportStopped(Exception):
+    """The export directory refused a write; the message says which, why and the fix."""
+
+
 class Exporter:
-    def __init__(self, cfg: LorabusConfig, bus: Bus):
+    def __init__(self, cfg: LorabusConfig, bus: Bus, stopped: asyncio.Future[ExportStopped] | None = None):
         self.cfg = cfg
         self.bus = bus
+        self.stopped: asyncio.Future[ExportStopped] = stopped or asyncio.get_running_loop().create_future()
+        """set when a write is refused: the service ends with it (`run`)"""
         self._shape: ModelShape | None = None
         self._last_version = -1
         self.epoch: str | None = None
@@ -138,7 +152,10 @@ class Exporter:
             log.error("v%d: not exported: %s", event.version, exc)
             return
         with _stage("write"):
-            wrote = await asyncio.to_thread(self._write_once, event.version, files)
+            try:
+                wrote = await asyncio.to_thread(self._write_once, event.version, files)
+            except StoreError as exc:
+                await self._stop(event.version, exc)
         self.epoch = event.trainer_epoch
         self.newest = max(self.newest if self.newest is not None else -1, event.version)
         done = ExportDone(
@@ -161,6 +178,19 @@ class Exporter:
             metrics.LAST_VERSION.set(event.version)
         log.info("v%d -> %s (%d bytes%s%s)", event.version, done.uri, done.bytes,
                  "" if wrote else ", already written", "" if published else ", already announced")  # fmt: skip
+
+    async def _stop(self, version: int, exc: StoreError) -> NoReturn:
+        """End the service with `exc`, leaving this event unacked: `run` cancels this handler
+        where it waits."""
+        stop = ExportStopped(
+            f"exporter stopped at v{version}: {exc} (v{version} and later stay in the exporter's "
+            "durable and are exported when it restarts)"
+        )
+        log.error("%s", stop)
+        if not self.stopped.done():
+            self.stopped.set_result(stop)
+        await asyncio.Future()  # cancelled by run
+        raise AssertionError("unreachable")
 
     def _fetch_and_convert(self, payload: ObjectPayload, event: AdapterReady) -> PeftFiles:
         with _stage("fetch"):
@@ -202,9 +232,10 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
     try:
         await bus.ensure_streams()
         exporters: dict[str, Exporter] = {}
+        stopped: asyncio.Future[ExportStopped] = asyncio.get_running_loop().create_future()
 
         async def make(run_cfg: LorabusConfig, run_bus: Bus) -> Exporter:
-            exporter = exporters[run_cfg.run] = Exporter(run_cfg, run_bus)
+            exporter = exporters[run_cfg.run] = Exporter(run_cfg, run_bus, stopped)
             return exporter
 
         host = RunHost(cfg, bus, make, name="exporter", opens=ALL_STATES, ends=())
@@ -212,8 +243,15 @@ async def run(cfg: LorabusConfig, stop: asyncio.Event) -> None:
         consumer = exporters[cfg.run].consumer
         assert consumer is not None  # started
         stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({consumer, stopper, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
+        if stopped.done():
+            for exporter in exporters.values():  # the refused event stays unacked
+                if exporter.consumer is not None:
+                    exporter.consumer.cancel()
+            await host.close()
+            await bus.close()
+            raise stopped.result()
         if consumer.done() and not consumer.cancelled() and (exc := consumer.exception()) is not None:
             raise exc
         await host.close()
