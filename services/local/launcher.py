@@ -12,7 +12,9 @@ the command prints its summary at once; any other ending says that rerunning it 
 
 With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
 rollout replica (`services.local.inference_servers`), waits for them before starting the
-sidecars, and stops them last.
+sidecars, and stops them last. A server that dies, hangs or answers /health with errors is
+killed and restarted, and its sidecar with it once the new server is ready
+(`services.local.server_watch` says why).
 
 Every way out of a run is an `Outcome`; `exit_status` alone maps it to the exit code (0 only for
 a finished or interrupted run) and the message.
@@ -43,6 +45,7 @@ from services.config.schema import LorabusConfig
 from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.ports import free_port
+from services.local.server_watch import ServerWatch, WatchPolicy, kill_group
 from services.local.summary import Progress, print_summary, read_run, summary, training_done
 from services.local.supervision import Restarts, describe_exit
 
@@ -61,6 +64,8 @@ class Child:
     env_extra: dict[str, str] = field(default_factory=dict)
     server: bool = False
     """an inference server (started before the sidecars, stopped after them)"""
+    sidecar: str | None = None
+    """inference servers: the rollout replica that drives it (`server_watch`)"""
 
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab", buffering=0)
@@ -105,7 +110,10 @@ def trainer_launcher(cfg: LorabusConfig) -> list[str]:
 
 
 def server_children(plans: list[inference_servers.ServerPlan], run_dir: Path) -> list[Child]:
-    return [Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True) for p in plans]
+    return [
+        Child(p.name, p.argv, run_dir / f"{p.name}.log", url=p.url, env_extra=p.env, server=True, sidecar=p.replica)
+        for p in plans
+    ]
 
 
 def child_commands(
@@ -343,10 +351,24 @@ class Deployment:
                     flush=True,
                 )
             if self.restarts.ready(child.name, now):
+                if child.server:  # what is left of its group (vLLM's engine core) goes first
+                    kill_group(child)
                 child.start(self.env)
                 print(f"  restarted {child.name:<8} pid {child.pid}", flush=True)
                 write_pids(self.run_dir, self.children, self.nats)
         return None
+
+    def restart_held(self, child: Child) -> None:
+        """Start a sidecar the server watch stopped with its server (counted as a restart)."""
+        child.start(self.env)
+        self.restarts.done.setdefault(child.name, []).append(time.monotonic())
+        print(f"  restarted {child.name:<8} pid {child.pid}", flush=True)
+        write_pids(self.run_dir, self.children, self.nats)
+
+    def server_watch(self, start_timeout_s: float) -> ServerWatch:
+        by_name = {c.name: c for c in self.children}
+        sidecars = {s.name: by_name[s.sidecar] for s in self.servers if s.sidecar in by_name}
+        return ServerWatch(self.servers, sidecars, self.restart_held, WatchPolicy(start_timeout_s=start_timeout_s))
 
 
 async def watch_nats(nats: NatsServer, url: str, restarts: Restarts, now: float) -> str | None:
@@ -393,42 +415,49 @@ async def supervise(
     if stop.is_set():
         return Outcome.INTERRUPTED, ""
     dep.start(dep.rollouts)
-    final_version = cfg.total_train_steps
-    last_print = last_read = 0.0
-    finished: set[str] = set()
-    while not stop.is_set():
-        now = time.monotonic()
-        if now - last_print >= args.progress_every:
-            print(progress.line(), flush=True)
-            last_print = now
-        if nats is not None and not nats.running:
-            if lost := await watch_nats(nats, cfg.bus.url, dep.restarts, now):
-                return Outcome.BUS_LOST, lost
-            write_pids(dep.run_dir, dep.children, nats)
-        trainer = dep.trainer
-        if not trainer.alive() and trainer.returncode == 0 and now - last_read >= 1.0:
-            # the trainer's last step is done: the streams say whether the run is
-            last_read = now
+    watch = dep.server_watch(args.server_timeout)
+    watch.started(time.monotonic())
+    try:
+        final_version = cfg.total_train_steps
+        last_print = last_read = 0.0
+        finished: set[str] = set()
+        while not stop.is_set():
+            now = time.monotonic()
+            if now - last_print >= args.progress_every:
+                print(progress.line(), flush=True)
+                last_print = now
+            if nats is not None and not nats.running:
+                if lost := await watch_nats(nats, cfg.bus.url, dep.restarts, now):
+                    return Outcome.BUS_LOST, lost
+                write_pids(dep.run_dir, dep.children, nats)
+            trainer = dep.trainer
+            if not trainer.alive() and trainer.returncode == 0 and now - last_read >= 1.0:
+                # the trainer's last step is done: the streams say whether the run is
+                last_read = now
+                try:
+                    record = await read_run(bus, cfg.run)
+                except Exception as exc:  # the server is being restarted: read again next time
+                    print(f"lorabus up: cannot read the run's streams yet ({type(exc).__name__})", flush=True)
+                else:
+                    if progress.others_exported() and training_done(cfg, record, progress, args.evaluate, now):
+                        return Outcome.FINISHED, ""
+                    if record.head >= final_version:
+                        finished.add("trainer")
+                    else:  # stopped early (SIGTERM from outside): a restart resumes it
+                        finished.discard("trainer")
+            for line in await watch.tick(now):
+                print(line, flush=True)
+            if (gave_up := dep.restart_dead(now, finished | set(watch.held))) is not None:
+                return Outcome.GAVE_UP, gave_up
+            if now - progress.started > args.timeout:
+                return Outcome.TIMEOUT, ""
             try:
-                record = await read_run(bus, cfg.run)
-            except Exception as exc:  # the server is being restarted: read again next time
-                print(f"lorabus up: cannot read the run's streams yet ({type(exc).__name__})", flush=True)
-            else:
-                if progress.others_exported() and training_done(cfg, record, progress, args.evaluate, now):
-                    return Outcome.FINISHED, ""
-                if record.head >= final_version:
-                    finished.add("trainer")
-                else:  # stopped early (SIGTERM from outside): a restart resumes it
-                    finished.discard("trainer")
-        if (gave_up := dep.restart_dead(now, finished)) is not None:
-            return Outcome.GAVE_UP, gave_up
-        if now - progress.started > args.timeout:
-            return Outcome.TIMEOUT, ""
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=0.5)
-        except TimeoutError:
-            pass
-    return Outcome.INTERRUPTED, ""
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+        return Outcome.INTERRUPTED, ""
+    finally:
+        await watch.close()
 
 
 async def report(
