@@ -18,6 +18,11 @@ TRAJECTORIES = Counter(
     "Trajectory decisions (first decisions only; duplicates are not counted), by verdict",
     ["verdict"],
 )
+REJECTIONS = Counter(
+    "lorabus_registry_rejections_total",
+    "Trajectories rejected (first decisions only), by reason code (identity: named another policy than published)",
+    ["reason"],
+)
 STALENESS = Histogram(
     "lorabus_registry_staleness",
     "H - v (head minus the trajectory's oldest version) at decision time",

@@ -301,6 +301,8 @@ class RegistryService:
                     sender = subjects.parse_trajectory(d.meta.subject)[1]
                     decision = self.journal.apply(DecideOp(policy.decision_input(trajectory, sender), now))
                     verdicts[decision.verdict] = verdicts.get(decision.verdict, 0) + 1
+                    if decision.verdict != "accepted":
+                        metrics.REJECTIONS.labels(policy.code_of(decision.reason)).inc()
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
                 else:
