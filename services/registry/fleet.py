@@ -51,7 +51,7 @@ from services.config.loader import ConfigError
 from services.config.schema import LorabusConfig
 from services.registry import metrics, policy, runs
 from services.registry.persistence import AdmitOp
-from services.registry.policy import PolicyConfig
+from services.registry.policy import SILENT_HEARTBEATS, PolicyConfig, seen_limit_for
 from services.registry.service import RegistryService, new_grant_token
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,20 @@ ROUTES_KEPT = 4096
 run that granted it and gets the same grant back"""
 DENY_FLEET_IDLE = "fleet-idle"
 DENY_FLEET_MAX_CONCURRENT = "fleet-max-concurrent"
+
+
+def policy_config(cfg: LorabusConfig) -> PolicyConfig:
+    """The registry's door for configuration: a run's `LorabusConfig` narrowed to the few
+    values its policy decides by (its `rollout` section); the policy never sees the rest."""
+    r = cfg.rollout
+    return PolicyConfig(
+        max_head_offpolicyness=r.max_head_offpolicyness,
+        consumer_batch_size=r.consumer_batch_size,
+        max_concurrent_rollouts=r.max_concurrent,
+        lease_seconds=r.lease_seconds,
+        seen_limit=seen_limit_for(r.max_concurrent),
+        silent_after_s=SILENT_HEARTBEATS * r.heartbeat_s,
+    )
 
 
 class FleetRegistry:
@@ -124,7 +138,7 @@ class FleetRegistry:
         else:
             view = self._views[run] = self.bus.for_run(run)
             await view.ensure_streams()
-        service = RegistryService(view, PolicyConfig.from_config(cfg), clock=self.clock)
+        service = RegistryService(view, policy_config(cfg), clock=self.clock)
         await service.start()
         service.failed.add_done_callback(self._service_failed)
         self.services[run] = service

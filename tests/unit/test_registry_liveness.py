@@ -7,7 +7,7 @@ import random
 
 import msgspec
 
-from proto.messages import ReplicaHeartbeat
+from proto.messages import AdmissionGrant, ReplicaHeartbeat
 from services.common import ranges
 from services.registry import persistence as j
 from services.registry import policy as p
@@ -35,7 +35,7 @@ def ledger_with_grants(c: p.PolicyConfig) -> p.Ledger:
     j.apply(led, j.AdapterOp(ready(0)), c)
     for i, replica in enumerate(["r1", "r1", "r2", "r2"]):
         grant = j.apply(led, j.AdmitOp(request(replica, f"q{i}"), 100.0), c)
-        assert isinstance(grant, p.AdmissionGrant), grant
+        assert isinstance(grant, AdmissionGrant), grant
     return led
 
 
@@ -125,7 +125,7 @@ def test_a_replica_restarted_within_the_silence_window_loses_its_old_grants_at_o
     j.apply(led, back, c)
     assert sorted(led.grants) == ["r2-2"] and led.running == 1
     again = j.AdmitOp(request("r1", "q9"), 104.5)
-    assert isinstance(j.apply(led, again, c), p.AdmissionGrant)
+    assert isinstance(j.apply(led, again, c), AdmissionGrant)
     stale = started("r1", 105.0, 50.0)  # the old process's heartbeat, reordered: ignored
     j.apply(led, stale, c)
     assert "r1-3" in led.grants
@@ -145,10 +145,10 @@ def test_an_admission_request_from_a_restarted_process_frees_the_old_grants_too(
     led = p.new_ledger(RUN)
     j.apply(led, j.AdapterOp(ready(0)), c)
     first = msgspec.structs.replace(request("r1", "a"), started_at=10.0)
-    assert isinstance(j.apply(led, j.AdmitOp(first, 100.0), c), p.AdmissionGrant)
+    assert isinstance(j.apply(led, j.AdmitOp(first, 100.0), c), AdmissionGrant)
     second = msgspec.structs.replace(request("r1", "b"), started_at=20.0)
     grant = j.apply(led, j.AdmitOp(second, 101.0), c)
-    assert isinstance(grant, p.AdmissionGrant)
+    assert isinstance(grant, AdmissionGrant)
     assert list(led.grants) == [grant.grant_id]  # only the new process's grant is held
 
 

@@ -479,5 +479,5 @@ def test_bad_values_names_the_first_bad_token_of_a_long_completion(logprobs, cul
     t = traj("g", [0] * len(logprobs))
     c = t.completions[0]
     t.completions[0] = Completion(token_ids=c.token_ids, logprobs=logprobs, versions=c.versions, reward=1.0)
-    found = p._bad_values(t)
+    found = p.bad_values(t)
     assert (found is None) if culprit is None else (culprit in found)
