@@ -36,7 +36,7 @@ READ_TIMEOUT_S = 60.0
 """a store that answers in seconds is slow and served; one silent for a minute is stalled"""
 ATTEMPTS = 4
 BACKOFF_S = 0.5
-"""the pauses between attempts grow from this, doubling (urllib3's backoff_factor)"""
+"""urllib3's backoff_factor: the pauses between the attempts are 0, 1 and 2 s"""
 TRANSIENT_STATUS = (429, 500, 502, 503, 504)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
