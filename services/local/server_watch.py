@@ -22,6 +22,7 @@ import asyncio
 import math
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,10 +86,15 @@ async def probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | 
 
 
 def kill_group(child: Child) -> None:
-    """SIGKILL the child's process group (a stopped or hung process included)."""
+    """SIGKILL the child's process group (a stopped or hung process included) and reap the
+    child, so that it reads as dead from here on."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:
+        pass
+    try:
+        child.popen().wait(timeout=5.0)
+    except subprocess.TimeoutExpired:  # in uninterruptible sleep: reaped at a later look
         pass
 
 
