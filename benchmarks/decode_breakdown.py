@@ -60,6 +60,13 @@ KINDS: list[tuple[str, re.Pattern]] = [
 ]
 
 
+VARIANTS = {
+    "own": "the model's own attention (transformers' sdpa) and norms",
+    "grouped": "services.rollout.decode_attention for the one-token step",
+    "grouped_norm": "grouped, and services.rollout.fused_norm in place of the RMSNorms",
+}
+
+
 def kind_of(name: str) -> str:
     for kind, pat in KINDS:
         if pat.search(name):
@@ -104,10 +111,15 @@ def kernel_times(fn, device) -> tuple[dict[str, float], dict[str, int]]:
     return times, counts
 
 
-def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device, grouped: bool) -> dict:
+def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device, variant: str) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    graphs = DecodeGraphs(model, capture=device.type == "cuda", grouped_attention=grouped)
+    graphs = DecodeGraphs(
+        model,
+        capture=device.type == "cuda",
+        grouped_attention=variant != "own",
+        fused_norms=variant == "grouped_norm",
+    )
     versions = [slots.head] * batch
 
     def run(new: int):
@@ -147,7 +159,7 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
     kv_bytes = 2 * cfg.num_hidden_layers * batch * mean_len * cfg.num_key_value_heads * head_dim * 2
     return {
         "batch": batch,
-        "attention": "grouped" if grouped else model.config._attn_implementation,
+        "variant": variant,
         "step_ms": round(step_ms, 3),
         "tokens_per_s": round(batch / step_ms * 1e3, 1),
         "gpu_busy_ms": round(busy_ms, 3),
@@ -174,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps measured (the long run's minus one)")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
     ap.add_argument(
-        "--attention", nargs="+", choices=["own", "grouped"], default=["own", "grouped"],
-        help="the decode step's attention: the model's own (transformers' sdpa) and/or "
-             "services.rollout.decode_attention, side by side",
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        help="decode paths side by side, run in this order (grouped_norm changes the model for good)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -195,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         slots.load(0, adapter, 2.0)
         slots.set_head(0)
         own = model.config._attn_implementation
-        for batch, attention in [(b, a) for b in batches for a in args.attention]:
+        for variant, batch in [(v, b) for v in VARIANTS if v in args.variants for b in batches]:
             model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
             try:
-                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, attention == "grouped")
+                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant)
             except torch.OutOfMemoryError as exc:
-                r = {"batch": batch, "attention": attention, "error": f"out of memory: {exc}"[:300]}
+                r = {"batch": batch, "variant": variant, "error": f"out of memory: {exc}"[:300]}
                 torch.cuda.empty_cache()
             r["shape"] = shape
             if "step_ms" in r:
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["fraction_of_limit"] = round(limit_ms / r["step_ms"], 3)
                 kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms"].items())[:6])
                 print(
-                    f"{shape} batch {batch} {r['attention']}: step {r['step_ms']:.2f} ms "
+                    f"{shape} batch {batch} {r['variant']}: step {r['step_ms']:.2f} ms "
                     f"({r['tokens_per_s']:,.0f} tok/s), GPU busy "
                     f"{r['gpu_busy_ms']:.2f}, host {r['host_ms']:.2f}; {kinds}; {r['kernels_per_step']:.0f} "
                     f"kernels; limit {limit_ms:.3f} ms = {r['fraction_of_limit']:.1%}",

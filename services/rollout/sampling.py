@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention
+from services.rollout import decode_attention, fused_norm
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
@@ -139,7 +139,8 @@ class DecodeGraphs:
     is used by one decode at a time; up to `max_states` idle ones are kept (least recently used
     go first). `capture=False` runs the same static steps eagerly (CPU; tests of this path).
     `grouped_attention` (default) switches the model to `decode_attention`, whose one-token step
-    reads the cache without repeating K/V per query head; False keeps the model's own.
+    reads the cache without repeating K/V per query head; `fused_norms` (default) puts
+    `fused_norm.RMSNorm` in place of the model's equal RMSNorms. False keeps the model's own.
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class DecodeGraphs:
         max_states: int = 4,
         length_multiple: int = 64,
         grouped_attention: bool = True,
+        fused_norms: bool = True,
     ):
         reason = static_unsupported(model)
         if reason:
@@ -158,6 +160,8 @@ class DecodeGraphs:
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
         if grouped_attention:
             decode_attention.use(model)
+        if fused_norms:
+            fused_norm.fuse(model)
         self.model = model
         self.capture = capture
         self.max_states = max_states
