@@ -20,6 +20,9 @@ class Section(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class BusConfig(Section):
     url: str = "nats://127.0.0.1:4222"
+    """one server, or every node of a cluster comma-separated (`nats://a:4222,nats://b:4222`)"""
+    stream_replicas: int = 1
+    """copies of each JetStream stream: 3 on a three-node cluster (one node may be lost)"""
     user: str | None = None
     password: str | None = None
     """prefer `password_env`: the name of an environment variable holding it"""
