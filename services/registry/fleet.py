@@ -8,8 +8,9 @@ policy, exactly as a single-run registry), all over one connection: the fleet's 
 - `lorabus.<fleet>.fleet.run.{submit,list,stop}`: validate (`runconfig`, `runs`), write the run
   table (KV `lorabus_<fleet>_runs`), start the run's RegistryService, reply.
 - `lorabus.<fleet>.fleet.admission`: pick a run by weighted fair share (`share.pick`), then
-  admit through that run's journal, so the grant (named with its run) leaves only after that
-  run's ledger has stored it, the registry's rule for everything it sends.
+  admit through that run's journal (the one door into a run's policy), so the grant (named
+  with its run) leaves only after that run's ledger has stored it, the registry's rule for
+  everything it sends.
 - a settle loop: a stopping run with no grant left becomes stopped (its RegistryService
   ends), an active run whose head reached total_train_steps becomes finished.
 
@@ -49,9 +50,8 @@ from services.common.run_table import RunTable
 from services.config import runconfig
 from services.config.loader import ConfigError
 from services.config.schema import LorabusConfig
-from services.registry import metrics, policy, runs
-from services.registry.persistence import AdmitOp
-from services.registry.policy import SILENT_HEARTBEATS, PolicyConfig, seen_limit_for
+from services.registry import metrics, runs
+from services.registry.policy import SILENT_HEARTBEATS, PolicyConfig, code_of, seen_limit_for
 from services.registry.service import RegistryService, new_grant_token
 
 log = logging.getLogger(__name__)
@@ -242,20 +242,16 @@ class FleetRegistry:
         """Every live run as the fair share sees it for this replica."""
         out = []
         for run, service in self.services.items():
-            ledger, cfg = service.ledger, service.cfg
             ready = (
                 self.records[run].state == "active"
                 and run in request.loaded
-                and ledger.head is not None
-                and ledger.running < cfg.max_concurrent_rollouts
-                and policy.capacity(ledger, cfg) > 0
-                and policy.choose_version(ledger, self._per_run(run, request), cfg) is not None
+                and service.journal.can_grant(self._per_run(run, request))
             )
             out.append(
                 share.RunLoad(
                     run=run,
                     share=self.records[run].share,
-                    running=ledger.running,
+                    running=service.ledger.running,
                     ready=ready,
                     last_grant=self._last_grant.get(run, -1),
                 )
@@ -285,16 +281,13 @@ class FleetRegistry:
                     else f"{DENY_FLEET_IDLE}: no active run can grant replica {request.replica!r} a group now "
                     f"(runs it has loaded: {sorted(request.loaded) or 'none'})"
                 )
-                metrics.FLEET_DENIALS.labels(policy.code_of(reason)).inc()
+                metrics.FLEET_DENIALS.labels(code_of(reason)).inc()
                 deny = AdmissionDeny(request_id=request.request_id, reason=reason, retry_after_s=0.25)
                 await self.bus.send_raw(msg.reply, self._encode(deny))
                 return
-        service = self.services[run]
-        journal = service.journal
-        if journal is None:  # services are opened (started) before they are listed
-            raise RuntimeError(f"run {run}: registry not started")
+        journal = self.services[run].journal  # services are opened (started) before they are listed
         try:
-            reply = journal.apply(AdmitOp(self._per_run(run, request), self.clock(), new_grant_token()))
+            reply = journal.admit(self._per_run(run, request), self.clock(), new_grant_token())
         except Exception as exc:
             log.exception("fleet: admission for run %s failed", run)
             await self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data)
@@ -308,7 +301,7 @@ class FleetRegistry:
             metrics.FLEET_GRANTS.labels(run).inc()
             journal.send_after_commit(msg.reply, self._encode(msgspec.structs.replace(reply, run=run)))
         else:
-            metrics.FLEET_DENIALS.labels(policy.code_of(reply.reason)).inc()
+            metrics.FLEET_DENIALS.labels(code_of(reply.reason)).inc()
             await self.bus.send_raw(msg.reply, self._encode(reply))
 
     # --- run states ---------------------------------------------------------------------------

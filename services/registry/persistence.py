@@ -43,10 +43,15 @@ import msgspec
 from msgspec import Struct
 
 from proto.messages import (
+    AdapterReady,
+    AdmissionDeny,
+    AdmissionGrant,
     AdmissionRequest,
     ExportDone,
     ReplicaHeartbeat,
     RolloutReport,
+    Trajectory,
+    TrajectoryDecision,
 )
 from services.common import streams
 from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
@@ -256,6 +261,10 @@ class _Batch:
 class Journal:
     """The in-memory ledger and its durable journal, written by group commit.
 
+    It is the registry's one door into its policy: the service and the fleet ask (`capacity`,
+    `can_grant`) and change (`admit`, `decide`, `adapter_ready`, `report`, `export_done`,
+    `expire`) only through it, so every change is a journaled op that a replay makes again, and
+    what skips the journal (a remembered decision, a tick with nothing due) is decided here.
     `apply(op)` changes the ledger at once (so the next request sees it); `commit()` returns
     once every op applied before the call is stored; `send_after_commit(subject, data)` queues
     a core publish (an admission reply) that leaves right after that store. One write is in
@@ -334,6 +343,45 @@ class Journal:
         result = apply(self.ledger, op, self.cfg)
         self._batch.ops.append(op)
         return result
+
+    # --- the door: the registry asks and changes its policy only through these ------------
+
+    def admit(self, request: AdmissionRequest, now: float, token: str) -> AdmissionGrant | AdmissionDeny:
+        return self.apply(AdmitOp(request, now, token))
+
+    def decide(self, trajectory: Trajectory, sender: str, now: float) -> tuple[TrajectoryDecision, bool]:
+        """The decision about `trajectory`, and whether it is new: one still remembered is
+        given back without an entry (it changes nothing, so there is nothing to replay)."""
+        first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
+        if first is not None:
+            return first, False
+        return self.apply(DecideOp(policy.decision_input(trajectory, sender), now)), True
+
+    def adapter_ready(self, event: AdapterReady) -> policy.Applied:
+        return self.apply(AdapterOp(policy.adapter_facts(event)))
+
+    def report(self, report: RolloutReport, now: float) -> policy.Applied:
+        return self.apply(ReportOp(report, now))
+
+    def export_done(self, event: ExportDone) -> policy.Applied | None:
+        """None: an export of a version not recorded yet (its adapter event is on another
+        consumer, possibly behind), to be retried rather than refused."""
+        if policy.export_ahead(self.ledger, event):
+            return None
+        return self.apply(ExportOp(event))
+
+    def expire(self, now: float) -> list[str]:
+        """Free the grants whose lease passed or whose replica went silent; the freed ids. No
+        entry when none is due (most ticks)."""
+        if not policy.expiry_due(self.ledger, now, self.cfg):
+            return []
+        return self.apply(ExpireOp(now))
+
+    def capacity(self) -> int:
+        return policy.capacity(self.ledger, self.cfg)
+
+    def can_grant(self, request: AdmissionRequest) -> bool:
+        return policy.can_grant(self.ledger, request, self.cfg)
 
     def send_after_commit(self, subject: str, data: bytes) -> None:
         self._batch.outbox.append((subject, data))

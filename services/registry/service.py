@@ -1,4 +1,4 @@
-"""The registry's bus service: feeds events into `policy`, persists the ledger, answers.
+"""The registry's bus service: feeds events into its policy through the journal, answers.
 
 One rule keeps it crash-safe: nothing leaves the registry (an ack, a grant, a decision, an
 accepted trajectory) before the ledger state it was derived from is stored. A kill -9 at any
@@ -69,18 +69,9 @@ from proto.messages import (
 from services.common import streams
 from services.common.bus import Bus, MsgMeta, Raw, decode
 from services.common.pull import Delivery, Puller, ack_all
-from services.registry import metrics, policy
-from services.registry.persistence import (
-    AdapterOp,
-    AdmitOp,
-    DecideOp,
-    ExpireOp,
-    ExportOp,
-    Journal,
-    LedgerConflict,
-    ReportOp,
-)
-from services.registry.policy import Ledger, PolicyConfig
+from services.registry import metrics
+from services.registry.persistence import Journal, LedgerConflict
+from services.registry.policy import Grant, Ledger, PolicyConfig, code_of
 from services.registry.status import RegistryStatus, StatusRequest
 
 __all__ = ["LedgerConflict", "RegistryService"]
@@ -101,7 +92,7 @@ def new_grant_token() -> str:
     return secrets.token_urlsafe(GRANT_TOKEN_BYTES)
 
 
-def hidden_grants(ledger: Ledger) -> dict[str, policy.Grant]:
+def hidden_grants(ledger: Ledger) -> dict[str, Grant]:
     """The grants as `registry status` shows them: keyed by a digest, never by the id that
     would let its reader send trajectories under them."""
     return {f"#{hashlib.sha256(gid.encode()).hexdigest()[:12]}": g for gid, g in ledger.grants.items()}
@@ -213,7 +204,7 @@ class RegistryService:
         )  # fmt: skip
 
     async def _on_adapter(self, event: AdapterReady, meta: MsgMeta) -> None:
-        applied = self.journal.apply(AdapterOp(policy.adapter_facts(event)))
+        applied = self.journal.adapter_ready(event)
         if applied.changed:
             await self._commit()
             metrics.observe_ledger(self.ledger)
@@ -225,7 +216,7 @@ class RegistryService:
         if (problem := sender_problem(report, meta.subject)) is not None:
             await self._refuse(meta, problem, report)
             return
-        applied = self.journal.apply(ReportOp(report, self.clock()))
+        applied = self.journal.report(report, self.clock())
         if applied.changed:
             await self._commit()
             metrics.observe_ledger(self.ledger)
@@ -233,9 +224,9 @@ class RegistryService:
             await self._refuse(meta, applied.error, report)
 
     async def _on_export(self, event: ExportDone, meta: MsgMeta) -> None:
-        if policy.export_ahead(self.ledger, event):  # the bus retries it with backoff
+        applied = self.journal.export_done(event)
+        if applied is None:  # the bus retries it with backoff
             raise RuntimeError(f"export of v{event.version}: its adapter event is not recorded yet")
-        applied = self.journal.apply(ExportOp(event))
         if applied.changed:
             await self._commit()
         if applied.error:
@@ -254,7 +245,7 @@ class RegistryService:
         if self.journal.fatal is not None:
             return  # stopping: the service's `failed` says why
         try:
-            reply = self.journal.apply(AdmitOp(request, self.clock(), new_grant_token()))
+            reply = self.journal.admit(request, self.clock(), new_grant_token())
         except Exception as exc:
             log.exception("registry: admission failed")
             self._later(self.bus.dead_letter_quietly(msg.subject, "handler", repr(exc), msg.data))
@@ -266,7 +257,7 @@ class RegistryService:
             # also covers a retried request whose grant is still in flight to the store
             self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
-            metrics.DENIALS.labels(policy.code_of(reply.reason)).inc()
+            metrics.DENIALS.labels(code_of(reply.reason)).inc()
             self._later(self.bus.send_raw(msg.reply, self._encode(reply)))
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
@@ -296,24 +287,21 @@ class RegistryService:
         for d in deliveries:
             trajectory = d.msg
             try:
-                first = policy.seen_decision(self.ledger, trajectory.trajectory_id)
-                if first is None:
-                    sender = subjects.parse_trajectory(d.meta.subject)[1]
-                    decision = self.journal.apply(DecideOp(policy.decision_input(trajectory, sender), now))
+                sender = subjects.parse_trajectory(d.meta.subject)[1]
+                decision, new = self.journal.decide(trajectory, sender, now)
+                if new:
                     verdicts[decision.verdict] = verdicts.get(decision.verdict, 0) + 1
                     if decision.verdict != "accepted":
-                        metrics.REJECTIONS.labels(policy.code_of(decision.reason)).inc()
+                        metrics.REJECTIONS.labels(code_of(decision.reason)).inc()
                     if decision.oldest_version is not None:
                         metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
-                else:
-                    decision = first
             except Exception as exc:
                 log.exception("registry: deciding %s failed", d.meta.subject)
                 await d.retry(repr(exc))
                 continue
             # A redelivery may come from a crash between the commit and the republish, so it
             # is sent again; the msg_id makes JetStream drop it if the first one got through.
-            again = decision.verdict == "accepted" and (first is None or d.meta.num_delivered > 1)
+            again = decision.verdict == "accepted" and (new or d.meta.num_delivered > 1)
             decided.append((d, decision, again))
         for verdict, n in verdicts.items():
             metrics.verdict_count(verdict).inc(n)
@@ -351,7 +339,7 @@ class RegistryService:
             run=self.run,
             ledger=msgspec.structs.replace(led, seen={}, grants=hidden_grants(led), grant_by_request={}),
             seen_count=len(led.seen),
-            capacity=max(0, policy.capacity(led, self.cfg)),
+            capacity=max(0, self.journal.capacity()),
             max_head_offpolicyness=self.cfg.max_head_offpolicyness,
             consumer_batch_size=self.cfg.consumer_batch_size,
             max_concurrent_rollouts=self.cfg.max_concurrent_rollouts,
@@ -363,12 +351,9 @@ class RegistryService:
         period = min(1.0, self.cfg.lease_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            now = self.clock()
-            if not any(g.expires_at <= now for g in self.ledger.grants.values()) and not policy.silent_grants(
-                self.ledger, now, self.cfg
-            ):
-                continue  # nothing to journal: skip the op (the common case)
-            gone = self.journal.apply(ExpireOp(now))
+            gone = self.journal.expire(self.clock())
+            if not gone:
+                continue  # nothing was due: nothing journaled (the common case)
             log.info("registry: %d grant(s) expired or held by silent replicas: %s", len(gone), ", ".join(gone[:5]))
             try:
                 await self._commit()

@@ -33,6 +33,7 @@ from services.registry.policy.admission import (
     DENY_STALENESS,
     DENY_WRONG_RUN,
     admit,
+    can_grant,
     capacity,
     choose_version,
 )
@@ -82,6 +83,7 @@ from services.registry.policy.ledger import (
 from services.registry.policy.liveness import (
     REPLACED_KEPT,
     expire,
+    expiry_due,
     heard_from,
     release_silent,
     silent_grants,
@@ -119,6 +121,7 @@ __all__ = [
     "adapter_facts",
     "admit",
     "bad_values",
+    "can_grant",
     "capacity",
     "choose_version",
     "code_of",
@@ -130,6 +133,7 @@ __all__ = [
     "encode_ledger",
     "event_digest",
     "expire",
+    "expiry_due",
     "export_ahead",
     "heard_from",
     "new_ledger",

@@ -64,6 +64,18 @@ def choose_version(ledger: Ledger, request: AdmissionRequest, cfg: PolicyConfig)
     return max(fit) if fit else None
 
 
+def can_grant(ledger: Ledger, request: AdmissionRequest, cfg: PolicyConfig) -> bool:
+    """Whether `admit` would issue `request` a new grant now: a version is out, a slot is free
+    under both limits, and the replica holds an admissible version (the fleet asks this of
+    every run before its fair share picks one)."""
+    return (
+        ledger.head is not None
+        and ledger.running < cfg.max_concurrent_rollouts
+        and capacity(ledger, cfg) > 0
+        and choose_version(ledger, request, cfg) is not None
+    )
+
+
 def _deny(ledger: Ledger, request: AdmissionRequest, reason: str, retry: float) -> AdmissionDeny:
     code = code_of(reason)
     ledger.denied[code] = ledger.denied.get(code, 0) + 1

@@ -87,6 +87,12 @@ def silent_grants(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:
     return silent
 
 
+def expiry_due(ledger: Ledger, now: float, cfg: PolicyConfig) -> bool:
+    """Whether `expire` or `release_silent` would free a grant now (most ticks they would not,
+    and then there is nothing to journal)."""
+    return any(g.expires_at <= now for g in ledger.grants.values()) or bool(silent_grants(ledger, now, cfg))
+
+
 def release_silent(ledger: Ledger, now: float, cfg: PolicyConfig) -> list[str]:
     """Free the grants of silent replicas, as if their leases had passed (their late
     trajectories are rejected-invalid); returns the freed grant ids."""
