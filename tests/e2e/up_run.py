@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +22,10 @@ def run_up(
     *overrides: str,
     timeout_s: float = 420.0,
     evaluate: bool = True,
+    beside: Callable[[Path], None] | None = None,
 ) -> dict:
+    """`beside(run_dir)`: run on a thread while the run goes (a fault to inject); what it
+    raises fails the test after the run."""
     flags = [] if evaluate else ["--no-evaluate"]
     cmd = [
         sys.executable,
@@ -37,10 +42,25 @@ def run_up(
         f"total_train_steps={steps}",
         *overrides,
     ]
+    errors: list[BaseException] = []
+
+    def run_beside() -> None:
+        try:
+            if beside is not None:
+                beside(run_dir)
+        except BaseException as exc:  # re-raised on the test's thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_beside, daemon=True)
+    thread.start()
     proc = subprocess.run(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s + 120
     )
     print(proc.stdout)
+    (run_dir / "up.log").write_text(proc.stdout)
+    thread.join(10)
+    if errors:
+        raise errors[0]
     assert proc.returncode == 0, f"lorabus up failed:\n{proc.stdout[-4000:]}{trainer_log_tail(run_dir)}"
     return json.loads((run_dir / "summary.json").read_text())
 

@@ -166,7 +166,7 @@ class Run:
 
 
 async def restart(server: SglangProtocolServer, port: int) -> SglangProtocolServer:
-    """Stop it and start a fresh one on the same port: same URL, no adapters."""
+    """Stop it (if it still runs) and start a fresh one on the same port: same URL, no adapters."""
     await server.stop()
     fresh = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
     await fresh.start(port=port)
@@ -196,6 +196,12 @@ async def test_server_down_then_restarted(nats_url, tmp_path, watch):
         await until(lambda: run.of(AdapterLoaded, version=1), what="v1 loaded")
         await until(lambda: len({t.oldest_version() for t in run.trajectories}) == 2, what="trajectories on v0 and v1")
 
+        if watch:  # down for a while: the replica stops routing to it and reports every re-load that fails
+            await server.stop()
+            failed_before = len(run.of(AdapterFailed))
+            await until(lambda: len(run.of(AdapterFailed)) >= failed_before + 2, what="failed re-loads reported")
+            assert await engine.loaded_versions() == []
+            assert any("re-load after the server forgot it" in r.reason for r in run.of(AdapterFailed)[failed_before:])
         server = await restart(server, port)
         before = len(run.trajectories)
         await until(

@@ -268,6 +268,20 @@ class ServerEngine:
     async def missing_versions(self) -> dict[int, list[str]]:
         raise NotImplementedError
 
+    async def _listing(self, url: str, listing: Callable[[str], Awaitable[T]]) -> T | None:
+        """`listing(url)` (what the replica serves), or None when the replica does not answer:
+        then everything we believed it serves is forgotten. A server that died or hangs comes
+        back, if at all, as a new process without our adapters (`lorabus up` restarts a lost
+        one), so nothing may be routed to it as loaded until a load answered again; a replica
+        that only paused answers "already loaded" from our own path, which `_load_on` takes."""
+        try:
+            return await listing(url)
+        except ServerError as e:
+            if e.status is not None and e.status not in TRANSIENT_STATUS:
+                raise
+            self._on[url].clear()
+            return None
+
     # --- versions ---
     async def load_version(self, version: int, weights: bytes | dict[str, torch.Tensor], lora: LoraSpec) -> None:
         async with self._lock(version):

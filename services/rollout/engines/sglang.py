@@ -178,10 +178,11 @@ class SglangEngine(ServerEngine):
         for url in self.urls:
             if not self._on[url]:
                 continue
-            registered = await self.registered(url)
-            gone = [v for v in self._on[url] if self.dirs.name(v) not in registered]
+            before = list(self._on[url])
+            registered = await self._listing(url, self.registered)
+            gone = before if registered is None else [v for v in before if self.dirs.name(v) not in registered]
             for version in gone:
-                del self._on[url][version]
+                self._on[url].pop(version, None)
                 missing.setdefault(version, []).append(url)
             if gone:
                 self._limits.pop(url, None)  # a restarted server may run with other limits

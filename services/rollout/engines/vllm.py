@@ -83,7 +83,12 @@ class VllmEngine(ServerEngine):
         They are forgotten for those replicas, so `loaded_versions` and routing stop using them."""
         missing: dict[int, list[str]] = {}
         for url in self.urls:
-            served = await self._served(url)
+            before = list(self._on[url])
+            served = await self._listing(url, self._served)
+            if served is None:  # no answer: all of it is missing there (`_listing`)
+                for version in before:
+                    missing.setdefault(version, []).append(url)
+                continue
             for version in list(self._on[url]):
                 if self.dirs.name(version) not in served:
                     del self._on[url][version]
