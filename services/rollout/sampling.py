@@ -82,8 +82,9 @@ def vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
     return _mix32(torch.arange(vocab, dtype=torch.int32, device=device))
 
 
-def gumbel_noise(seeds: torch.Tensor, step: int, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] standard Gumbel noise, a pure function of (seed, step, token)."""
+def gumbel_noise(seeds: torch.Tensor, step: int | torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] standard Gumbel noise, a pure function of (seed, step, token); `step` is
+    one for the batch or each row's own ([rows]: rows that started at different times)."""
     row_key = _mix32(((seeds + step * 0x9E3779B1) & _M32).to(torch.int32))
     bits = _mix32(row_key[:, None] ^ vocab_hash[None, :])
     u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
@@ -107,7 +108,7 @@ def sample(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     seeds: torch.Tensor,
-    step: int,
+    step: int | torch.Tensor,
     vocab_hash: torch.Tensor,
     needs_truncation: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
