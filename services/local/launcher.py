@@ -10,7 +10,7 @@ once the last version is exported and scored (scores still missing then are wait
 read back from the streams (`summary.py`). A run already finished is recognised before anything starts: rerunning
 the command prints its summary at once; any other ending says that rerunning it resumes the run.
 
-With `rollout.engine: vllm` and no `rollout.server_urls` it also starts one vLLM server per
+With `rollout.engine: vllm|sglang` and no `rollout.server_urls` it also starts one server per
 rollout replica (`services.local.inference_servers`), waits for them before starting the
 sidecars, and stops them last. A server that dies, hangs or answers /health with errors is
 killed and restarted, and its sidecar with it once the new server is ready
@@ -488,7 +488,7 @@ async def run_up(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     try:
         start_servers = inference_servers.needs_servers(cfg)
-        python = inference_servers.vllm_python(args.vllm_python) if start_servers else None
+        python = inference_servers.server_python(cfg, args.vllm_python, args.sglang_python) if start_servers else None
     except inference_servers.CannotStartServers as exc:
         print(f"lorabus up: {exc}", file=sys.stderr)
         return 2
@@ -542,7 +542,11 @@ async def deploy(
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the children share 2 cores on a laptop-class machine: one thread each avoids oversubscription
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    plans = inference_servers.plan_vllm_servers(cfg, run_dir, python) if python is not None else []
+    try:
+        plans = inference_servers.plan_servers(cfg, run_dir, python, args.server_site) if python is not None else []
+    except inference_servers.CannotStartServers as exc:
+        print(f"lorabus up: {exc}", file=sys.stderr)
+        return 2
     # servers first: stopped last
     children = server_children(plans, run_dir) + child_commands(
         cfg, args.config, overrides, run_dir, args.evaluate, plans
@@ -579,9 +583,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="rollout.engine vllm without server_urls: the python of "
         f"the venv with vLLM (default {inference_servers.DEFAULT_VLLM_PYTHON} if it exists)",
     )
-    p.add_argument(
-        "--server-timeout", type=float, default=300.0, help="seconds the vLLM servers may take to become healthy"
-    )
+    p.add_argument("--sglang-python", help="rollout.engine sglang without server_urls: a python with SGLang")
+    p.add_argument("--server-site", help="a pip --target site of vLLM/SGLang, on the servers' PYTHONPATH only")
+    p.add_argument("--server-timeout", type=float, default=300.0, help="seconds the servers may take to become healthy")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return p.parse_args(argv)
 

@@ -3,8 +3,8 @@
 transformers + the real peft adapter from the path the sidecar gives it). Real SGLang needs
 CUDA; this checks the sidecar's side of the protocol over a whole run, not SGLang itself.
 
-The server is started here and handed to the launcher through `rollout.server_urls` (the
-launcher never starts SGLang). Same bar as tests/e2e/test_up.py.
+The protocol server is started here and handed to the launcher through `rollout.server_urls` (the
+launcher would start real SGLang, `--sglang-python`). Same bar as tests/e2e/test_up.py.
 """
 
 from __future__ import annotations

@@ -43,14 +43,27 @@ def test_given_urls_or_embedded_need_no_servers():
     assert not inference_servers.needs_servers(cfg("rollout.engine=embedded"))
 
 
-def test_sglang_without_urls_is_refused_with_what_to_do():
-    with pytest.raises(inference_servers.CannotStartServers, match=r"pass rollout.server_urls"):
-        inference_servers.needs_servers(cfg("rollout.engine=sglang", "sglang.max_lora_rank=8"))
+def test_sglang_without_urls_gets_sglang_servers_with_its_site_on_their_path_only(tmp_path):
+    c = cfg("rollout.engine=sglang", "sglang.max_lora_rank=8", "rollout.replicas=2")
+    assert inference_servers.needs_servers(c)
+    python = inference_servers.server_python(c, None, None)
+    assert python == "python3"
+    (tmp_path / "site" / "sglang").mkdir(parents=True)
+    plans = inference_servers.plan_servers(c, tmp_path, python, str(tmp_path / "site"))
+    assert [p.name for p in plans] == ["sglang-0", "sglang-1"]
+    for p in plans:
+        assert p.argv[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-lora" in p.argv
+        assert p.env["PYTHONPATH"].split(":")[0] == str(tmp_path / "site")
+        assert "VLLM_TARGET_DEVICE" not in p.env
+    with pytest.raises(inference_servers.CannotStartServers, match="--server-site: .* holds no sglang package"):
+        inference_servers.plan_servers(c, tmp_path, python, str(tmp_path))
+    with pytest.raises(inference_servers.CannotStartServers, match="--sglang-python: /nope"):
+        inference_servers.server_python(c, None, "/nope/python")
     with pytest.raises(inference_servers.CannotStartServers, match="--vllm-python: /nope"):
         inference_servers.vllm_python("/nope/python")
 
 
-def test_launcher_exits_2_before_starting_anything_for_sglang(tmp_path):
+def test_launcher_exits_2_before_starting_anything_for_a_missing_server_python(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
@@ -58,6 +71,8 @@ def test_launcher_exits_2_before_starting_anything_for_sglang(tmp_path):
             "services.local.launcher",
             "--config",
             "examples/tiny.yaml",
+            "--sglang-python",
+            "/nope/python",
             f"run_dir={tmp_path}/run",
             "rollout.engine=sglang",
             "sglang.max_lora_rank=8",
@@ -68,5 +83,5 @@ def test_launcher_exits_2_before_starting_anything_for_sglang(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2, out
-    assert "cannot start SGLang servers here" in out.stderr
+    assert "--sglang-python: /nope/python does not exist" in out.stderr
     assert not (tmp_path / "run").exists()
