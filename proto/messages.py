@@ -107,6 +107,30 @@ class XcclPayload(Struct, tag="xccl", tag_field="kind", kw_only=True):
 Payload = ObjectPayload | XcclPayload
 
 
+class CanarySequence(Struct, kw_only=True):
+    """One fixed prompt and the trainer's greedy continuation of it under the version, with the
+    log-probability of each continuation token (temperature 1, the serving dtype)."""
+
+    prompt_token_ids: Annotated[list[NonNegInt], Meta(min_length=1, max_length=512)]
+    token_ids: Annotated[list[NonNegInt], Meta(min_length=1, max_length=128)]
+    logprobs: Annotated[list[Annotated[float, Meta(le=0.0)]], Meta(min_length=1, max_length=128)]
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"canary: token_ids ({len(self.token_ids)}) and logprobs ({len(self.logprobs)}) must have one "
+                "entry per continuation token"
+            )
+
+
+class Canary(Struct, kw_only=True):
+    """What a replica checks a loaded version against before serving it (`services.rollout.canary`)."""
+
+    dtype: Dtype
+    """the dtype the trainer computed in: the tolerance is the dtype's"""
+    sequences: Annotated[list[CanarySequence], Meta(min_length=1, max_length=16)]
+
+
 class AdapterReady(Message, kw_only=True):
     """`lorabus.<run>.adapter.v<N>.ready`: trainer -> everyone."""
 
@@ -123,6 +147,9 @@ class AdapterReady(Message, kw_only=True):
     created_at: UnixTime
     lora: LoraSpec
     payloads: Annotated[list[Payload], Meta(max_length=2)]
+    canary: Canary | None = None
+    """the version's canary; None from trainers that predate it (the version is then served
+    unchecked)"""
 
     def __post_init__(self) -> None:
         kinds = [type(p).__name__ for p in self.payloads]
