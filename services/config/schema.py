@@ -195,6 +195,12 @@ class RolloutConfig(Section):
     heartbeat_s: float = 2.0
     cuda_graphs: bool = True
     """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
+    slab_rows: int = 0
+    """embedded engine: continuous batching over a slab of this many rows (groups join as rows
+    free up, and the work loop keeps `batch_groups` groups in flight); 0: each engine batch is
+    decoded on its own and waits for its longest row"""
+    slab_length: int = 2048
+    """with slab_rows: the most tokens (prompt + new tokens) one row holds"""
 
     # Derived values are properties, not back-filled copies: a section built by hand (tests,
     # benchmarks) must give the same answer as one that went through the loader.
@@ -204,6 +210,11 @@ class RolloutConfig(Section):
         if self.lora_keep_versions is not None:
             return self.lora_keep_versions
         return self.max_head_offpolicyness + 1
+
+    @property
+    def continuous(self) -> bool:
+        """Whether the engine batches groups as they come (the embedded engine with a slab)."""
+        return self.engine == "embedded" and self.slab_rows > 0
 
     @property
     def max_concurrent(self) -> int:
