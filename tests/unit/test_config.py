@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.lora_targets import for_backend
-from services.config import loader as C
+from services.config import rules as C
 from services.config.loader import (
     ConfigError,
     config_from_dict,

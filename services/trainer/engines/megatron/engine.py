@@ -7,7 +7,7 @@ the step, optimizer and checkpoints are this package's plain-torch parts.
     model = provider.provide_distributed_model(wrap_with_ddp=False)   # [chunk]
     model = LoRA(target_modules, dim=rank, alpha, dropout=0.0)(model, training=True)
 
-LoRA constraints (AReaL's, enforced by `services.config.loader.check_megatron`):
+LoRA constraints (AReaL's, enforced by `services.config.rules.check_megatron`):
 `bridge_type: megatron-bridge`; no gradient-accumulation fusion (the fused wgrad kernel
 writes into `main_grad` buffers the frozen base weights do not have); no distributed optimizer
 (the adapter's fp32 masters and Adam moments live in `MasterAdapterOptimizer`, replicated
@@ -42,7 +42,7 @@ from torch import nn
 from proto.messages import LoraSpec, Trajectory
 from services.common import lora_targets
 from services.common.megatron_to_hf import ModelShape
-from services.config.loader import check_megatron
+from services.config.rules import check_megatron
 from services.config.schema import LorabusConfig
 from services.trainer.engines.base import StepStats, make_optimizer
 from services.trainer.engines.megatron import checkpoint as shards
