@@ -30,7 +30,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from services.rollout.sampling import _M32, Row, RowOutput, _cache_kwarg, sample, vocab_hashes
+from services.rollout.sampling import (
+    _M32,
+    Row,
+    RowOutput,
+    _cache_kwarg,
+    prepare,
+    sample,
+    static_unsupported,
+    vocab_hashes,
+)
 from services.rollout.slab_cache import SlabCache
 
 log = logging.getLogger(__name__)
@@ -62,8 +71,12 @@ class ContinuousDecoder:
     ):
         if rows < 1 or length < 2:
             raise ValueError(f"rows: {rows}, length: {length}; a slab needs rows >= 1 and length >= 2")
+        reason = static_unsupported(model)
+        if reason:
+            raise ValueError(f"continuous batching: {reason}")
         if capture and not torch.cuda.is_available():
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
+        prepare(model)
         device = next(model.parameters()).device
         self.model, self.rows, self.length = model, rows, length
         self.step_context, self.free_version = step_context, free_version

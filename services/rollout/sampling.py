@@ -159,10 +159,7 @@ class DecodeGraphs:
             raise ValueError(f"static decoding: {reason}")
         if capture and not torch.cuda.is_available():
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
-        if grouped_attention:
-            decode_attention.use(model)
-        if fused_norms:
-            fused_norm.fuse(model)
+        prepare(model, grouped_attention=grouped_attention, fused_norms=fused_norms)
         self.model = model
         self.capture = capture
         self.max_states = max_states
@@ -181,6 +178,15 @@ class DecodeGraphs:
     def release(self, state: _State) -> None:
         self._idle.append(state)
         del self._idle[: max(0, len(self._idle) - self.max_states)]
+
+
+def prepare(model: PreTrainedModel, *, grouped_attention: bool = True, fused_norms: bool = True) -> None:
+    """Make `model` ready for the static decode paths (this module's and `continuous`'s):
+    `decode_attention` for the one-token step, `fused_norm` in place of its RMSNorms."""
+    if grouped_attention:
+        decode_attention.use(model)
+    if fused_norms:
+        fused_norm.fuse(model)
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:

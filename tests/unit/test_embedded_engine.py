@@ -156,3 +156,52 @@ async def test_bad_requests_and_versions_are_refused(parts):
         )
     with pytest.raises(ValueError, match="top_p"):
         GenRequest(prompt_token_ids=[1], top_p=0.0)
+
+
+# --- continuous batching (rollout.slab_rows) ---
+
+
+async def test_a_slab_engine_answers_as_the_batch_engine_also_with_calls_that_overlap(parts):
+    base, adapters = parts
+    batch_engine = make_engine(base)
+    slab_engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=3, slab_rows=3, slab_length=40)
+    try:
+        for engine in (batch_engine, slab_engine):
+            await engine.load_version(0, adapters[0][1], SPEC)
+            await engine.load_version(1, adapters[1][1], SPEC)
+        want = await batch_engine.generate_mixed(REQS, [1, 0, 1])
+        assert_same(await slab_engine.generate_mixed(REQS, [1, 0, 1]), want)
+        # two callers at once: 4 rows for a slab of 3, so the later group joins as rows free up
+        first, second = await asyncio.gather(
+            slab_engine.generate_mixed(REQS[:1], [1]), slab_engine.generate_mixed(REQS[1:], [0, 1])
+        )
+        assert_same(first + second, want)
+        with pytest.raises(ValueError, match="more than the slab's length 40"):
+            await slab_engine.generate([GenRequest(prompt_token_ids=[1] * 30, n=1, max_new_tokens=20)], 0)
+    finally:
+        await slab_engine.close()
+    assert slab_engine._decoder_thread is not None and not slab_engine._decoder_thread.is_alive()
+
+
+async def test_a_caller_that_stops_waiting_keeps_its_version_in_use_until_its_rows_end(parts):
+    base, adapters = parts
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[], pad_id=0, slots=3, slab_rows=2, slab_length=200)
+    try:
+        await engine.load_version(0, adapters[0][1], SPEC)
+        await engine.load_version(1, adapters[1][1], SPEC)
+        task = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=2, max_new_tokens=150)], 0))
+        while engine.steps < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(RuntimeError, match="running generation"):
+            await engine.unload_version(0)  # its rows still decode on v0's slot
+        while engine._active[0]:
+            await asyncio.sleep(0.01)
+        await engine.unload_version(0)
+        assert await engine.loaded_versions() == [1]
+        out = await engine.generate([GenRequest(prompt_token_ids=[5], n=1, max_new_tokens=4)], 1)
+        assert len(out[0][0].token_ids) == 4
+    finally:
+        await engine.close()

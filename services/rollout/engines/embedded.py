@@ -9,6 +9,11 @@ On CUDA with `cuda_graphs` (rollout.cuda_graphs, default on) the decode steps ru
 KV cache and replay CUDA graphs: one per batch size and cache length, for "all rows on the
 head" and for "some rows corrected". The routing is a device tensor, so a head change between
 two steps needs no new capture.
+
+With a slab (`slab_rows`, rollout.slab_rows) a decoder thread batches continuously
+(`continuous.ContinuousDecoder`): each request is a group that joins the running slab as rows
+free up, and its call returns when its own rows finish. A version in use by a group stays
+counted as in use until the group is answered, also when its caller has stopped waiting.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from transformers import PreTrainedModel
 
 from proto.messages import LoraSpec
 from services.common import adapter_io
+from services.rollout.continuous import ContinuousDecoder, Group
 from services.rollout.engines.base import GenRequest, GenResult
 from services.rollout.lora_slots import LoraSlots
-from services.rollout.sampling import DecodeGraphs, Row, decode, mix32, static_unsupported
+from services.rollout.sampling import DecodeGraphs, Row, RowOutput, decode, mix32, static_unsupported
 
 if TYPE_CHECKING:
     from services.config.schema import LorabusConfig
@@ -46,14 +52,28 @@ class EmbeddedEngine:
         pad_id: int,
         slots: int,
         cuda_graphs: bool = True,
+        slab_rows: int = 0,
+        slab_length: int = 2048,
     ):
         if slots < 2:
             raise ValueError(f"slots: {slots} must be >= 2 (lora_keep_versions + 1)")
+        if slab_rows < 0:
+            raise ValueError(f"rollout.slab_rows: {slab_rows} must be >= 0 (0: no continuous batching)")
         self.model = model.eval()
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         """static-cache CUDA graph decoding; None: the eager DynamicCache loop (CPU, or off)"""
-        if cuda_graphs and on_cuda and static_unsupported(model) is None:
+        self.decoder: ContinuousDecoder | None = None
+        """continuous batching over a slab (slab_rows > 0); None: each call decodes its own batch"""
+        self._decoder_thread: threading.Thread | None = None
+        if slab_rows:
+            self.decoder = ContinuousDecoder(
+                model, rows=slab_rows, length=slab_length, step_context=self._step, free_version=self._free_version,
+                capture=cuda_graphs and on_cuda,
+            )  # fmt: skip
+            self._decoder_thread = threading.Thread(target=self.decoder.run, name="lorabus-decoder", daemon=True)
+            self._decoder_thread.start()
+        elif cuda_graphs and on_cuda and static_unsupported(model) is None:
             self.graphs = DecodeGraphs(model, capture=True)
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
@@ -77,6 +97,8 @@ class EmbeddedEngine:
             pad_id=models.pad_token_id(tok),
             slots=cfg.rollout.keep_versions + 1,
             cuda_graphs=cfg.rollout.cuda_graphs,
+            slab_rows=cfg.rollout.slab_rows,
+            slab_length=cfg.rollout.slab_length,
         )
 
     # --- versions ---
@@ -164,6 +186,8 @@ class EmbeddedEngine:
                     seed=mix32(seed + mix32(j + 1)),
                 )
                 rows.append((v, i, j, row))
+        if self.decoder is not None:
+            return await self._generate_continuous(versions, rows)
         rows.sort(key=lambda r: r[0])
         row_versions = [r[0] for r in rows]
         self._active.update(versions)
@@ -183,8 +207,51 @@ class EmbeddedEngine:
             results[i][j] = GenResult(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason)
         return results  # type: ignore[return-value]
 
+    async def _generate_continuous(
+        self, versions: Sequence[int], rows: list[tuple[int, int, int, Row]]
+    ) -> list[list[GenResult]]:
+        """One group per request (rows: (version, request, sample, row) in request order)."""
+        assert self.decoder is not None
+        loop = asyncio.get_running_loop()
+        answers: list[asyncio.Future[list[RowOutput]]] = []
+        for i, v in enumerate(versions):
+            answer: asyncio.Future[list[RowOutput]] = loop.create_future()
+            group = [row for (_, at, _, row) in rows if at == i]
+            self._active[v] += 1
+            try:
+                self.decoder.submit(Group(rows=group, version=v, done=self._answer(loop, answer, v)))
+            except BaseException:
+                self._active[v] -= 1
+                raise
+            answers.append(answer)
+        outputs = await asyncio.gather(*answers)
+        return [
+            [GenResult(token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason) for o in outs]
+            for outs in outputs
+        ]
+
+    def _answer(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, version: int):
+        """The decoder thread's callback for one group: settles `answer` on the event loop and
+        releases the group's version there."""
+
+        def settle(result: list[RowOutput] | BaseException) -> None:
+            self._active[version] -= 1
+            if answer.done():  # the caller stopped waiting (cancelled)
+                return
+            if isinstance(result, BaseException):
+                answer.set_exception(result)
+            else:
+                answer.set_result(result)
+
+        return lambda result: loop.call_soon_threadsafe(settle, result)
+
+    def _free_version(self) -> int:
+        """The version a free slab row is routed to: the head (any loaded one does)."""
+        assert self.slots is not None and self.slots.head is not None
+        return self.slots.head
+
     @contextlib.contextmanager
-    def _step(self, row_versions: list[int]) -> Iterator[bool]:
+    def _step(self, row_versions: Sequence[int]) -> Iterator[bool]:
         with self._lock:
             assert self.slots is not None
             with self.slots.route(row_versions) as corrected:
@@ -195,4 +262,7 @@ class EmbeddedEngine:
         return True
 
     async def close(self) -> None:
+        if self.decoder is not None and self._decoder_thread is not None:
+            self.decoder.close()
+            await asyncio.to_thread(self._decoder_thread.join)
         self.slots = None
