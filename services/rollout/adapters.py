@@ -7,7 +7,9 @@ load goes through the replica's loaders in order (`loaders`: XCCL-staged tensors
 path, the verified fetch) and is served as `{lora_name}-v{N}`, with retries and backoff here;
 each failure is reported (AdapterFailed), the last one re-raised so the bus redelivers or
 dead-letters the event: a version is never silently skipped. A version leaves the engine only
-outside the keep window and unpinned. Each loaded version keeps the sha256 its loader hashed
+outside the keep window and unpinned. A version whose event carries a canary is checked
+against it after the load and before it is marked loaded (`canary`): one that fails is unloaded
+and reported, never served. Each loaded version keeps the sha256 its loader hashed
 from the bytes it handed the engine (`identity`): what the trajectories it generates name.
 
 The embedded engine loads by the fast path (`load_path.Stager`): the version is servable before
@@ -42,7 +44,7 @@ from services.common.bus import Bus, Refused
 from services.common.pull import Puller
 from services.common.store import ObjectCorrupt, ObjectNotFound, OutsideStore
 from services.config.schema import LorabusConfig
-from services.rollout import loaders, metrics
+from services.rollout import canary, loaders, metrics
 from services.rollout.engines.base import Engine
 from services.rollout.versions import VersionBook
 
@@ -218,9 +220,11 @@ class AdapterFollower:
             try:
                 await self._make_room()
                 done = await loaders.load(self._loaders, ev, attempt=attempt, verify_first=verify_first)
+                await self._canary(ev)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
-                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt)
+                # a canary that fails fails again on the same weights: given up like a corrupt object
+                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt | canary.CanaryFailed)
                 retry = attempt < self.load_attempts and not gone and not isinstance(exc, OutsideStore)
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
@@ -254,6 +258,23 @@ class AdapterFollower:
             await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded")
             return True
         return False  # not reached: the last attempt returns or raises
+
+    async def _canary(self, ev: AdapterReady) -> None:
+        """Check a version just loaded against its canary before it is marked loaded (served);
+        one that fails leaves the engine and raises `CanaryFailed` with the figures."""
+        if ev.canary is None:
+            return
+        t0 = time.perf_counter()
+        measured = await canary.score(self.engine, ev.version, ev.canary)
+        metrics.CANARY_SECONDS.labels(self.replica).observe(time.perf_counter() - t0)
+        metrics.CANARY_GAP.labels(self.replica).observe(min(measured.value, 1e6))
+        if measured.passed:
+            return
+        await self.engine.unload_version(ev.version)
+        raise canary.CanaryFailed(
+            f"{ev.adapter_name}: {measured.describe(len(ev.canary.sequences))}; withdrawn on this replica, "
+            "which keeps serving the versions it has"
+        )
 
     async def _settle(self, ev: AdapterReady, staged: Staged, check: asyncio.Future[str], since: float) -> None:
         """Wait for a fast-loaded version's check: log its stages and take its digest, or

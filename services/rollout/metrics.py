@@ -37,3 +37,16 @@ REWARD = Histogram(
 )
 LOAD_FAILURES = Counter("lorabus_rollout_load_failures_total", "Failed adapter load attempts", ["replica"])
 IN_FLIGHT = Gauge("lorabus_rollout_in_flight", "Granted groups being generated", ["replica"])
+CANARY_GAP = Histogram(
+    "lorabus_rollout_canary_gap",
+    "Largest |Δ logprob| between this replica's greedy decode of a version's canary and the trainer's "
+    "(checked after each load, before serving; beyond the dtype's tolerance the version is withdrawn)",
+    ["replica"],
+    buckets=(1e-5, 1e-4, 1e-3, 2e-3, 0.01, 0.05, 0.15, 0.5, 1, 5),
+)
+CANARY_SECONDS = Histogram(
+    "lorabus_rollout_canary_seconds",
+    "Time one load's canary took (part of the version's time to servable)",
+    ["replica"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)

@@ -1,0 +1,88 @@
+"""The canary's comparison (`services.rollout.canary.gap`) and the trainer's reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from proto.messages import Canary, CanarySequence
+from services.rollout.canary import TOLERANCE, gap, requests
+from services.rollout.engines.base import GenResult
+from services.trainer import canary as trainer_canary
+
+CANARY = Canary(
+    dtype="float32",
+    sequences=[
+        CanarySequence(prompt_token_ids=[1, 2], token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3]),
+        CanarySequence(prompt_token_ids=[3], token_ids=[8, 9], logprobs=[-1.0, -0.5]),
+    ],
+)
+
+
+def result(ids, lps) -> GenResult:
+    return GenResult(token_ids=ids, logprobs=lps, finish_reason="length")
+
+
+def test_the_same_answer_passes():
+    g = gap(CANARY, [result([5, 6, 7], [-0.1, -0.2, -0.3005]), result([8, 9], [-1.0, -0.5])])
+    assert g.passed and g.value == pytest.approx(5e-4) and (g.sequence, g.token) == (0, 2)
+
+
+def test_a_near_tie_that_picks_another_token_passes_and_the_rest_is_not_compared():
+    # token 1 differs at a near-tie (logprob within tolerance); tokens after it condition on
+    # another prefix, so their values (far off here) are not compared
+    g = gap(CANARY, [result([5, 4, 0], [-0.1, -0.2001, -9.0]), result([8, 9], [-1.0, -0.5])])
+    assert g.passed, g
+
+
+def test_a_shifted_distribution_fails_with_where():
+    g = gap(CANARY, [result([5, 6, 7], [-0.1, -0.2, -0.3]), result([8, 9], [-1.4, -0.5])])
+    assert not g.passed and (g.sequence, g.token) == (1, 0) and g.value == pytest.approx(0.4)
+    assert "canary gap 0.4 > tolerance 0.002 at sequence 1 token 0" in g.describe(2)
+
+
+def test_a_replica_that_stops_early_fails():
+    g = gap(CANARY, [result([5], [-0.1]), result([8, 9], [-1.0, -0.5])])
+    assert not g.passed and math.isinf(g.value) and (g.sequence, g.token) == (0, 1)
+
+
+def test_one_result_per_sequence():
+    with pytest.raises(ValueError, match="results: 1 for 2 canary sequences"):
+        gap(CANARY, [result([5], [-0.1])])
+
+
+def test_requests_decode_greedily_as_far_as_the_trainer():
+    reqs = requests(CANARY.sequences)
+    assert [(r.temperature, r.max_new_tokens, r.n) for r in reqs] == [(0.0, 3, 1), (0.0, 2, 1)]
+
+
+def test_tolerances_grow_with_coarser_dtypes():
+    assert TOLERANCE["float32"] < TOLERANCE["float16"] < TOLERANCE["bfloat16"]
+
+
+def test_the_trainer_reference_is_the_greedy_continuation_with_its_logprobs():
+    torch.manual_seed(0)
+    table = torch.randn(11, 11)
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(table)
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": self.w[input_ids]})()
+
+    prompt_ids = trainer_canary.prompts(11, seed=3, n=2, length=3)
+    assert prompt_ids == trainer_canary.prompts(11, seed=3, n=2, length=3)
+    assert all(1 <= t < 11 for p in prompt_ids for t in p)
+    c = trainer_canary.reference(Bigram(), prompt_ids, "float32", n_tokens=4)
+    for prompt, seq in zip(prompt_ids, c.sequences):
+        last = prompt[-1]
+        for token, lp in zip(seq.token_ids, seq.logprobs):
+            row = table[last].log_softmax(-1)
+            assert token == int(row.argmax()) and lp == pytest.approx(float(row.max()))
+            last = token
+    with pytest.raises(ValueError, match="vocab_size: 1"):
+        trainer_canary.prompts(1, seed=0)
