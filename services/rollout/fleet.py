@@ -105,7 +105,7 @@ class FleetReplica:
         runs: Mapping[str, Run] = self.host.workers
         work = asyncio.create_task(
             work_loop(runs, admit, own=self.fleet, replica=self.replica, batch_groups=self.cfg.rollout.batch_groups,
-                      stop=stop),
+                      stop=stop, streaming=self.cfg.rollout.continuous),
             name="work",
         )  # fmt: skip
         try:

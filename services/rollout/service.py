@@ -348,7 +348,8 @@ class RolloutService:
         await self.start()
         runs: dict[str, Run] = {self.run_id: self}
         work = asyncio.create_task(work_loop(runs, self.admit, own=self.run_id, replica=self.replica,
-                                             batch_groups=self.cfg.rollout.batch_groups, stop=stop))  # fmt: skip
+                                             batch_groups=self.cfg.rollout.batch_groups, stop=stop,
+                                             streaming=self.cfg.rollout.continuous))  # fmt: skip
         try:
             await stop.wait()
         finally:
