@@ -2,6 +2,12 @@
 
     python benchmarks/gpu_engines.py --out-dir benchmarks/results            # CUDA, Qwen2.5-1.5B shape
     python benchmarks/gpu_engines.py --tiny --out-dir /tmp/ge                # CPU: tiny model, vLLM CPU build
+    python benchmarks/gpu_engines.py --out-dir R --vllm-site /tmp/vsite --sglang-site /tmp/ssite   # all three
+
+All three engines run by default, one after the other in one call (the H200's call sequence
+that stages the carried sites is in benchmarks/device/sites.sh). Each server's PYTHONPATH holds
+its own engine's site and not the other's (`--vllm-site`/`--sglang-site`: the two pin different
+transformers), so both can be staged on one machine.
 
 Every engine runs through the class the rollout service drives (`EmbeddedEngine`, `VllmEngine`,
 `SglangEngine`), on one model directory (random weights of the shape, `benchmarks/shapes.py`),
@@ -247,6 +253,13 @@ def server_config(kind: str, model_dir: Path, args, work: Path):
     from services.config.loader import config_from_dict
 
     extra = list(args.vllm_arg if kind == "vllm" else args.sglang_arg)
+    if kind == "sglang":  # the carried site has no FlashAttention 3 (benchmarks/device/sglang-site.sh)
+        extra = [
+            "--dtype",
+            args.dtype,
+            *([] if "--attention-backend" in extra else ["--attention-backend", "triton"]),
+            *extra,
+        ]
     section = (
         {
             "max_lora_rank": RANK,
@@ -296,6 +309,15 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
             await asyncio.sleep(0.5)
 
 
+def server_pythonpath(inherited: str, vllm_site: str | None, sglang_site: str | None, kind: str) -> str:
+    """`inherited` without either engine's site, with `kind`'s first."""
+    sites = {"vllm": vllm_site, "sglang": sglang_site}
+    others = {os.path.realpath(p) for p in sites.values() if p}
+    kept = [p for p in inherited.split(os.pathsep) if p and os.path.realpath(p) not in others]
+    own = sites.get(kind)
+    return os.pathsep.join([own, *kept] if own else kept)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL after 30 s."""
     proc.terminate()
@@ -319,6 +341,7 @@ async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Pat
         from services.local.inference_servers import VLLM_CPU_ENV
 
         env.update(VLLM_CPU_ENV)
+    env["PYTHONPATH"] = server_pythonpath(env.get("PYTHONPATH", ""), args.vllm_site, args.sglang_site, kind)
     argv = server_cmd.server_command(cfg, host="127.0.0.1", port=port, python=args.server_python)
     log = work / f"{kind}.log"
     res: dict = {"engine": kind, "argv": argv[1:]}
@@ -454,7 +477,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--label", default="", help="results file gpu_engines_<label>.json")
     ap.add_argument("--tiny", action="store_true", help="the tiny task's model on the CPU (smoke run)")
     ap.add_argument("--shape", default="qwen2.5-1.5b")
-    ap.add_argument("--engines", nargs="+", default=["embedded", "vllm"], choices=["embedded", "vllm", "sglang"])
+    ap.add_argument(
+        "--engines", nargs="+", default=["embedded", "vllm", "sglang"], choices=["embedded", "vllm", "sglang"]
+    )
+    ap.add_argument("--vllm-site", default=None, help="pip --target site of vLLM (the vLLM server's path only)")
+    ap.add_argument("--sglang-site", default=None, help="pip --target site of SGLang (the SGLang server's only)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)

@@ -1,6 +1,15 @@
 """Learning you can see at GPU scale: pre-train the arith3 base, then RL it with `lorabus up`.
 
     python benchmarks/gpu_learning.py --out-dir benchmarks/results     # CUDA, ~5 min on an H200
+    python benchmarks/gpu_learning.py --out-dir R --engine sglang --server-site /tmp/ssite --label sglang_bf16 \
+        actor.dtype=bfloat16 rollout.dtype=bfloat16                       # SGLang rollouts (one server)
+    python benchmarks/gpu_learning.py --out-dir /tmp/gl --tiny --engine vllm --steps 10   # CPU check
+
+`--engine vllm|sglang` runs the rollouts on one server that `lorabus up` starts (one replica,
+16 groups per batch: what the two embedded replicas generate); `--server-site` is the `pip
+--target` site of that engine (the carried parts, benchmarks/device/), put on the server's
+PYTHONPATH only. `--tiny` runs examples/tiny.yaml (tiny_vllm.yaml for vLLM) on the CPU, no
+pre-training: a check of this script and the launcher's path, not of learning at scale.
 
 1. `scripts/make_arith3_task.py` (unless the model exists): three-digit addition/subtraction,
    an ~85 M-parameter Llama pre-trained until its greedy held-out accuracy first reaches 0.3.
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +40,45 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = REPO / "examples" / "arith3"
+ENGINE_OVERRIDES = {
+    "embedded": [],
+    "vllm": ["rollout.engine=vllm", "rollout.replicas=1", "rollout.batch_groups=16"],
+    "sglang": ["rollout.engine=sglang", "rollout.replicas=1", "rollout.batch_groups=16"],
+}
+SGLANG_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", '"0.3"']
+"""the carried site has no FlashAttention 3 (benchmarks/device/sglang-site.sh); the trainer and
+the evaluator share the GPU, so the server takes 30 % of it (arith3_gpu.yaml does so for vLLM)"""
+
+
+def sglang_override(overrides: list[str]) -> str:
+    """sglang.extra_args for the run: its dtype the rollouts' (rollout.dtype=... if given)."""
+    dtype = next((o.split("=", 1)[1] for o in overrides if o.startswith("rollout.dtype=")), "auto")
+    return f"sglang.extra_args=[--dtype, {dtype}, {', '.join(SGLANG_ARGS)}]"
+
+
+TINY_OVERRIDES = {
+    "embedded": [],
+    "vllm": [],
+    "sglang": ["rollout.engine=sglang", "rollout.replicas=1", "sglang.max_lora_rank=8"],
+}
+VIA = re.compile(r"loaded \S+-v(\d+) via (xccl|object)")
+
+
+def load_paths(run_dir: Path) -> dict:
+    """How each replica's versions arrived (xccl or object, from its log) and the trainer's
+    XCCL group lines: what tells a broadcast that silently fell back (docs/xccl.md)."""
+    via: dict[str, dict[str, int]] = {}
+    for log in sorted(run_dir.glob("rollout-*.log")):
+        counts = {"xccl": 0, "object": 0}
+        for _, path in VIA.findall(log.read_text(errors="replace")):
+            counts[path] += 1
+        via[log.stem] = counts
+    trainer = run_dir / "trainer.log"
+    lines = [x for x in trainer.read_text(errors="replace").splitlines() if "xccl" in x] if trainer.exists() else []
+    return {
+        "loads_by_path": via,
+        "trainer_xccl_lines": lines[:12] + (["..."] + lines[-4:] if len(lines) > 16 else lines[12:]),
+    }
 
 
 def run(cmd: list[str], log: Path) -> int:
@@ -70,42 +119,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", type=Path, default=None, help="default /tmp/lorabus-arith3[-<label>]")
     ap.add_argument("--timeout", type=float, default=420.0)
     ap.add_argument("--label", default="", help="name the files gpu_learning_<label>.* (one per engine or setting)")
+    ap.add_argument("--engine", choices=sorted(ENGINE_OVERRIDES), default="embedded", help="the rollout engine")
+    ap.add_argument("--server-site", default=None, help="pip --target site of vLLM/SGLang (the server's only)")
+    ap.add_argument("--sglang-python", default=None, help="a python that has SGLang (default python3)")
+    ap.add_argument("--tiny", action="store_true", help="examples/tiny.yaml on the CPU, no pre-training")
     ap.add_argument("overrides", nargs="*", help="config overrides for lorabus up")
     args = ap.parse_args(argv)
     args.run_dir = args.run_dir or Path(f"/tmp/lorabus-arith3{'-' + args.label if args.label else ''}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    if not (TASK / "model" / "config.json").exists():
-        rc = run([sys.executable, "scripts/make_arith3_task.py"], args.out_dir / "gpu_learning_pretrain.log")
-        if rc != 0:
-            return rc
-    pretrain = json.loads((TASK / "pretrain_metrics.json").read_text())
+    if args.tiny:
+        config = "examples/tiny_vllm.yaml" if args.engine == "vllm" else "examples/tiny.yaml"
+        engine_overrides, pretrain = TINY_OVERRIDES[args.engine], {}
+    else:
+        if not (TASK / "model" / "config.json").exists():
+            rc = run([sys.executable, "scripts/make_arith3_task.py"], args.out_dir / "gpu_learning_pretrain.log")
+            if rc != 0:
+                return rc
+        config, engine_overrides = "examples/arith3_gpu.yaml", ENGINE_OVERRIDES[args.engine]
+        if args.engine == "sglang":
+            engine_overrides = [*engine_overrides, sglang_override(args.overrides)]
+        pretrain = json.loads((TASK / "pretrain_metrics.json").read_text())
     pretrain_s = time.monotonic() - started
+    server_flags = [f"--server-site={args.server_site}"] if args.server_site else []
+    server_flags += [f"--sglang-python={args.sglang_python}"] if args.sglang_python else []
     cmd = [
         sys.executable,
         "-m",
         "services.local.launcher",
         "--config",
-        "examples/arith3_gpu.yaml",
+        config,
+        *server_flags,
         "--timeout",
         str(args.timeout),
         "--progress-every",
         "10",
         f"run_dir={args.run_dir}",
         *([f"total_train_steps={args.steps}"] if args.steps else []),
+        *engine_overrides,
         *args.overrides,
     ]
     t0 = time.monotonic()
     stem = f"gpu_learning_{args.label}" if args.label else "gpu_learning"
     rc = run(cmd, args.out_dir / f"{stem}_rl.log")
     rl_s = time.monotonic() - t0
-    summary = json.loads((args.run_dir / "summary.json").read_text())
+    summary_path = args.run_dir / "summary.json"
+    if not summary_path.exists():  # the launcher stopped before the run (a server never came up)
+        result = {"exit_code": rc, "engine": args.engine, "error": f"no summary; see {stem}_rl.log"}
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return rc or 1
+    summary = json.loads(summary_path.read_text())
     curve = {int(v): s for v, s in summary["eval_by_version"].items()}
     rewards = {int(v): r for v, r in summary["reward_by_version"].items()}
     base = curve.get(0)
     result = {
         "exit_code": rc,
-        "overrides": args.overrides,
+        "engine": args.engine,
+        "overrides": [*engine_overrides, *args.overrides],
         "pretrain": pretrain,
         "pretrain_wall_s": round(pretrain_s, 1),
         "rl_wall_s": round(rl_s, 1),
@@ -115,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "trajectories": summary["trajectories"],
         "max_accepted_staleness": summary["max_accepted_staleness"],
         "eval_unscored": summary.get("eval_unscored"),
+        "restarts": summary.get("restarts"),
+        **load_paths(args.run_dir),
     }
     if base is not None and len(curve) > 1:
         last = max(curve)
