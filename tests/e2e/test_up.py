@@ -86,3 +86,22 @@ def test_up_improves_heldout_score_and_survives_a_killed_replica(tmp_path):
     assert summary["loaded"]["rollout-0"] >= STEPS - 1, summary["loaded"]
     trained = summary["trained_groups"]
     assert trained + summary["accepted_unconsumed"] == verdicts["accepted"], summary
+
+
+def test_up_with_continuous_batching_learns_as_the_batch_engine(tmp_path):
+    """The embedded engine with a slab (rollout.slab_rows) and the streaming work loop: the same
+    held-out rise, every replica on the slab."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "rollout.slab_rows=16", "rollout.slab_length=128", "rollout.batch_groups=4")
+    try:
+        summary = finish(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    evals = {int(v): s for v, s in summary["eval_by_version"].items()}
+    best_late = max(evals[v] for v in (STEPS - 2, STEPS - 1, STEPS))
+    assert best_late >= evals[0] + MARGIN, f"held-out score did not rise: {evals}"
+    logs = sorted(run_dir.glob("rollout-*.log"))
+    assert logs, f"no rollout logs in {run_dir}"
+    for log in logs:
+        assert "continuous batching over 16 rows of 128 tokens" in log.read_text(), log

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -39,6 +40,8 @@ from services.rollout.sampling import DecodeGraphs, Row, RowOutput, decode, mix3
 
 if TYPE_CHECKING:
     from services.config.schema import LorabusConfig
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddedEngine:
@@ -73,6 +76,7 @@ class EmbeddedEngine:
             )  # fmt: skip
             self._decoder_thread = threading.Thread(target=self.decoder.run, name="lorabus-decoder", daemon=True)
             self._decoder_thread.start()
+            log.info("embedded engine: continuous batching over %d rows of %d tokens", slab_rows, slab_length)
         elif cuda_graphs and on_cuda and static_unsupported(model) is None:
             self.graphs = DecodeGraphs(model, capture=True)
         self.eos_ids = tuple(eos_ids)
