@@ -19,7 +19,7 @@ from services.common import ranges, streams
 from services.common.bus import Bus
 from services.common.pull import Delivery, Puller
 from services.config.schema import LorabusConfig
-from services.trainer.batching import to_samples
+from services.trainer import batching
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +51,7 @@ class AcceptedQueue:
     def _problem(self, traj: Trajectory) -> str | None:
         if traj.run != self.cfg.run:
             return f"run: {traj.run!r} is not this trainer's run {self.cfg.run!r}"
-        for c in traj.completions:
-            if any(t >= self.vocab_size for t in c.token_ids) or any(
-                t >= self.vocab_size for t in traj.prompt_token_ids
-            ):
-                return f"token id >= the model's vocab size {self.vocab_size}"
-        try:
-            to_samples([traj], self.cfg.actor.ppo)
-        except ValueError as exc:
-            return str(exc)
-        return None
+        return batching.problem(traj, self.vocab_size)  # checked, not converted: the step converts
 
     async def next_batch(self, size: int, stop: asyncio.Event) -> list[Trajectory] | None:
         """Block until `size` usable groups are held (None if `stop` is set first)."""

@@ -35,6 +35,22 @@ class Sample:
         return len(self.input_ids) - self.prompt_len
 
 
+def problem(trajectory: Trajectory, vocab_size: int | None = None) -> str | None:
+    """Why `trajectory` cannot be trained (by a model of `vocab_size` tokens, when given), or
+    None. What `to_samples` needs of a trajectory is checked here and only here: the trainer
+    checks each trajectory once as it arrives (`AcceptedQueue`) and converts it once, in the
+    step, where `to_samples` refuses with the same words."""
+    if not trajectory.prompt_token_ids:
+        return "prompt_token_ids is empty"
+    if vocab_size is not None:
+        for where, tokens in [("prompt_token_ids", trajectory.prompt_token_ids)] + [
+            (f"completions[{i}].token_ids", c.token_ids) for i, c in enumerate(trajectory.completions)
+        ]:
+            if any(t >= vocab_size for t in tokens):
+                return f"{where}: token id {max(tokens)} >= the model's vocab size {vocab_size}"
+    return None
+
+
 def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
     """Flatten groups into samples carrying their GRPO advantage. Completions with no token
     still count for their group's mean and std but produce no sample."""
@@ -56,8 +72,8 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
         advantages = list(flat.split([len(g.completions) for g in groups]))
     samples = []
     for group, adv in zip(groups, advantages):
-        if not group.prompt_token_ids:
-            raise ValueError(f"trajectory {group.trajectory_id}: prompt_token_ids is empty")
+        if (why := problem(group)) is not None:
+            raise ValueError(f"trajectory {group.trajectory_id}: {why}")
         for completion, a in zip(group.completions, adv.tolist()):
             if not completion.token_ids:
                 continue
