@@ -94,8 +94,10 @@ _DELIVER = {
 class Bus:
     """One connection of one service of one run. Create with `await Bus.connect(...)`."""
 
-    def __init__(self, nc: Client, run: str, service: str):
+    def __init__(self, nc: Client, run: str, service: str, replicas: int = 1):
         self.nc = nc
+        self.replicas = replicas
+        """copies of each stream and KV bucket this Bus creates (`bus.stream_replicas`)"""
         self.js = nc.jetstream()
         self.run = subjects.token(run, "run")
         self.service = subjects.token(service, "service")
@@ -115,7 +117,7 @@ class Bus:
         """Connect (`nats_client.connect`: retried for up to `cfg.connect_timeout_s`)."""
         subjects.token(run, "run")
         subjects.token(service, "service")
-        return cls(await nats_client.connect(cfg, run=run, service=service), run, service)
+        return cls(await nats_client.connect(cfg, run=run, service=service), run, service, cfg.stream_replicas)
 
     @property
     def is_connected(self) -> bool:
@@ -129,7 +131,7 @@ class Bus:
         """This connection as seen by another run of the fleet: that run's subjects, streams
         and dead letters, consumers and subscriptions of its own. Closing the view stops
         those only; the connection belongs to the Bus it came from."""
-        view = Bus(self.nc, run, self.service)
+        view = Bus(self.nc, run, self.service, self.replicas)
         view._view = True
         return view
 
@@ -169,7 +171,7 @@ class Bus:
         missing, update what differs. With NATS auth only the registry (the run's first
         service) may create streams and only the operator may update them (deploy/nats); every
         other service finds them in place, which needs nothing but STREAM.INFO."""
-        for config in streams.stream_configs(self.run):
+        for config in streams.stream_configs(self.run, self.replicas):
             assert config.name is not None  # stream_configs names every stream
             try:
                 existing = (await self.js.stream_info(config.name)).config
@@ -205,7 +207,7 @@ class Bus:
         try:
             return await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            config = KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE)
+            config = KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE, replicas=self.replicas)
             return await self.js.create_key_value(config)
 
     # --- publishing ---------------------------------------------------------------------

@@ -242,7 +242,7 @@ def _connect_options(cfg: BusConfig) -> dict[str, Any]:
         if not os.path.isfile(cfg.creds_file):
             raise BusError(f"bus.creds_file: {cfg.creds_file!r} does not exist")
         options["user_credentials"] = cfg.creds_file
-    if cfg.tls_ca or cfg.tls_cert or cfg.url.startswith("tls://"):
+    if cfg.tls_ca or cfg.tls_cert or "tls://" in cfg.url:
         if bool(cfg.tls_cert) != bool(cfg.tls_key):
             raise BusError("bus.tls_cert/bus.tls_key: give both for client certificates, or neither")
         context = ssl.create_default_context(cafile=cfg.tls_ca)
@@ -252,9 +252,23 @@ def _connect_options(cfg: BusConfig) -> dict[str, Any]:
     return options
 
 
+def servers(cfg: BusConfig) -> list[str]:
+    """The URLs of `bus.url`: one server, or a cluster's nodes comma-separated (the client
+    fails over between them and learns the rest of the cluster from the one it reaches)."""
+    urls = [url.strip() for url in cfg.url.split(",")]
+    for url in urls:
+        if not url.startswith(("nats://", "tls://")) or url in ("nats://", "tls://"):
+            raise BusError(
+                f"bus.url: {url!r} is not a NATS URL; give nats://host:port (or tls://), several "
+                "comma-separated for a cluster"
+            )
+    return urls
+
+
 async def connect(cfg: BusConfig, *, run: str, service: str) -> Client:
     """An open connection, after retrying for up to `cfg.connect_timeout_s` (a service may start
     before the server); afterwards nats-py reconnects on its own, every RECONNECT_WAIT_S."""
+    urls = servers(cfg)
     options = _connect_options(cfg)
     nc = Client()
 
@@ -275,7 +289,7 @@ async def connect(cfg: BusConfig, *, run: str, service: str) -> Client:
         # max_reconnect_attempts=-1): bound the whole attempt by connect_timeout_s.
         await asyncio.wait_for(
             nc.connect(
-                servers=[cfg.url],
+                servers=urls,
                 name=f"lorabus-{run}-{service}",
                 # nats-py annotates both as int but hands them to asyncio timeouts as seconds
                 connect_timeout=cfg.connect_timeout_s,  # type: ignore[arg-type]

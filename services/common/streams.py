@@ -117,8 +117,9 @@ def differs(existing: StreamConfig, wanted: StreamConfig) -> bool:
     return any(have.get(key) != want.get(key) for key in _COMPARED)
 
 
-def stream_configs(run: str) -> list[StreamConfig]:
-    """The streams `Bus.ensure_streams` creates or updates for `run`."""
+def stream_configs(run: str, replicas: int = 1) -> list[StreamConfig]:
+    """The streams `Bus.ensure_streams` creates or updates for `run`, each kept in `replicas`
+    copies (3 on a three-node cluster: a stream, and the consumers on it, survive a node)."""
     return [
         StreamConfig(
             name=name(run),
@@ -130,6 +131,7 @@ def stream_configs(run: str) -> list[StreamConfig]:
             max_msgs_per_subject=per_subject,
             max_msg_size=codec.max_bytes_of(msg_type),
             duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=replicas,
         )
         for name, subject, max_age, per_subject, msg_type in _LAYOUT
     ]
