@@ -210,7 +210,9 @@ class XcclSender:
             # members wait in the header receive: point them at the next group (they leave
             # cleanly and read its members from the store); a broken group just closes
             try:
-                self.pg.broadcast(xccl.end_header(reason_next), 0).wait(xccl.timeout(self.timeout_s))
+                self.pg.broadcast(xccl.end_header(reason_next).to(self._flag_device()), 0).wait(
+                    xccl.timeout(self.timeout_s)
+                )
             except Exception as exc:
                 log.info("xccl: group %s did not take its END header (%s)", self.group_name, exc)
         box, self.pg = [self.pg], None
