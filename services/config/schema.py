@@ -1,8 +1,8 @@
 """The typed shape of a lorabus config file (AReaL-style YAML).
 
 Only the shape and defaults live here; loading and `${a.b}` interpolation are in
-`services.config.loader`, the cross-field validation rules in `services.config.rules`. Every service reads the same file and uses
-the sections it needs, so one YAML describes a whole run.
+`services.config.loader`, the cross-field validation rules in `services.config.rules`. Every
+service reads the same file and uses the sections it needs, so one YAML describes a whole run.
 """
 
 from __future__ import annotations
