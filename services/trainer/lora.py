@@ -16,9 +16,10 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from proto.messages import LoraSpec
-from services.common.adapter_io import DTYPES, dtype_name, standardize_key
+from services.common.adapter_io import standardize_key
 from services.common.lora_targets import for_backend
 from services.config.schema import ActorConfig
+from services.trainer.engines import base as engines_base
 from services.trainer.precision import upcast
 
 log = logging.getLogger(__name__)
@@ -141,13 +142,6 @@ def wrapped_module_names(model: nn.Module, adapter: str | None = None) -> list[s
 def lora_spec(
     model: nn.Module, actor: ActorConfig, base_model: str | None = None, adapter: str | None = None
 ) -> LoraSpec:
-    """What a receiver needs to rebuild the adapter: rank, alpha, the modules actually wrapped
-    (all-linear resolved to names), dtype (the serving dtype `actor.dtype` the adapter is
-    published in, not the fp32 masters') and base model id."""
-    return LoraSpec(
-        rank=actor.lora_rank,
-        alpha=float(actor.lora_alpha),
-        target_modules=wrapped_module_names(model, adapter),
-        dtype=dtype_name(DTYPES[actor.dtype]),
-        base_model=base_model if base_model is not None else actor.path,
-    )
+    """The published `LoraSpec` of `model`'s adapter (`engines.base.lora_spec`, the one builder),
+    naming the modules peft actually wrapped (all-linear resolved to names)."""
+    return engines_base.lora_spec(actor, wrapped_module_names(model, adapter), base_model)

@@ -20,11 +20,25 @@ import torch.distributed as dist
 from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
-from services.config.schema import LorabusConfig
+from services.config.schema import ActorConfig, LorabusConfig
 from services.trainer.loss import LossStats
 
 TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def lora_spec(actor: ActorConfig, target_modules: list[str], base_model: str | None = None) -> LoraSpec:
+    """The one builder of the `LoraSpec` every engine publishes: rank, alpha, the HF names of
+    the modules that carry LoRA (resolved: no all-linear), the serving dtype `actor.dtype` the
+    adapter is published in (never the fp32 masters', docs/design.md "Precision and memory"),
+    and the base model id (`actor.path` unless a run names its own)."""
+    return LoraSpec(
+        rank=actor.lora_rank,
+        alpha=float(actor.lora_alpha),
+        target_modules=target_modules,
+        dtype=actor.dtype,
+        base_model=base_model if base_model is not None else actor.path,
+    )
 
 
 @dataclass

@@ -14,7 +14,9 @@ writes into `main_grad` buffers the frozen base weights do not have); no distrib
 over data-parallel ranks, sliced like the adapter over tensor-parallel ranks); no DCP
 checkpoints: each rank saves its own slices with torch.save (`checkpoint.py`).
 
-Published versions are HF PEFT tensors (`adapter_state`, layout `hf-peft`): the TP slices are
+Published versions are HF PEFT tensors in the serving dtype `actor.dtype`, cast once from the
+fp32 masters as the FSDP2 engine does (`adapter_state`, layout `hf-peft`, its `LoraSpec` from
+the trainer's one builder, `engines.base.lora_spec`): the TP slices are
 gathered, merged (`state.merge_tp`) and converted with `services.common.megatron_to_hf.convert`
 on every rank, so the trainer service publishes and checkpoints them exactly as it does the
 FSDP2 engine's, and vLLM/SGLang/the embedded engine load them without a Megatron step in
@@ -41,10 +43,11 @@ from torch import nn
 
 from proto.messages import LoraSpec, Trajectory
 from services.common import lora_targets
+from services.common.adapter_io import DTYPES
 from services.common.megatron_to_hf import ModelShape
 from services.config.rules import check_megatron
 from services.config.schema import LorabusConfig
-from services.trainer.engines.base import StepStats, make_optimizer
+from services.trainer.engines.base import StepStats, lora_spec, make_optimizer
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import step as mstep
 from services.trainer.engines.megatron.deps import require
@@ -64,7 +67,6 @@ from megatron.bridge.peft.lora import LoRA  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _free_port() -> int:
@@ -134,7 +136,7 @@ class MegatronEngine:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        dtype = DTYPES[self.actor.dtype]
+        dtype = DTYPES[self.actor.dtype]  # the base's and the published adapter's
 
         torch.manual_seed(self.actor.seed)  # identical LoRA A init on every DP replica
         bridge = AutoBridge.from_hf_pretrained(self.actor.path, trust_remote_code=True, dtype=dtype)
@@ -171,13 +173,8 @@ class MegatronEngine:
         )
         self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer, cfg.total_train_steps)
         self.step = 0
-        self._lora = LoraSpec(
-            rank=self.actor.lora_rank,
-            alpha=float(self.actor.lora_alpha),
-            target_modules=lora_targets.to_hf(self.targets),
-            dtype="float32",
-            base_model=self.actor.path,
-        )
+        self._lora = lora_spec(self.actor, lora_targets.to_hf(self.targets))
+        self._serving = dtype
         log.info(
             "megatron engine: tp %d dp %d, %d adapter tensors on %s",
             self.tp_size,
@@ -223,9 +220,10 @@ class MegatronEngine:
         return merge_tp(gathered)
 
     def adapter_state(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The whole adapter as PEFT-standard tensors (what is published); call on every rank.
+        """The whole adapter as PEFT-standard tensors in the serving dtype (`lora_spec().dtype`),
+        cast once from the fp32 masters, as the FSDP2 engine publishes; call on every rank.
         `into` is ignored: `to_hf` builds new tensors anyway (the XCCL sender packs them)."""
-        return to_hf(self.bridge_adapter_state(), self.shape)
+        return {k: v.to(self._serving) for k, v in to_hf(self.bridge_adapter_state(), self.shape).items()}
 
     def lora_spec(self) -> LoraSpec:
         return self._lora
@@ -252,7 +250,11 @@ class MegatronEngine:
             )
         self.optimizer.load_state_dict(shards.load_shard(self.actor.checkpoint_dir, ref["step"], self._layout()))
         restored = self.adapter_state()
-        if set(restored) != set(adapter) or any(not torch.equal(restored[k], adapter[k].float()) for k in adapter):
+        # both in the serving dtype: the published copy and the masters' cast of it agree exactly
+        same = set(restored) == set(adapter) and all(
+            torch.equal(t, adapter[k].to(t.dtype)) for k, t in restored.items()
+        )
+        if not same:
             raise RuntimeError(
                 f"the adapter shards of step {ref['step']} do not reproduce the checkpoint's "
                 "published adapter; the checkpoint directory mixes runs: start a fresh one"
