@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# AReaL itself, the test oracle (tests/fixtures/areal_schema.py reads its config source): its
+	# metadata pins torch<2.11 and transformers<=5.3, so it cannot be a dev extra; --no-deps, since
+	# only its files are read
+	$(BIN)/pip install --quiet --no-deps areal==1.0.4
 	touch $@
 
 up: install
