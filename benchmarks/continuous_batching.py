@@ -1,0 +1,145 @@
+"""Continuous batching vs the batch engine on a rollout-shaped workload, side by side in one run.
+
+    python benchmarks/continuous_batching.py --out benchmarks/results/continuous_batching_h200.json
+    python benchmarks/continuous_batching.py --tiny --out /tmp/cb.json      # CPU smoke run
+
+The embedded engine (random bf16 weights of the Qwen2.5-1.5B shape, an r16 all-linear adapter
+as the head) serves `groups` GRPO-like groups: one prompt of `prompt_len` tokens, `n` samples,
+up to `max_new` new tokens, and a stop set of about 1 % of the vocabulary, so rows end at
+geometric lengths (mean near 100 tokens) as real completions do. Two ways, same requests:
+  batch       the work loop's rounds: `in_flight` groups per engine call, each call waiting for
+              its longest row (what rollout.slab_rows = 0 does)
+  continuous  a slab of `in_flight * n` rows (rollout.slab_rows), every group its own call, up
+              to `in_flight` in flight, a new one sent as soon as one is answered
+Reported: new tokens per second over the whole workload, the mean completion length, and the
+ratio continuous / batch. The samples' tokens are equal between the two (same seeds): that is
+checked, so a faster path that generates something else fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.adapters import random_lora  # noqa: E402
+from benchmarks.embedded_engine import build_model, model_config  # noqa: E402
+from benchmarks.timing import device_name, sync  # noqa: E402
+from proto.messages import LoraSpec  # noqa: E402
+from services.common.lora_targets import HF_LINEAR  # noqa: E402
+from services.rollout.engines.base import GenRequest  # noqa: E402
+from services.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
+
+
+def workload(groups: int, n: int, prompt_len: int, max_new: int, vocab: int) -> list[GenRequest]:
+    g = torch.Generator().manual_seed(3)
+    stops = torch.randperm(vocab, generator=g)[: max(1, vocab // 100)].tolist()
+    return [
+        GenRequest(
+            prompt_token_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+            n=n,
+            max_new_tokens=max_new,
+            temperature=1.0,
+            seed=1000 + i,
+            stop_token_ids=stops,
+        )  # fmt: skip
+        for i in range(groups)
+    ]
+
+
+async def run_batch(engine: EmbeddedEngine, reqs: list[GenRequest], in_flight: int) -> list:
+    out = []
+    for i in range(0, len(reqs), in_flight):
+        out += await engine.generate(reqs[i : i + in_flight], 0)
+    return out
+
+
+async def run_continuous(engine: EmbeddedEngine, reqs: list[GenRequest], in_flight: int) -> list:
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(req: GenRequest):
+        async with gate:
+            return (await engine.generate([req], 0))[0]
+
+    return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+
+async def measure(args, device: torch.device, dtype: torch.dtype) -> dict:
+    cfg = model_config(args.tiny)
+    reqs = workload(args.groups, args.n, args.prompt_len, args.max_new, cfg.vocab_size)
+    adapter = random_lora(build_model(cfg, torch.device("cpu"), dtype), 16, seed=5, dtype=dtype, b_scale=0.02)
+    spec = LoraSpec(rank=16, alpha=32.0, target_modules=list(HF_LINEAR), base_model="bench")
+    results: dict = {}
+    outputs = {}
+    for name, slab in (("batch", 0), ("continuous", args.in_flight * args.n)):
+        engine = EmbeddedEngine(
+            build_model(cfg, device, dtype), eos_ids=[], pad_id=0, slots=3, cuda_graphs=device.type == "cuda",
+            slab_rows=slab, slab_length=args.prompt_len + args.max_new,
+        )  # fmt: skip
+        await engine.load_version(0, {k: v.to(device) for k, v in adapter.items()}, spec)
+        go = run_batch if slab == 0 else run_continuous
+        await go(engine, reqs[: args.in_flight], args.in_flight)  # warm-up: kernels and graphs
+        sync(device)
+        t0 = time.perf_counter()
+        out = await go(engine, reqs, args.in_flight)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(r.token_ids) for group in out for r in group)
+        results[name] = {
+            "seconds": round(seconds, 3),
+            "new_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1),
+            "mean_completion": round(tokens / (args.groups * args.n), 1),
+        }
+        outputs[name] = [[r.token_ids for r in group] for group in out]
+        print(f"{name:>10}: {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s", flush=True)
+        await engine.close()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    same = outputs["batch"] == outputs["continuous"]
+    results["same_tokens"] = same
+    results["continuous_vs_batch"] = round(results["continuous"]["tokens_per_s"] / results["batch"]["tokens_per_s"], 3)
+    print(f"continuous / batch: {results['continuous_vs_batch']:.3f}; same tokens: {same}")
+    if not same:
+        raise SystemExit("continuous batching generated other tokens than the batch engine")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--n", type=int, default=8, help="samples per group")
+    ap.add_argument("--in-flight", type=int, default=8, help="groups in flight (rollout.batch_groups)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--max-new", type=int, default=None)
+    args = ap.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    args.groups = args.groups or (6 if args.tiny else 64)
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
+    args.max_new = args.max_new or (48 if args.tiny else 512)
+    if args.tiny:
+        args.n, args.in_flight = min(args.n, 4), min(args.in_flight, 2)
+    res = asyncio.run(measure(args, device, dtype))
+    out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(args.out)}, **res}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
