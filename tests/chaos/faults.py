@@ -273,9 +273,12 @@ class Run:
     timeout_s: float = 540.0
     hold_bound_s: float = HOLD_BOUND_S
     gate: Gate | None = None
+    bus_url: str | None = None
+    """a NATS server or cluster already running (`--bus-url`); None: the launcher's own"""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
+        bus = ["--bus-url", self.bus_url] if self.bus_url else []
+        return [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml", *bus,
                 "--timeout", str(self.timeout_s), "--progress-every", "10",
                 f"run_dir={self.run_dir}", f"total_train_steps={self.steps}", *self.overrides]  # fmt: skip
 
@@ -362,9 +365,12 @@ class Streams:
     trainer_backlog: int = 0
 
 
-async def _read(run_dir: Path) -> Streams:
-    server = start_nats_server(run_dir / "nats")
-    bus = await Bus.connect(BusConfig(url=server.url), run=RUN, service="chaos-check")
+async def _read(run_dir: Path, url: str | None) -> Streams:
+    server = start_nats_server(run_dir / "nats") if url is None else None
+    if server is not None:
+        url = server.url
+    assert url is not None
+    bus = await Bus.connect(BusConfig(url=url), run=RUN, service="chaos-check")
     s = Streams()
     try:
 
@@ -397,9 +403,12 @@ async def _read(run_dir: Path) -> Streams:
         s.trainer_backlog = await bus.consumer_backlog(trainer.stream, trainer.durable) or 0
     finally:
         await bus.close()
-        server.close()
+        if server is not None:
+            server.close()
     return s
 
 
-def read_streams(run_dir: Path) -> Streams:
-    return asyncio.run(_read(run_dir))
+def read_streams(run_dir: Path, url: str | None = None) -> Streams:
+    """The stopped run's streams: from its own store (a fresh nats-server on the run's
+    directory), or from the server or cluster at `url` that served it."""
+    return asyncio.run(_read(run_dir, url))
