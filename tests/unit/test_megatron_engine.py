@@ -352,7 +352,7 @@ class FakeProvider:
     def finalize(self) -> None:
         pass
 
-    def provide_distributed_model(self, wrap_with_ddp: bool) -> list[nn.Module]:
+    def provide_distributed_model(self, wrap_with_ddp: bool, **precision: bool) -> list[nn.Module]:
         return [TinyMegatronLM(vocab=32, hidden=16)]
 
 
@@ -397,12 +397,15 @@ def _fake_megatron_modules() -> dict[str, types.ModuleType]:
             "megatron.bridge",
             "megatron.bridge.peft",
             "megatron.bridge.peft.lora",
+            "megatron.bridge.models",
+            "megatron.bridge.models.gpt_provider",
         )
     }
     mods["megatron.core"].parallel_state = parallel_state
     mods["megatron.core"].tensor_parallel = tensor_parallel
     mods["megatron.bridge"].AutoBridge = FakeAutoBridge
     mods["megatron.bridge.peft.lora"].LoRA = FakeBridgeLoRA
+    mods["megatron.bridge.models.gpt_provider"].local_layer_spec = lambda config: None
     return mods
 
 

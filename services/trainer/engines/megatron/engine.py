@@ -23,8 +23,10 @@ FSDP2 engine's, and vLLM/SGLang/the embedded engine load them without a Megatron
 between. `bridge_adapter_state` gives the gathered bridge-named state for consumers that want
 the `megatron-bridge` layout.
 
-This file needs megatron-core and megatron-bridge (and CUDA: Megatron's forward does); it
-raises `MegatronNotInstalled` naming the `lorabus[megatron]` extra when they are missing.
+This file needs megatron-core and megatron-bridge; it raises `MegatronNotInstalled` naming the
+`lorabus[megatron]` extra when they are missing. Transformer Engine is optional: without it the
+model is built from megatron-core's local layer spec (`configure_provider`, `bridge_import`).
+It runs on CUDA; on CPU (gloo) for tests only.
 Pipeline parallelism (needs Megatron's forward-backward schedule) and expert parallelism
 (expert adapter gradients reduce over the expert-data group) are refused at start.
 """
@@ -45,11 +47,13 @@ from proto.messages import LoraSpec, Trajectory
 from services.common import lora_targets
 from services.common.adapter_io import DTYPES
 from services.common.megatron_to_hf import ModelShape
+from services.common.models import resolve_device
 from services.config.rules import check_megatron
 from services.config.schema import LorabusConfig
 from services.trainer.engines.base import StepStats, lora_spec, make_optimizer
 from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import step as mstep
+from services.trainer.engines.megatron.bridge_import import have_transformer_engine, import_bridge
 from services.trainer.engines.megatron.deps import require
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.engines.megatron.state import (
@@ -61,8 +65,9 @@ from services.trainer.engines.megatron.state import (
 from services.trainer.schedule import make_scheduler
 
 require("megatron.core")
-require("megatron.bridge")
+import_bridge()  # megatron-bridge, with or without Transformer Engine (bridge_import.py)
 from megatron.bridge import AutoBridge  # noqa: E402
+from megatron.bridge.models.gpt_provider import local_layer_spec  # noqa: E402
 from megatron.bridge.peft.lora import LoRA  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
@@ -76,20 +81,22 @@ def _free_port() -> int:
 
 
 def init_megatron(cfg: LorabusConfig) -> torch.device:
-    """Join (or, outside torchrun, create a one-rank) NCCL group and Megatron's parallel state."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "actor.backend: 'megatron' needs a CUDA device (Megatron's forward calls "
-            "torch.cuda.current_device()); use actor.backend: fsdp2 on CPU"
-        )
+    """Join (or, outside torchrun, create a one-rank) process group and Megatron's parallel state:
+    NCCL on CUDA; gloo on CPU, which is for tests (megatron-core's RoPE calls
+    `torch.cuda.current_device()` in every forward, which a CPU test must route to "cpu")."""
+    device = resolve_device(cfg.actor.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" not in os.environ:  # a plain `python -m services.trainer`: one rank
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
         )
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"actor.device: {cfg.actor.device!r}, the Megatron engine runs on cuda (or cpu for tests)")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     m = cfg.actor.megatron
     if m.pipeline_model_parallel_size != 1:
         raise ValueError(
@@ -107,8 +114,36 @@ def init_megatron(cfg: LorabusConfig) -> torch.device:
             pipeline_model_parallel_size=1,
             expert_model_parallel_size=1,
         )
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.actor.seed)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.actor.seed)
+    else:
+        # no CUDA RNG to fork; nothing random runs under the tracker (dropout is 0 with LoRA here)
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
     return device
+
+
+def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Parallel sizes, dtypes and, without Transformer Engine, megatron-core's local layer spec
+    with the fusions that need TE or CUDA extensions off (`LoRA` then wraps plain
+    Column/RowParallelLinear layers: the TE op fuser is never asked for)."""
+    provider.tensor_model_parallel_size = cfg.actor.megatron.tensor_model_parallel_size
+    provider.pipeline_model_parallel_size = 1
+    provider.expert_model_parallel_size = 1
+    provider.gradient_accumulation_fusion = False
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = dtype == torch.float16
+    provider.use_cpu_initialization = device.type == "cpu"
+    if not have_transformer_engine():
+        provider.transformer_layer_spec = local_layer_spec
+        provider.use_transformer_engine_full_layer_spec = False
+        provider.use_transformer_engine_op_fuser = False
+        provider.apply_rope_fusion = False
+        provider.masked_softmax_fusion = False
+        provider.persist_layer_norm = False
+    for name in ("hidden_dropout", "attention_dropout"):
+        setattr(provider, name, 0.0)  # the step's proximal and trained logprobs must agree
 
 
 class MegatronEngine:
@@ -144,16 +179,14 @@ class MegatronEngine:
         self.shape = ModelShape.from_hf_config(hf_config)
         self.vocab_size = int(hf_config.vocab_size)
         provider = bridge.to_megatron_provider(load_weights=True)
-        provider.tensor_model_parallel_size = self.actor.megatron.tensor_model_parallel_size
-        provider.pipeline_model_parallel_size = 1
-        provider.expert_model_parallel_size = 1
-        provider.gradient_accumulation_fusion = False
-        provider.params_dtype = dtype
-        provider.pipeline_dtype = dtype
-        provider.bf16 = dtype == torch.bfloat16
-        provider.fp16 = dtype == torch.float16
+        configure_provider(provider, cfg, dtype, self.device)
         provider.finalize()
-        chunks = provider.provide_distributed_model(wrap_with_ddp=False)
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=self.device.type == "cpu",
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+        )
         self.lora = LoRA(
             target_modules=self.targets, dim=self.actor.lora_rank, alpha=self.actor.lora_alpha, dropout=0.0
         )
