@@ -12,8 +12,9 @@ geometric lengths (mean near 100 tokens) as real completions do. Two ways, same 
   continuous  a slab of `in_flight * n` rows (rollout.slab_rows), every group its own call, up
               to `in_flight` in flight, a new one sent as soon as one is answered
 Reported: new tokens per second over the whole workload, the mean completion length, and the
-ratio continuous / batch. The samples' tokens are equal between the two (same seeds): that is
-checked, so a faster path that generates something else fails the run.
+ratio continuous / batch. The samples' tokens are compared between the two (same seeds): in
+float32 they must be equal, so a faster path that generates something else fails the run; in
+bf16 the share of identical samples is reported.
 """
 
 from __future__ import annotations
@@ -105,12 +106,14 @@ async def measure(args, device: torch.device, dtype: torch.dtype) -> dict:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    same = outputs["batch"] == outputs["continuous"]
-    results["same_tokens"] = same
+    agree = [a == b for ga, gb in zip(outputs["batch"], outputs["continuous"]) for a, b in zip(ga, gb)]
+    results["same_tokens"] = all(agree)
+    results["identical_samples"] = round(sum(agree) / len(agree), 3)
     results["continuous_vs_batch"] = round(results["continuous"]["tokens_per_s"] / results["batch"]["tokens_per_s"], 3)
-    print(f"continuous / batch: {results['continuous_vs_batch']:.3f}; same tokens: {same}")
-    if not same:
-        raise SystemExit("continuous batching generated other tokens than the batch engine")
+    print(
+        f"continuous / batch: {results['continuous_vs_batch']:.3f}; "
+        f"identical samples: {results['identical_samples']:.1%}"
+    )
     return results
 
 
@@ -138,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(args.out)}, **res}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+    # in float32 the two paths give the same tokens (CPU), so any other token is a wrong path; in bf16 the
+    # GEMMs' reduction order follows the batch's shape and samples part at the first near-tie,
+    # so there the share of identical samples is reported, not required
+    if dtype == torch.float32 and not res["same_tokens"]:
+        raise SystemExit("continuous batching generated other tokens than the batch engine")
     return 0
 
 

@@ -45,9 +45,13 @@ ENGINE_OVERRIDES = {
     "vllm": ["rollout.engine=vllm", "rollout.replicas=1", "rollout.batch_groups=16"],
     "sglang": ["rollout.engine=sglang", "rollout.replicas=1", "rollout.batch_groups=16"],
 }
-SGLANG_ARGS = ["--attention-backend", "triton", "--mem-fraction-static", '"0.3"']
+SGLANG_ARGS = [
+    "--attention-backend", "triton", "--mem-fraction-static", '"0.3"', "--cuda-graph-backend-prefill", "disabled",
+]  # fmt: skip
 """the carried site has no FlashAttention 3 (benchmarks/device/sglang-site.sh); the trainer and
-the evaluator share the GPU, so the server takes 30 % of it (arith3_gpu.yaml does so for vLLM)"""
+the evaluator share the GPU, so the server takes 30 % of it (arith3_gpu.yaml does so for vLLM);
+prefill graphs cost 82 s of start-up on the H200 (sglang_smoke_h200.log) for prompts of a few
+dozen tokens here, so only decode is graphed (as --enforce-eager saves vLLM's start)"""
 
 
 def sglang_override(overrides: list[str]) -> str:
