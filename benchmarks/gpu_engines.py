@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -328,10 +329,34 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def server_base(kind: str, engine, url: str, cfg) -> Callable[[list[GenRequest]], Awaitable[int]]:
+    """Base-model rows on a LoRA-enabled server, one request per row as the engine sends them:
+    vLLM's completions under the served model's own name, SGLang's /generate without lora_path."""
+    if kind == "vllm":
+        from services.rollout.engines.vllm import completion_body, parse_completion
+
+        async def one(r: GenRequest) -> int:
+            answer = (await engine.http.post(f"{url}/v1/completions", completion_body(cfg.vllm.model, r))).json()
+            return sum(len(x.token_ids) for x in parse_completion(answer, r.n, url))
+
+    else:
+        from services.rollout.engines.sglang import generate_body, parse_generate
+
+        async def one(r: GenRequest) -> int:
+            body = generate_body("", r, [f"bench-base-{uuid.uuid4().hex}" for _ in range(r.n)])
+            del body["lora_path"]
+            answer = (await engine.http.post(f"{url}/generate", body)).json()
+            return sum(len(x.token_ids) for x in parse_generate(answer, r.n, url))
+
+    async def base(rows: list[GenRequest]) -> int:
+        return sum(await asyncio.gather(*map(one, rows)))
+
+    return base
+
+
 async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Path) -> dict:
     from services.local.ports import free_port
     from services.rollout import server_cmd
-    from services.rollout.engines.vllm import completion_body, parse_completion
 
     cfg = server_config(kind, model_dir, args, work)
     port = free_port()
@@ -357,19 +382,8 @@ async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Pat
         else:
             from services.rollout.engines.sglang import SglangEngine as Cls
         engine = Cls.from_config(cfg, [url])
-        base = None
-        if kind == "vllm":
-            base_name = cfg.vllm.model
-
-            async def base(rows: list[GenRequest]) -> int:
-                async def one(r):
-                    answer = (await engine.http.post(f"{url}/v1/completions", completion_body(base_name, r))).json()
-                    return parse_completion(answer, r.n, url)
-
-                outs = await asyncio.gather(*map(one, rows))
-                return sum(len(x.token_ids) for o in outs for x in o)
-
-        await measure(Runner(kind, engine, proc.pid, base), adapters, lora, args, res, work)
+        runner = Runner(kind, engine, proc.pid, server_base(kind, engine, url, cfg))
+        await measure(runner, adapters, lora, args, res, work)
         await engine.close()
     except Exception as exc:  # noqa: BLE001 - one engine failing must not cost the others' figures
         res["error"] = f"{type(exc).__name__}: {exc}"

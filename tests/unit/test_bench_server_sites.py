@@ -16,9 +16,12 @@ def test_each_server_gets_its_own_site_first_and_never_the_other():
     assert server_pythonpath("/tmp/site:/repo", None, None, "vllm") == "/tmp/site:/repo"
 
 
-def test_the_sglang_learning_run_asks_for_triton_attention_a_share_of_the_gpu_and_the_rollout_dtype():
+def test_the_sglang_learning_run_asks_for_triton_attention_a_gpu_share_the_rollout_dtype_and_decode_graphs_only():
     override = sglang_override(["rollout.dtype=bfloat16"])
     cfg = load_config("examples/arith3_gpu.yaml", ["rollout.engine=sglang", "rollout.preload_v0=false", override])
     argv = server_cmd.server_command(cfg, host="127.0.0.1", port=1)
     tail = argv[argv.index("--lora-backend") + 2 :]
-    assert tail == ["--dtype", "bfloat16", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
+    assert tail == [
+        "--dtype", "bfloat16", "--attention-backend", "triton", "--mem-fraction-static", "0.3",
+        "--cuda-graph-backend-prefill", "disabled",
+    ]  # fmt: skip
