@@ -3,7 +3,7 @@
 #
 # The machine keeps /tmp while it stays warm (30 s after a call) and loses it when it goes back.
 # Each call installs the project's wheels (benchmarks/wheels) once into /tmp/site, copies the
-# vLLM parts it carries (.device/vllm/part_*, 45 MiB each, ../shared/device/README.md) into
+# vLLM parts it carries (.device/vllm/part_*, 44 MiB each: benchmarks/device/sites.sh says why) into
 # /tmp/vw, and unpacks vLLM into /tmp/vsite once all four have arrived. A call that finds
 # /tmp/vsite/.ok has vLLM importable.
 #
