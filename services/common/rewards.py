@@ -117,6 +117,8 @@ def math_answer(prompt: str, completion: str, answer: str) -> float:
     Where the completion writes GSM8K's `#### N`, only the text after the last `####` is read:
     AReaL's reward gives 0 for a bare `####72` (math-verify finds no number glued to the marker)
     and reads a number that follows the marked answer (`#### 72 ... 3 apples`) as the answer.
+    A dollar sign escaped as LaTeX writes it in running text (`\\$18`) is read as `$18`;
+    math-verify (and so AReaL) finds no number there.
     No timeout is armed: math-verify's own uses SIGALRM, which works in the main thread only
     (AReaL turns it off for the same reason)."""
     del prompt
@@ -126,6 +128,7 @@ def math_answer(prompt: str, completion: str, answer: str) -> float:
         raise RewardError(f"answer: {answer!r:.80} holds no answer math-verify can read")
     if "####" in completion:
         completion = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    completion = completion.replace("\\$", "$")
     pred = mv.parse(completion, parsing_timeout=None)
     if not pred:
         return 0.0

@@ -95,8 +95,10 @@ class PPOConfig(Section):
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     behav_imp_weight_cap: float | None = 5.0
-    """cap on pi_prox/pi_behave; tokens above it are masked (AReaL's default)"""
-    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    """cap on pi_prox/pi_behave; tokens above it are masked (AReaL's default); null: uncapped"""
+    behav_imp_weight_mode: Literal["mask", "clamp", "none"] = "mask"
+    """above the cap a token is masked or its weight clamped to the cap; none: the decoupled loss
+    has no pi_prox/pi_behave weight at all (AReaL without `rejection_sampling`, its default)"""
     use_decoupled_loss: bool = True
     kl_ctl: float = 0.0
     reward_scaling: float = 1.0

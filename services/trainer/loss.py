@@ -90,10 +90,13 @@ class LossStats:
     """tokens where the clipped surrogate was the active (larger) term"""
     masked: float = 0.0
     """tokens dropped because pi_prox / pi_behave exceeded the cap (mode mask)"""
+    clamped: float = 0.0
+    """tokens whose pi_prox / pi_behave was cut to the cap (mode clamp)"""
     imp_weight_sum: float = 0.0
     imp_weight_max: float = 0.0
     staleness_sum: float = 0.0
     ratio_sum: float = 0.0
+    """pi_theta / pi_prox over the tokens the loss keeps (a masked token adds 0, as AReaL's)"""
 
     def __add__(self, other: LossStats) -> LossStats:
         merged = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
@@ -108,12 +111,16 @@ class LossStats:
         return cls(**{f.name: float(v) for f, v in zip(fields(cls), t.tolist())})
 
     def summary(self) -> dict[str, float]:
+        """Means over the completion tokens, as AReaL reports a step (`clip_ratio`,
+        `importance_weight`, `rs_filtered_fraction` = masked + clamped); the behaviour weight's
+        over the tokens kept (`behave_imp_weight`)."""
         n = max(self.tokens, 1.0)
         kept = max(self.tokens - self.masked, 1.0)
         return {
             "tokens": self.tokens,
             "clip_fraction": self.clipped / n,
             "masked_fraction": self.masked / n,
+            "clamped_fraction": self.clamped / n,
             "imp_weight_mean": self.imp_weight_sum / kept,
             "imp_weight_max": self.imp_weight_max,
             "ratio_mean": self.ratio_sum / n,
@@ -131,7 +138,7 @@ def decoupled_ppo_loss(
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
     imp_weight_cap: float | None = 5.0,
-    imp_weight_mode: Literal["mask", "clamp"] = "mask",
+    imp_weight_mode: Literal["mask", "clamp", "none"] = "mask",
     use_decoupled_loss: bool = True,
     staleness: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
@@ -142,10 +149,12 @@ def decoupled_ppo_loss(
     (1 / total completion tokens of the whole batch for token-level averaging), so summing
     the returned loss over micro-batches gives the batch mean. `advantages` is broadcast per
     token. Without `use_decoupled_loss` this is plain PPO against the behaviour policy
-    (pi_prox := pi_behave, no importance weight).
+    (pi_prox := pi_behave, no importance weight). `imp_weight_mode` none leaves the behaviour
+    weight out (AReaL's decoupled loss without `rejection_sampling`, its default): the ratio is
+    still taken against pi_prox.
     """
-    if imp_weight_mode not in ("mask", "clamp"):
-        raise ValueError(f"behav_imp_weight_mode: {imp_weight_mode!r} must be 'mask' or 'clamp'")
+    if imp_weight_mode not in ("mask", "clamp", "none"):
+        raise ValueError(f"behav_imp_weight_mode: {imp_weight_mode!r} must be 'mask', 'clamp' or 'none'")
     if eps_clip <= 0:
         raise ValueError(f"eps_clip: {eps_clip} must be > 0")
     mask = loss_weights > 0
@@ -160,9 +169,9 @@ def decoupled_ppo_loss(
     surrogate = -advantages * ratio
     surrogate_clipped = -advantages * clipped_ratio
     pg = torch.maximum(surrogate, surrogate_clipped)
-    clipped = (surrogate_clipped > surrogate) & mask
 
-    if use_decoupled_loss:
+    clamped = torch.zeros_like(mask)
+    if use_decoupled_loss and imp_weight_mode != "none":
         imp_weight = torch.exp(prox - behave)
         if imp_weight_cap is None:
             keep = mask
@@ -170,12 +179,15 @@ def decoupled_ppo_loss(
             keep = mask & (imp_weight <= imp_weight_cap)
         else:
             keep = mask
+            clamped = mask & (imp_weight > imp_weight_cap)
             imp_weight = imp_weight.clamp(max=imp_weight_cap)
         imp_weight = torch.where(keep, imp_weight, torch.zeros_like(imp_weight))
         pg = pg * imp_weight
     else:
         keep = mask
         imp_weight = mask.to(pg.dtype)
+    # a masked token is out of the loss: it is neither clipped nor counted in the mean ratio
+    clipped = (surrogate_clipped > surrogate) & keep
 
     loss = torch.where(mask, pg * loss_weights, torch.zeros_like(pg)).sum()
     with torch.no_grad():
@@ -183,9 +195,10 @@ def decoupled_ppo_loss(
             tokens=float(mask.sum()),
             clipped=float(clipped.sum()),
             masked=float((mask & ~keep).sum()),
+            clamped=float(clamped.sum()),
             imp_weight_sum=float(imp_weight[keep].sum()),
             imp_weight_max=float(imp_weight[keep].max()) if keep.any() else 0.0,
             staleness_sum=float(staleness[mask].sum()) if staleness is not None else 0.0,
-            ratio_sum=float(ratio[mask].sum()),
+            ratio_sum=float(ratio[keep].sum()),
         )
     return loss, stats

@@ -78,6 +78,7 @@ def test_unknown_schema_names_fields_and_the_key(cache, tmp_path):
         ("#### 72\nthen 5 more", "72", 1.0),  # AReaL's reward gives 0
         ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
         ("The total is 3,600 plants.", "3,600", 1.0),
+        ("She makes \\$18 every day.", "18", 1.0),  # AReaL's reward gives 0
         ("It was \\boxed{-7} degrees", "-7", 1.0),
         ("It was \\boxed{7} degrees", "-7", 0.0),
         ("72 clips, and 5 more", "72", 0.0),

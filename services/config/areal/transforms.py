@@ -164,7 +164,7 @@ def rejection(x: Translator) -> None:
             x.refuse(cap if x.has(cap) else mode, f"and {r} are both set; keep only {r}")
             x.used.add(mode)
         elif x.get(mode, "token_mask") == "disabled":
-            x.to(mode, f"{p}.behav_imp_weight_cap", None, note=why + " (no cap)")
+            x.to(mode, f"{p}.behav_imp_weight_mode", "none", note=why + " (rejection_sampling: null)")
             x.noop(cap, "unused: behave_imp_weight_mode is disabled")
         elif x.get(mode, "token_mask") in _OLD_MODES:
             x.to(cap, f"{p}.behav_imp_weight_cap", default=5.0, note=why)
@@ -180,13 +180,13 @@ def rejection(x: Translator) -> None:
             x.used.add(cap)
         return
     if not any(k.startswith(r + ".") for k in x.flat) and x.get(r) is None:
+        # AReaL's decoupled loss without rejection sampling applies no pi_prox/pi_behave weight
+        why = "no behaviour importance weight and no filtering of stale tokens"
         if x.has(r):
-            x.to(r, f"{p}.behav_imp_weight_cap", None, note="no filtering of stale tokens")
+            x.to(r, f"{p}.behav_imp_weight_mode", "none", note=why)
         else:
-            set_at(x.t.tree, f"{p}.behav_imp_weight_cap", None)
-            x.t.rows.append(
-                Row(r, "None (AReaL default)", f"{p}.behav_imp_weight_cap = None", "no filtering of stale tokens")
-            )
+            set_at(x.t.tree, f"{p}.behav_imp_weight_mode", "none")
+            x.t.rows.append(Row(r, "None (AReaL default)", f"{p}.behav_imp_weight_mode = 'none'", why))
         return
     x.only(f"{r}.level", "token", "is not supported: lorabus filters per token (level: token)")
     x.only(f"{r}.metric", "ratio", "is not supported: lorabus caps the ratio pi_prox/pi_behave (metric: ratio)")
