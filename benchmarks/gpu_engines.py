@@ -250,6 +250,15 @@ async def run_embedded(model_dir: Path, adapters, lora, args, work: Path) -> dic
     return res  # the model goes with this frame; main empties the CUDA cache
 
 
+def adapter_root(work: Path) -> Path:
+    """Where the server engines write each version for their server to read: memory (/dev/shm)
+    where the host has it, as the XCCL sidecar does, so a load times the server, not a disk."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="lorabus-engines-", dir=shm))
+    return work
+
+
 def server_config(kind: str, model_dir: Path, args, work: Path):
     from services.config.loader import config_from_dict
 
@@ -283,7 +292,7 @@ def server_config(kind: str, model_dir: Path, args, work: Path):
                 "preload_v0": False,
                 "max_head_offpolicyness": KEEP - 2,
                 "lora_keep_versions": KEEP,
-                "adapter_dir": str(work / f"adapters-{kind}"),
+                "adapter_dir": str(args.adapter_root / f"adapters-{kind}"),
                 "request_timeout_s": 600,
             },
             kind: section,
@@ -369,7 +378,7 @@ async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Pat
     env["PYTHONPATH"] = server_pythonpath(env.get("PYTHONPATH", ""), args.vllm_site, args.sglang_site, kind)
     argv = server_cmd.server_command(cfg, host="127.0.0.1", port=port, python=args.server_python)
     log = work / f"{kind}.log"
-    res: dict = {"engine": kind, "argv": argv[1:]}
+    res: dict = {"engine": kind, "argv": argv[1:], "adapter_dir": cfg.rollout.adapter_dir}
     print(f"{kind}: {server_cmd.shell_line(argv)}", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -422,6 +431,7 @@ def print_table(results: list[dict]) -> None:
 
 async def main_async(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="lorabus-engines-", dir=args.work_dir))
+    args.adapter_root = adapter_root(work)
     if args.tiny:
         model_dir = tiny_model_dir(work / "model")
     else:
@@ -478,6 +488,7 @@ async def main_async(args) -> int:
         path.write_text(json.dumps(out, indent=2) + "\n")
     print_table(out["engines"])
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(args.adapter_root, ignore_errors=True)
     return 0 if all("error" not in r for r in out["engines"]) else 1
 
 
