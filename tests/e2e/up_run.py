@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,10 +23,11 @@ def run_up(
     timeout_s: float = 420.0,
     evaluate: bool = True,
     beside: Callable[[Path], None] | None = None,
+    flags: Sequence[str] = (),
 ) -> dict:
     """`beside(run_dir)`: run on a thread while the run goes (a fault to inject); what it
-    raises fails the test after the run."""
-    flags = [] if evaluate else ["--no-evaluate"]
+    raises fails the test after the run. `flags`: the launcher's own (`--server-site DIR`)."""
+    flags = [*flags] if evaluate else [*flags, "--no-evaluate"]
     cmd = [
         sys.executable,
         "-m",
