@@ -30,7 +30,8 @@
 #                           'vllm.extra_args=[--gpu-memory-utilization, "0.3", --enforce-eager]'
 #                           (its JSON's loads_by_path: how many versions came by broadcast)
 mkdir -p /tmp/sw
-for p in "$PWD"/.device/sglang/part_*; do [ -f "$p" ] && cp "$p" /tmp/sw/; done
+# the parts lie in the working tree ($_tree) also when h200_env.sh moved into a committed snapshot
+for p in "${_tree:-$PWD}"/.device/sglang/part_*; do [ -f "$p" ] && cp "$p" /tmp/sw/; done
 if [ ! -f /tmp/ssite/.ok ] && [ "$(ls /tmp/sw | wc -l)" -ge 2 ]; then
   mkdir -p /tmp/ssite && cat /tmp/sw/part_* | xz -d -T0 | tar -x -C /tmp/ssite && touch /tmp/ssite/.ok
 fi
