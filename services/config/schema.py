@@ -156,6 +156,9 @@ class ActorConfig(Section):
     seed: int = 1
     nproc_per_node: int = 1
     """trainer processes on this host; > 1 runs the trainer under torchrun (`lorabus up`)"""
+    disable_dropout: bool = False
+    """train with every dropout of the base model off (AReaL's name; LoRA's own dropout is
+    always 0): a model whose config sets attention or hidden dropout trains deterministically"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward pass instead of keeping
     them (AReaL's name): activation memory of one layer instead of all, for about a third

@@ -79,3 +79,25 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Every dropout of `model` off (AReaL's `disable_dropout`): `nn.Dropout` modules, and the
+    `attention_dropout` rate HF attention modules and configs read at each forward. Returns how
+    many were on."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p != 0:
+            module.p = 0.0
+            changed += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate != 0:
+            module.attention_dropout = 0.0  # type: ignore[assignment]  # a float, not a submodule
+            changed += 1
+        config = getattr(module, "config", None)
+        for name in ("attention_dropout", "hidden_dropout", "dropout"):
+            value = getattr(config, name, None)
+            if isinstance(value, float) and value != 0:
+                setattr(config, name, 0.0)
+                changed += 1
+    return changed

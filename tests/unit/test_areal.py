@@ -267,14 +267,14 @@ def test_translating_reads_no_data_and_needs_no_network(monkeypatch, tmp_path, c
 def test_native_file_with_areal_keys_gets_same_meaning_hints(tmp_path):
     path = tmp_path / "n.yaml"
     path.write_text(
-        "total_train_epochs: 3\nactor: {path: m, disable_dropout: true, eps_clip: 0.4}\n"
+        "total_train_epochs: 3\nactor: {path: m, recompute_logprob: true, eps_clip: 0.4}\n"
         "train_dataset: {path: builtin:arith}\n"
     )
     with pytest.raises(ConfigError) as info:
         load_config(path)
     text = "\n".join(info.value.problems)
     assert "total_train_epochs" not in text  # lorabus's own key too
-    assert "AReaL's actor.disable_dropout has no lorabus equivalent" in text
+    assert "AReaL's actor.recompute_logprob has no lorabus equivalent" in text
     assert "AReaL's actor.eps_clip is lorabus's actor.ppo.eps_clip" in text
     assert "checkpoint_dir" not in text
 

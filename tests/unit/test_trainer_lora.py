@@ -179,3 +179,18 @@ def test_adapter_state_into_the_send_set_writes_what_it_would_return_and_ignores
     assert all(torch.equal(wrong[k], before[k]) for k in wrong)
     fp32 = adapter_state(model, into=into)  # the masters' dtype is not the set's: ignored
     assert {t.dtype for t in fp32.values()} == {torch.float32}
+
+
+def test_disable_dropout_makes_a_training_forward_deterministic():
+    from services.trainer.startup import disable_dropout
+
+    # a base whose config has attention dropout, as some models ship
+    base = fixture_qwen2(0, vocab_size=96, max_position_embeddings=128, attention_dropout=0.5)
+    model = wrap_lora(base, ActorConfig(path="tiny", lora_rank=4)).train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    one = model(input_ids=ids).logits
+    assert not torch.equal(one, model(input_ids=ids).logits)  # dropout is on in train mode
+    assert disable_dropout(model) > 0
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert disable_dropout(model) == 0

@@ -34,7 +34,6 @@ RENAMES: dict[str, str] = {
 """AReaL keys -> the lorabus keys with the same meaning (for 'did you mean' in native files)."""
 
 NO_EQUIVALENT = {
-    "actor.disable_dropout": "lorabus trains with the model's own dropout config",
     "actor.recompute_logprob": "the decoupled loss always recomputes",
     "actor.scheduling_spec": "services are placed by lorabus up or the deployment",
     "cluster": "services find each other through NATS (bus.url)",

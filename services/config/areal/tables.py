@@ -105,10 +105,7 @@ ACTOR: tuple[Entry, ...] = (
     Keep("actor.path", "actor.path"),
     Keep("actor.dtype", "actor.dtype", "bfloat16"),
     Only("actor.init_from_scratch", False, "is not supported: LoRA trains on a pretrained base"),
-    NoEffect(
-        "actor.disable_dropout",
-        "lorabus trains with the model's own dropout config (Qwen2/Qwen3: 0, so nothing to disable)",
-    ),
+    Keep("actor.disable_dropout", "actor.disable_dropout", False),
     Keep("actor.gradient_checkpointing", "actor.gradient_checkpointing", False),
     Keep(
         "actor.mb_spec.max_tokens_per_mb",

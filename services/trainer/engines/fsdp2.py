@@ -95,6 +95,8 @@ class FSDP2Engine:
             )
         self.vocab_size = embeddings.num_embeddings
         self.model = wrap_lora(base, self.actor)  # LoRA parameters: fp32 masters
+        if self.actor.disable_dropout:
+            startup.disable_dropout(self.model)
         self.adapter = "default"
         """the peft adapter this engine trains (a fleet's other runs are siblings: `sibling`)"""
         self.lora = lora_spec(self.model, self.actor)

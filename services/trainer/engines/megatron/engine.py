@@ -130,6 +130,9 @@ def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, de
     provider.pipeline_model_parallel_size = 1
     provider.expert_model_parallel_size = 1
     provider.gradient_accumulation_fusion = False
+    if cfg.actor.disable_dropout:
+        provider.hidden_dropout = 0.0
+        provider.attention_dropout = 0.0
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
