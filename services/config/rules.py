@@ -245,7 +245,7 @@ def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
             f"{s.max_loras_per_batch}; SGLang requires max_loaded_loras >= max_loras_per_batch"
         )
     served = [m for m in s.lora_target_modules if m not in ("all", ALL_LINEAR)]
-    trained = _trained_hf_modules(cfg.actor)
+    trained = trained_hf_modules(cfg.actor)
     if served and len(served) == len(s.lora_target_modules) and trained is not None:
         missing = [m for m in trained if m not in served]
         if missing:
@@ -257,7 +257,7 @@ def check_sglang_slots(cfg: LorabusConfig) -> list[str]:
     return out
 
 
-def _trained_hf_modules(actor: ActorConfig) -> list[str] | None:
+def trained_hf_modules(actor: ActorConfig) -> list[str] | None:
     """The HF names the adapter will touch, or None where the config cannot tell: all-linear on
     fsdp2 is resolved by peft against the model, and invalid names are check_target_modules's."""
     if lora_targets.problems(actor.target_modules, actor.backend):

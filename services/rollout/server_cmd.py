@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 
+from services.config.rules import trained_hf_modules
 from services.config.schema import LorabusConfig
 
 # vLLM's runtime load/unload endpoints exist only with this set.
@@ -83,8 +84,11 @@ def sglang_command(
             "--lora-backend",
             s.lora_backend,
         ]
-        if s.lora_target_modules:
-            argv += ["--lora-target-modules", *s.lora_target_modules]
+        # SGLang 0.5.17 refuses LoRA without start-up adapters unless it is told the targets
+        # (check_lora_server_args): the ones the adapter trains, or all it can serve
+        targets = s.lora_target_modules or ([] if s.lora_paths else trained_hf_modules(cfg.actor) or ["all"])
+        if targets:
+            argv += ["--lora-target-modules", *targets]
         if s.lora_paths:
             argv += ["--lora-paths", *s.lora_paths]
     return argv + list(s.extra_args)
