@@ -68,6 +68,7 @@ KEPT = {
     "actor.lora_alpha": "actor.lora_alpha = 16",
     "actor.target_modules": "actor.target_modules = ['all-linear']",
     "actor.gradient_checkpointing": "actor.gradient_checkpointing = True",
+    "actor.disable_dropout": "actor.disable_dropout = True",
     "actor.mb_spec.max_tokens_per_mb": "actor.mb_spec_max_tokens = 10240",
     "rollout.max_head_offpolicyness": "rollout.max_head_offpolicyness = 2",
     "rollout.max_concurrent_rollouts": "rollout.max_concurrent_rollouts = 256",
