@@ -5,6 +5,11 @@ service cannot decode, or keeps failing on, goes to the run's dead-letter stream
 blocking the consumer or being dropped silently (`services.common.pull`); JetStream publishes
 carry a `Nats-Msg-Id` so retries are deduplicated; and every message is counted for Prometheus.
 
+Every JetStream call it makes (publishes, stream/KV/consumer management, reads by sequence) is
+retried while the server or cluster recovers (`nats_client.retrying`, for `RECOVER_S`): a
+restarted server or a node lost from a cluster is a pause of a few seconds to a service, not an
+error; an outage longer than that is a `BusError` naming the bus URL.
+
 The bus modules are the only ones that talk to nats-py, split as nats.py splits its client:
 `nats_client` (the connection, raw messages, errors), `inbox` (replies), `pull` (durable
 consumers), this module (the `Bus` a service holds) and `run_table` (a fleet's KV run table).
@@ -18,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Literal, TypeVar, get_args, overload
 
 import msgspec
@@ -42,7 +48,7 @@ from services.common.inbox import Inbox
 from services.common.nats_client import (
     DEAD_LETTER_ERRORS,
     MSG_ID_HEADER,
-    TRANSIENT_ERRORS,
+    RECOVER_S,
     BusError,
     Client,
     Handler,
@@ -52,7 +58,9 @@ from services.common.nats_client import (
     SequenceMismatch,
     StoredMsg,
     decode,
+    retrying,
     stored_seq,
+    transient,
 )
 from services.common.nats_client import (
     Refused as Refused,  # re-exported: handlers raise it (`dispatch`)
@@ -67,8 +75,10 @@ T = TypeVar("T")
 DEAD_LETTER_RAW_BYTES = 64 * 1024
 DEAD_LETTER_REASONS: tuple[str, ...] = get_args(DeadLetterReason)
 DEAD_LETTER_ERROR_CHARS = 2000
-PUBLISH_TIMEOUT_S = 10.0
+PUBLISH_TIMEOUT_S = RECOVER_S
 """total time `publish` keeps retrying while the server is unreachable or recovering"""
+PUBACK_WAIT_S = 2.0
+"""how long one attempt of a publish waits for its PubAck before it is sent again"""
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
@@ -94,8 +104,10 @@ _DELIVER = {
 class Bus:
     """One connection of one service of one run. Create with `await Bus.connect(...)`."""
 
-    def __init__(self, nc: Client, run: str, service: str, replicas: int = 1):
+    def __init__(self, nc: Client, run: str, service: str, replicas: int = 1, *, url: str):
         self.nc = nc
+        self.url = url
+        """`bus.url`: the server, or a cluster's nodes, named when JetStream stays unavailable"""
         self.replicas = replicas
         """copies of each stream and KV bucket this Bus creates (`bus.stream_replicas`)"""
         self.js = nc.jetstream()
@@ -117,7 +129,8 @@ class Bus:
         """Connect (`nats_client.connect`: retried for up to `cfg.connect_timeout_s`)."""
         subjects.token(run, "run")
         subjects.token(service, "service")
-        return cls(await nats_client.connect(cfg, run=run, service=service), run, service, cfg.stream_replicas)
+        nc = await nats_client.connect(cfg, run=run, service=service)
+        return cls(nc, run, service, cfg.stream_replicas, url=cfg.url)
 
     @property
     def is_connected(self) -> bool:
@@ -131,7 +144,7 @@ class Bus:
         """This connection as seen by another run of the fleet: that run's subjects, streams
         and dead letters, consumers and subscriptions of its own. Closing the view stops
         those only; the connection belongs to the Bus it came from."""
-        view = Bus(self.nc, run, self.service, self.replicas)
+        view = Bus(self.nc, run, self.service, self.replicas, url=self.url)
         view._view = True
         return view
 
@@ -174,11 +187,11 @@ class Bus:
         for config in streams.stream_configs(self.run, self.replicas):
             assert config.name is not None  # stream_configs names every stream
             try:
-                existing = (await self.js.stream_info(config.name)).config
+                existing = (await self.jetstream(f"stream info {config.name}", self.js.stream_info, config.name)).config
             except nats.js.errors.NotFoundError:
                 try:
-                    await self.js.add_stream(config)
-                except (nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+                    await self.jetstream(f"create stream {config.name}", self.js.add_stream, config)
+                except nats.js.errors.APIError as exc:
                     raise BusError(
                         f"stream {config.name}: missing, and this user cannot create it "
                         f"({type(exc).__name__}); start the registry first (it creates the run's streams)"
@@ -187,14 +200,14 @@ class Bus:
             if not streams.differs(existing, config):
                 continue
             try:
-                await self.js.update_stream(config)
+                await self.jetstream(f"update stream {config.name}", self.js.update_stream, config)
             except nats.js.errors.BadRequestError as exc:
                 raise BusError(
                     f"stream {config.name}: existing stream cannot be changed to the current "
                     f"definition ({exc.description}); delete it (`nats stream rm`) or keep the "
                     "old settings"
                 ) from exc
-            except (nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+            except nats.js.errors.APIError as exc:
                 raise BusError(
                     f"stream {config.name}: differs from the current definition and this user may not "
                     f"update it ({type(exc).__name__}); run `lorabus streams --config FILE` as the operator"
@@ -205,10 +218,16 @@ class Bus:
         if not 1 <= history <= 64:
             raise BusError(f"history: {history} must be within 1..64 (JetStream's limit)")
         try:
-            return await self.js.key_value(bucket)
+            return await self.jetstream(f"open KV bucket {bucket}", self.js.key_value, bucket)
         except nats.js.errors.BucketNotFoundError:
             config = KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE, replicas=self.replicas)
-            return await self.js.create_key_value(config)
+            return await self.jetstream(f"create KV bucket {bucket}", self.js.create_key_value, config)
+
+    async def jetstream(self, what: str, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """`await call(*args, **kwargs)`, a JetStream API call that may be repeated (a read, an
+        idempotent create), retried while the server or cluster recovers (`retrying`); `what`
+        names it in the error when the bound runs out."""
+        return await retrying(partial(call, *args, **kwargs), what, self.url)
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -236,22 +255,15 @@ class Bus:
     async def _publish_raw(self, subject: str, data: bytes, *, msg_id: str | None, timeout: float) -> int:
         headers = {MSG_ID_HEADER: msg_id} if msg_id else None
         deadline = time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                seq = await self._js_publish(subject, data, headers, max(0.1, min(remaining, 2.0)))
-                self.published.inc()
-                return seq
-            except TRANSIENT_ERRORS as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise BusError(
-                        f"publish {subject}: no JetStream ack within {timeout}s "
-                        f"({type(exc).__name__}); is a stream capturing it (ensure_streams) "
-                        "and is the server up?"
-                    ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+
+        async def attempt() -> int:
+            wait = max(0.1, min(deadline - time.monotonic(), PUBACK_WAIT_S))
+            return await self._js_publish(subject, data, headers, wait)
+
+        fix = f"is a stream capturing {subject} (ensure_streams), and nats-server up (in a cluster, most nodes)?"
+        seq = await retrying(attempt, f"publish {subject}", self.url, timeout, fix=fix)
+        self.published.inc()
+        return seq
 
     async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float) -> int:
         """One JetStream publish (a request the stream answers with a PubAck): its sequence."""
@@ -419,7 +431,7 @@ class Bus:
             max_ack_pending=c.max_ack_pending,
         )
         try:
-            await self.js.add_consumer(c.stream, config)
+            await self.jetstream(f"create consumer {c.stream}/{c.durable}", self.js.add_consumer, c.stream, config)
         except nats.js.errors.NotFoundError as exc:
             raise BusError(
                 f"consume {c.durable}: stream {c.stream!r} does not exist; call ensure_streams() "
@@ -480,7 +492,7 @@ class Bus:
         """Messages of the durable not yet acked (pending + delivered un-acked); None when the
         durable does not exist."""
         try:
-            info = await self.js.consumer_info(stream, durable)
+            info = await self.jetstream(f"consumer info {stream}/{durable}", self.js.consumer_info, stream, durable)
         except nats.js.errors.NotFoundError:
             return None
         return info.num_pending + info.num_ack_pending
@@ -489,16 +501,17 @@ class Bus:
 
     async def last_seq(self, stream: str) -> int:
         """The stream's last sequence (0 when it never held a message)."""
-        return (await self.js.stream_info(stream)).state.last_seq
+        return (await self.jetstream(f"stream info {stream}", self.js.stream_info, stream)).state.last_seq
 
     async def message(self, stream: str, seq: int, subject: str | None = None) -> StoredMsg | None:
         """The message at `seq`; with `subject`, the first one at or after `seq` on it; None
         if there is none."""
+        what = f"read message {seq} of {stream}"
         try:
             if subject is None:
-                raw = await self.js.get_msg(stream, seq=seq)
+                raw = await self.jetstream(what, self.js.get_msg, stream, seq=seq)
             else:
-                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+                raw = await self.jetstream(what, self.js.get_msg, stream, seq=seq, subject=subject, next=True)
         except nats.js.errors.NotFoundError:
             return None
         return StoredMsg(raw.subject or "", raw.seq or 0, raw.data or b"", raw.headers)
@@ -506,12 +519,12 @@ class Bus:
     async def last_raw(self, stream: str, subject: str | None = None) -> StoredMsg | None:
         """The newest message of the stream (on `subject`, if given); None if there is none."""
         if subject is None:
-            info = (await self.js.stream_info(stream)).state
+            info = (await self.jetstream(f"stream info {stream}", self.js.stream_info, stream)).state
             if not info.last_seq or not info.messages:
                 return None
             return await self.message(stream, info.last_seq)
         try:
-            raw = await self.js.get_last_msg(stream, subject)
+            raw = await self.jetstream(f"read the last {subject} of {stream}", self.js.get_last_msg, stream, subject)
         except nats.js.errors.NotFoundError:
             return None
         return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
@@ -521,7 +534,7 @@ class Bus:
         stream does not exist). An ephemeral consumer without acks reads it in batches, so a
         reader (the launcher's summary) sees what is stored, not what it happened to receive."""
         try:
-            info = await self.js.stream_info(stream)
+            info = await self.jetstream(f"stream info {stream}", self.js.stream_info, stream)
         except nats.js.errors.NotFoundError:
             return []
         if not info.state.messages:
@@ -530,7 +543,8 @@ class Bus:
         config = ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0, mem_storage=True
         )
-        sub = await self.js.pull_subscribe((info.config.subjects or [">"])[0], stream=stream, config=config)
+        subject = (info.config.subjects or [">"])[0]
+        sub = await self.jetstream(f"read {stream}", self.js.pull_subscribe, subject, stream=stream, config=config)
         out: list[T] = []
         try:
             seq = 0
@@ -587,9 +601,23 @@ class Bus:
 
     async def publish_all(self, msgs: list[tuple[str, bytes, str]], *, timeout: float) -> list[int | BaseException]:
         """JetStream-publish `(subject, data, msg_id)`s without waiting for each ack in turn,
-        then gather every PubAck within `timeout`: a sequence, or the error, per message (a
-        PubAck that did not come: nats.errors.TimeoutError)."""
-        return await self.inbox.publish_all(msgs, timeout, self.published.inc)
+        then gather every PubAck: a sequence, or the error, per message (a PubAck that did not
+        come: nats.errors.TimeoutError). A message whose error is `transient` (a stream electing
+        its leader) is sent again with its msg id, so stored once, until `timeout`."""
+        deadline = time.monotonic() + timeout
+        results: list[int | BaseException] = [nats.errors.TimeoutError()] * len(msgs)
+        todo = list(range(len(msgs)))
+        delay = 0.05
+        while True:
+            wait = max(0.1, min(deadline - time.monotonic(), PUBACK_WAIT_S))
+            acks = await self.inbox.publish_all([msgs[i] for i in todo], wait, self.published.inc)
+            for i, ack in zip(todo, acks):
+                results[i] = ack
+            todo = [i for i, ack in zip(todo, acks) if isinstance(ack, BaseException) and transient(ack)]
+            if not todo or time.monotonic() + delay >= deadline:
+                return results
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     async def dead_letter_quietly(self, subject: str, reason: DeadLetterReason, error: str, raw: bytes) -> None:
         """`dead_letter` for messages nothing redelivers (core requests): log what fails."""

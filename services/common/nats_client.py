@@ -1,4 +1,5 @@
-"""What lorabus reaches of nats-py, below the Bus: the client, raw messages, errors, connecting.
+"""What lorabus reaches of nats-py, below the Bus: the client, raw messages, errors, connecting,
+and which failures are waited out (`transient`, `retrying`).
 
 The Bus (`bus.py`) and its pullers (`pull.py`) build on this module and on nothing of each
 other's: it holds the pieces both need. What it reaches of nats-py's internals is in `Client`
@@ -13,8 +14,9 @@ import logging
 import os
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -51,6 +53,23 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+RECOVER_S = 30.0
+"""how long a JetStream call is retried while the server or cluster recovers: a cluster that
+loses a node elects a new leader for each group the node led once its followers miss the
+leader's heartbeats for their election timeout (4-9 s in nats-server's raft.go), the metadata
+group's and a stream's in turn; a restarted single server takes a few seconds"""
+
+RECOVERING_CODES = frozenset({
+    10008,  # 503 "JetStream system temporarily unavailable": no metadata leader, an election
+    10158,  # 409 "duplicate message id is in process": an earlier attempt with this Nats-Msg-Id
+            # is proposed to the stream's group, not yet stored; once it is, the same publish is
+            # answered as a duplicate with its sequence (or, after a leader change, stored anew)
+})  # fmt: skip
+"""JetStream API error codes that say "not now" rather than "no": the same call may succeed"""
+
+T = TypeVar("T")
+
+
 class BusError(RuntimeError):
     pass
 
@@ -66,6 +85,50 @@ class SequenceMismatch(BusError):
 
 DEAD_LETTER_ERRORS: tuple[type[BaseException], ...] = (BusError, *TRANSIENT_ERRORS)
 """what `dead_letter` raises when it could not record the message"""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether the JetStream call that raised `exc` may succeed if made again unchanged: the
+    server is unreachable or restarting, a cluster is electing a leader (no answer in time, no
+    responders, 503 10008), or a publish's earlier attempt is still being stored (409 10158).
+    Any other API error is the server's answer (not found, refused, wrong last sequence)."""
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code is not None:
+        return exc.err_code in RECOVERING_CODES
+    return isinstance(exc, TRANSIENT_ERRORS)
+
+
+_UNAVAILABLE_FIX = "is nats-server up, and in a cluster are most of its nodes up and routed to each other?"
+
+
+async def retrying(call: Callable[[], Awaitable[T]], what: str, url: str, bound_s: float = RECOVER_S, *,
+                   fix: str = _UNAVAILABLE_FIX) -> T:  # fmt: skip
+    """`await call()`, made again with backoff (50 ms doubling to 1 s) while it fails with a
+    `transient` error, for `bound_s` at most; then `BusError` naming the bus URL, `what` failed
+    and `fix`. Only for calls that may be repeated: reads, idempotent creates and updates,
+    publishes (stored once if they carry a Nats-Msg-Id)."""
+    deadline = time.monotonic() + bound_s
+    delay, failures = 0.05, 0
+    while True:
+        try:
+            result = await call()
+        except Exception as exc:
+            if not transient(exc):
+                if failures:  # an answer at last, if not the one hoped for (a version not there)
+                    log.info("bus: %s answered after %d retries", what, failures)
+                raise
+            failures += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                problem = f"{what} failed for {bound_s:g} s ({type(exc).__name__}: {exc})"
+                raise BusError(f"bus.url: {url}, {problem}; {fix}") from exc
+            if failures == 1:
+                log.warning("bus: %s: %r; retrying for up to %g s", what, exc, bound_s)
+            await asyncio.sleep(min(delay, remaining))  # the last attempt is made at the bound
+            delay = min(2 * delay, 1.0)
+            continue
+        if failures:
+            log.info("bus: %s answered after %d retries", what, failures)
+        return result
 
 
 class StoredMsg(msgspec.Struct, frozen=True):

@@ -44,20 +44,25 @@ class RunTable:
         # #995), and a restarted fleet registry would then forget live runs. STREAM.INFO
         # answers from one snapshot of the stream.
         prefix = streams.kv_subject(self.bucket)
-        info = await self.bus.js.stream_info(streams.kv_stream(self.bucket), subjects_filter=f"{prefix}>")
+        stream = streams.kv_stream(self.bucket)
+        info = await self.bus.jetstream(f"stream info {stream}", self.bus.js.stream_info, stream,
+                                        subjects_filter=f"{prefix}>")  # fmt: skip
         keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
         out = {}
         for key in keys:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                entry = await kv.get(key)
+                entry = await self.bus.jetstream(f"read run {key} of {self.bucket}", kv.get, key)
                 if entry.value:
                     out[key] = decode(entry.value, RunRecord)
         return out
 
     async def put(self, record: RunRecord) -> int:
         """Write one run's record (the registry's job); returns the bucket revision."""
-        kv = await self.bus.key_value(streams.runs_bucket(record.fleet))
-        return await kv.put(subjects.token(record.run, "run"), codec.encode(record))
+        bucket = streams.runs_bucket(record.fleet)
+        kv = await self.bus.key_value(bucket)
+        # a repeated put stores the same record again: the key's value is the same either way
+        key = subjects.token(record.run, "run")
+        return await self.bus.jetstream(f"write run {key} to {bucket}", kv.put, key, codec.encode(record))
 
     async def watch(self, handler: OnRecord) -> asyncio.Task:
         """`handler(record)` for every run now, then for every change, in order, in a background

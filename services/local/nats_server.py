@@ -150,10 +150,7 @@ class NatsServer:
         log = open(self.log_file, "ab")
         try:
             # dies with its starter: a killed launcher must not leave a second server on the store
-            # (with the starting *thread*: start it from one that lives as long as the server)
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=processes.die_with_parent
-            )
+            self.proc = processes.spawn_lasting(cmd, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
 
@@ -265,6 +262,10 @@ class NatsCluster:
             )
             for i, port in enumerate(cluster_ports)
         ]
+        for i, node in enumerate(self.nodes):
+            # beside the stores, not in the ports dir close() removes: a failed test's run is
+            # read from the nodes' logs (elections, catch-ups) after the cluster is gone
+            node.log_file = Path(store_dir) / f"n{i}.log"
 
     @property
     def url(self) -> str:

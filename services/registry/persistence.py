@@ -23,7 +23,9 @@ a NATS message, however large the ledger: every piece is at most PIECE_BYTES.
 One writer, one write in flight, every write with `Nats-Expected-Last-Sequence`: the stream is
 a strict sequence [snapshot][entry]...[entry][snapshot][entry]..., a second registry for the
 same run makes the first one's next write fail (it stops instead of interleaving), and a
-retried write whose ack was lost is recognised by its `Nats-Msg-Id`. A restart reads the last
+retried write whose ack was lost is recognised by its `Nats-Msg-Id`: JetStream answers it as a
+duplicate with the first attempt's sequence, or "still in process" (409) while that attempt is
+being replicated, which is waited out like a leader election (`nats_client.transient`). A restart reads the last
 snapshot and the entries after it and replays them with the snapshot's config, then writes a
 fresh snapshot under its own config before anything else, so that entries following a
 snapshot were always decided under that snapshot's config.
@@ -35,8 +37,7 @@ import asyncio
 import hashlib
 import logging
 import os
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 
 import msgspec
@@ -54,7 +55,8 @@ from proto.messages import (
     TrajectoryDecision,
 )
 from services.common import streams
-from services.common.bus import TRANSIENT_ERRORS, Bus, SequenceMismatch
+from services.common.bus import Bus, SequenceMismatch
+from services.common.nats_client import retrying
 from services.registry import metrics, policy
 from services.registry.policy import AdapterFacts, DecisionInput, Ledger, PolicyConfig
 
@@ -69,8 +71,9 @@ SNAPSHOT_EVERY = 512
 """journal entries between snapshots: bounds the replay after a restart to a few thousand ops
 while keeping the snapshot's cost (encode the whole ledger) off almost every commit"""
 RETRY_FOR_S = 30.0
-"""how long a write keeps retrying while the server is unreachable before the registry stops
-(its memory then holds changes it cannot persist; a restart rebuilds from what was stored)"""
+"""how long a write keeps retrying while the server is unreachable or its cluster recovers
+before the registry stops (its memory then holds changes it cannot persist; a restart rebuilds
+from what was stored)"""
 
 
 class LedgerConflict(RuntimeError):
@@ -451,27 +454,16 @@ class Journal:
         chunks = pieces(data)
         for i, chunk in enumerate(chunks):
             subject, msg_id = f"{self.parts_prefix}{slot}.{i}", f"{self._token}:{self.seq}:{slot}.{i}"
-            await self._retrying(partial(self.bus.publish_raw, subject, chunk, msg_id=msg_id))
+            await self.bus.publish_raw(subject, chunk, msg_id=msg_id, timeout=RETRY_FOR_S)
         ref = SnapshotRef(slot=slot, pieces=len(chunks), sha256=hashlib.sha256(data).hexdigest())
         await self._write(msgspec.json.encode(ref), SNAPSHOT_KEY, rollup=True)
         self.slot = slot
 
-    async def _retrying(self, write: Callable[[], Awaitable[int]]) -> int:
-        deadline = time.monotonic() + RETRY_FOR_S
-        delay = 0.05
-        while True:
-            try:
-                return await write()
-            except TRANSIENT_ERRORS as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
-                log.warning("registry: ledger write failed (%r); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
-
     async def _write(self, data: bytes, key: str, *, rollup: bool = False) -> None:
         msg_id = f"{self._token}:{self.seq + 1}"
-        self.seq = await self._retrying(lambda: self._publish_once(self.prefix + key, data, msg_id, rollup))
+        subject = self.prefix + key
+        write = partial(self._publish_once, subject, data, msg_id, rollup)
+        self.seq = await retrying(write, f"ledger write to {subject}", self.bus.url, RETRY_FOR_S)
         if rollup:
             self.entries_since_snapshot = 0
             self.snapshots += 1

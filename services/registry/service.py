@@ -21,7 +21,9 @@ Throughput comes from batching every step around that rule, not from weakening i
   as messages arrive, no linger), takes whatever burst has arrived, decides all of it, waits
   for one commit, publishes the decisions and republishes the accepted ones' original bytes
   with async JetStream publishes (one write for both), then, with every PubAck gathered,
-  acks each message.
+  acks each message (a decision whose PubAck did not come is nak'd and sent again: a core
+  publish, as decisions were until issue 30, is dropped unseen by a replicated stream that is
+  electing its leader).
   The pull request stays open between bursts (`Bus.pull(keep_open=True)`); the delivery
   policy (dead letters, retries) is the bus's, as for every consumer.
 
@@ -308,21 +310,23 @@ class RegistryService:
         if not decided:
             return
         await self._commit()
-        # The decision is a notification (the DECISIONS stream records it); its source of
-        # truth is the ledger, just stored, so it leaves now, in the same write as the accepted
-        # copies, not a PubAck round trip later; a resent trajectory gets it again.
-        await self.bus.send_all([(subjects.decision(self.run, d.msg.replica), self._encode(decision))
-                                 for d, decision, _ in decided])  # fmt: skip
+        # The decisions (the DECISIONS stream's record; their source of truth is the ledger,
+        # just stored) and the accepted copies leave together, and their PubAcks are gathered
+        # together: one round trip a burst. A decision is stored, not only sent: a core publish
+        # that meets a stream electing its leader (a cluster's node lost) is dropped unseen.
+        # What was not stored is nak'd: the redelivery sends the same decision and copy again,
+        # and the trajectory's id as msg id makes JetStream keep one of each.
         resend = [d for d, _, again in decided if again]
-        acks = await self.bus.publish_all(
-            [(self._accepted, d.data, d.msg.trajectory_id) for d in resend], timeout=PUBLISH_TIMEOUT_S
-        )
+        sent = [(subjects.decision(self.run, d.msg.replica), self._encode(decision), d.msg.trajectory_id)
+                for d, decision, _ in decided]  # fmt: skip
+        sent += [(self._accepted, d.data, d.msg.trajectory_id) for d in resend]
+        acks = await self.bus.publish_all(sent, timeout=PUBLISH_TIMEOUT_S)
         failed = set()
-        for d, ack in zip(resend, acks):
-            if isinstance(ack, BaseException):  # redelivered later, republished then
-                log.warning("registry: accepted copy of %s not stored: %r", d.meta.subject, ack)
+        for d, (subject, _, _), ack in zip([d for d, _, _ in decided] + resend, sent, acks):
+            if isinstance(ack, BaseException):
+                log.warning("registry: %s for %s not stored: %r", subject, d.meta.subject, ack)
                 failed.add(id(d))
-        for d in resend:
+        for d, _, _ in decided:
             if id(d) in failed:
                 await d.nak(delay=1.0)
         await ack_all([d for d, _, _ in decided])

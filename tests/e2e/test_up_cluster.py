@@ -29,15 +29,7 @@ STEPS = 14
 CAUGHT_UP_BOUND_S = 60.0
 """the longest a restarted node may take to catch up (seconds on loopback)"""
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.xfail(
-        strict=True,
-        reason="issue 30 open: at a node's loss the registry's ledger write retries with its msg id "
-        "and gets 409 'duplicate message id is in process' (exit 1), then its restarts fail on 503 "
-        "'JetStream system temporarily unavailable' during the re-election and spend the restart budget",
-    ),
-]
+pytestmark = pytest.mark.timeout(600)
 
 
 def kill_node(cluster: NatsCluster, i: int) -> Callable[[Path], str]:
