@@ -250,7 +250,10 @@ class NatsCluster:
     """Three nats-servers routed into one JetStream cluster on `host`; `nodes[i]` stops,
     kills and starts one node (its client and cluster ports and its store are kept)."""
 
-    def __init__(self, store_dir: str | os.PathLike, host: str = "127.0.0.1", name: str = "lorabus"):
+    def __init__(self, store_dir: str | os.PathLike, host: str = "127.0.0.1", name: str = "lorabus",
+                 config_file: str | os.PathLike | None = None):  # fmt: skip
+        """`config_file`: each node's (the deployment's cluster.conf); the cluster flags given
+        here (names, ports, routes) take precedence over its cluster block."""
         from services.local.ports import free_ports
 
         cluster_ports = free_ports(CLUSTER_NODES, host)
@@ -258,6 +261,7 @@ class NatsCluster:
             NatsServer(
                 Path(store_dir) / f"n{i}",
                 host=host,
+                config_file=config_file,
                 cluster=ClusterRoute(name, f"n{i}", port, tuple(p for p in cluster_ports if p != port)),
             )
             for i, port in enumerate(cluster_ports)

@@ -1,4 +1,5 @@
-"""Start a real nats-server with a copy of `deploy/nats/nats.conf` (helpers for the deploy tests).
+"""Start a real nats-server with a copy of `deploy/nats/nats.conf`, or three with its
+`cluster.conf` (helpers for the deploy tests).
 
 The copy differs from the deployed file in one line: `store_dir` is dropped, because
 `start_nats_server` passes `-sd` and nats-server refuses a store dir given twice. Ports need
@@ -11,7 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
-from services.local.nats_server import NatsServer, start_nats_server
+from services.local.nats_server import NatsCluster, NatsServer, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"
@@ -32,8 +33,9 @@ def password_vars() -> list[str]:
     return _PASSWORD_VAR.findall(NATS_CONF.read_text())
 
 
-def start_with_deploy_config(tmp: Path, env: dict[str, str], tls_conf: Path | None = None) -> NatsServer:
-    """`env` must hold every password variable (the caller sets it in os.environ too: the
+def deploy_config(tmp: Path, env: dict[str, str], tls_conf: Path | None = None) -> Path:
+    """The deployed config files copied to `tmp/nats-conf` (nats.conf without its store_dir);
+    `env` must hold every password variable (the caller sets it in os.environ too: the
     server reads the variables from its own environment)."""
     missing = [v for v in password_vars() if v not in env]
     if missing:
@@ -45,4 +47,16 @@ def start_with_deploy_config(tmp: Path, env: dict[str, str], tls_conf: Path | No
         raise AssertionError("deploy/nats/nats.conf: no jetstream store_dir line")
     (conf_dir / "nats.conf").write_text(_STORE_DIR.sub("", text))
     shutil.copy(tls_conf or NATS_DIR / "tls-off.conf", conf_dir / "tls.conf")
-    return start_nats_server(tmp / "nats-store", config_file=conf_dir / "nats.conf")
+    shutil.copy(NATS_DIR / "cluster.conf", conf_dir / "cluster.conf")
+    return conf_dir
+
+
+def start_with_deploy_config(tmp: Path, env: dict[str, str], tls_conf: Path | None = None) -> NatsServer:
+    return start_nats_server(tmp / "nats-store", config_file=deploy_config(tmp, env, tls_conf) / "nats.conf")
+
+
+def start_cluster_with_deploy_config(tmp: Path, env: dict[str, str]) -> NatsCluster:
+    """Three nodes on `cluster.conf` (compose profile `cluster`), on loopback: the routes and
+    names come from `NatsCluster`'s flags, which take precedence over the file's cluster block
+    (its hosts are compose service names)."""
+    return NatsCluster(tmp / "nats-store", config_file=deploy_config(tmp, env) / "cluster.conf").start()

@@ -5,6 +5,7 @@ config that loads. (test_compose_up*.py bring them up on an engine.)"""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import msgspec
 import pytest
 
 from services.cli import COMMANDS
+from services.common import nats_client
 from services.config.loader import load_config
 from tests.deploy.compose import (
     COMPOSE_FILE,
@@ -220,8 +222,53 @@ def test_start_up_order(any_project):
             assert deps.get(bucket[0], {}).get("condition") == bucket[1], name
     for svc in services.values():
         for dep, cond in (svc.get("depends_on") or {}).items():
-            if cond["condition"] == "service_healthy":
+            if dep not in services:  # a service of a profile that is off (the cluster's nodes)
+                assert cond.get("required") is False, f"{dep}: a required dependency no profile here starts"
+            elif cond["condition"] == "service_healthy":
                 assert services[dep].get("healthcheck", {}).get("test"), f"{dep} has no healthcheck"
+
+
+CLUSTER_NODES = ["nats", "nats-1", "nats-2"]
+
+
+def test_cluster_profile_runs_nats_as_three_routed_nodes(tmp_path, monkeypatch):
+    """Issue 30: profile `cluster` with the settings .env.example names makes NATS three nodes
+    (each its own name and store, routed to the three), the registry waits for all three, and
+    every service gets all three URLs and creates its streams with 3 replicas."""
+    hint = ENV_EXAMPLE.read_text()
+    settings = dict(re.findall(r"^#\s+(NATS_CONF_FILE|LORABUS_NATS_URL|LORABUS_STREAM_REPLICAS)=(\S+)$", hint, re.M))
+    assert set(settings) == {"NATS_CONF_FILE", "LORABUS_NATS_URL", "LORABUS_STREAM_REPLICAS"}, settings
+    env = tmp_path / ".env"
+    env.write_text(ENV_EXAMPLE.read_text() + "".join(f"\n{k}={v}" for k, v in settings.items()) + "\n")
+    services = rendered(("vllm", "cluster"), env_file=env)["services"]
+    assert "nats-1" not in rendered(("vllm",))["services"]
+
+    routes = re.findall(r"nats://([a-z0-9-]+):6222", (DEPLOY / "nats" / "cluster.conf").read_text())
+    assert sorted(routes) == CLUSTER_NODES
+    names, stores = set(), set()
+    for node in CLUSTER_NODES:
+        command = services[node]["command"]
+        assert command[:2] == ["-c", "/etc/nats/cluster.conf"], node
+        names.add(command[command.index("--server_name") + 1] if "--server_name" in command else "lorabus")
+        stores |= {v["source"] for v in services[node]["volumes"] if v["target"] == "/data"}
+        assert {v["target"] for v in services[node]["volumes"]} >= {"/etc/nats/nats.conf", "/etc/nats/tls.conf"}
+        assert services[node]["healthcheck"]["test"], node
+    assert len(names) == len(stores) == 3, (names, stores)
+    assert "server_name: lorabus" in (DEPLOY / "nats" / "nats.conf").read_text()  # the first node's
+
+    deps = services["registry"]["depends_on"]
+    assert all(deps[node]["condition"] == "service_healthy" for node in CLUSTER_NODES), deps
+    urls = [f"nats://{node}:4222" for node in CLUSTER_NODES]
+    for name, svc in lorabus_services({"services": services}).items():
+        assert svc["environment"]["LORABUS_NATS_URL"].split(",") == urls, name
+        with monkeypatch.context() as mp:
+            for key in list(os.environ):
+                if key.startswith(("LORABUS_", "NATS_", "MINIO_")):
+                    mp.delenv(key)
+            for key, value in svc["environment"].items():
+                mp.setenv(key, value or "")
+            cfg = load_config(DEPLOY / "lorabus.yaml", overrides=split_command(svc["command"])[2])
+        assert nats_client.servers(cfg.bus) == urls and cfg.bus.stream_replicas == 3, name
 
 
 def test_inference_servers_preload_v0_under_the_configured_name(project):

@@ -27,7 +27,13 @@ from services.common import streams
 from services.common.bus import Bus
 from services.common.run_table import RunTable
 from services.config.schema import BusConfig
-from tests.deploy.natsauth import REPO, password_vars, start_with_deploy_config, users
+from tests.deploy.natsauth import (
+    REPO,
+    password_vars,
+    start_cluster_with_deploy_config,
+    start_with_deploy_config,
+    users,
+)
 from tests.fixtures.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -750,6 +756,40 @@ async def test_tls_switch(tmp_path, passwords, monkeypatch):
             )
     finally:
         srv.close()
+
+
+async def test_the_cluster_config_gives_the_registry_replicated_streams(tmp_path, passwords, monkeypatch):
+    """Issue 30, compose profile `cluster`: three nodes on cluster.conf (nats.conf's users,
+    permissions and JetStream, plus routes) form one JetStream cluster; the registry's
+    credential creates the run's streams and ledger with 3 replicas, and another service
+    finds them through any single node."""
+    for var, value in passwords.items():
+        monkeypatch.setenv(var, value)
+    cluster = start_cluster_with_deploy_config(tmp_path, passwords)
+    run = f"cl{uuid.uuid4().hex[:8]}"
+    try:
+        cfg = BusConfig(url=cluster.url, user="registry", password=passwords["NATS_REGISTRY_PASSWORD"],
+                        connect_timeout_s=3.0, stream_replicas=3)  # fmt: skip
+        registry = await Bus.connect(cfg, run=run, service="registry")
+        try:
+            await registry.ensure_streams()
+            await registry.key_value(streams.ledger_bucket(run))
+            for name in (streams.ACCEPTED(run), streams.kv_stream(streams.ledger_bucket(run))):
+                info = await registry.js.stream_info(name)
+                assert info.config.num_replicas == 3 and info.cluster is not None, name
+                assert len(info.cluster.replicas or []) == 2, (name, info.cluster)
+        finally:
+            await registry.close()
+        one = BusConfig(url=cluster.nodes[2].url, user="trainer", password=passwords["NATS_TRAINER_PASSWORD"],
+                        connect_timeout_s=3.0)  # fmt: skip
+        trainer = await Bus.connect(one, run=run, service="trainer")
+        try:
+            await trainer.ensure_streams()  # in place: STREAM.INFO only
+            assert await trainer.publish(subjects.adapter_ready(run, 0), adapter_event(run, 0)) == 1
+        finally:
+            await trainer.close()
+    finally:
+        cluster.close()
 
 
 @pytest.mark.parametrize("user", ["trainer", "exporter", "rollout-vllm-0", "rollout-cpu-1"])
