@@ -25,7 +25,9 @@ from tests.chaos.faults import Fault, Run, read_streams
 from tests.chaos.test_chaos import check_run, fired_all, table
 from tests.fixtures.waiting import until
 
-STEPS = 14
+STEPS = 24
+"""enough for the learning check (`check_run`: held-out up by 0.06) to pass with room to spare:
+at 14 steps the gain was 0.056-0.086 over 11 runs here, one under the bar"""
 CAUGHT_UP_BOUND_S = 60.0
 """the longest a restarted node may take to catch up (seconds on loopback)"""
 
