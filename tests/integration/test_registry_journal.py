@@ -1,5 +1,6 @@
 """The registry's journal against a real nats-server: group commit, snapshots that compact the
-journal, a restart that replays, a second writer detected, a grant held back until stored."""
+journal, a restart that replays, a second writer detected, a grant held back until stored, and
+on a three-node cluster a write retried while its first attempt is still being replicated."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from proto.messages import AdapterReady, AdmissionGrant, AdmissionRequest, LoraS
 from services.common import streams
 from services.common.bus import Bus
 from services.config.schema import BusConfig
+from services.local.nats_server import start_nats_cluster
 from services.registry import persistence as j
 from services.registry import policy as p
 
@@ -164,3 +166,53 @@ async def test_a_write_that_fails_for_good_stops_the_registry_loudly(bus, monkey
     assert failures and journal.fatal is failures[0]
     with pytest.raises(type(failures[0])):
         journal.apply(j.ExpireOp(11.0))
+
+
+IN_PROCESS_S = 5.0
+"""how long the ledger's stream leader is left without followers: its proposal stays
+uncommitted (nats-server answers a retry of it 409 10158 from about 4 s on, the first attempts
+time out at 2 s each) and well under the 10 s after which a leader without quorum steps down"""
+
+
+async def test_a_write_retried_while_its_first_attempt_is_in_process_is_stored_once(tmp_path):
+    """Issue 30: on a three-node cluster the ledger's stream leader loses both followers, so the
+    write it proposed is neither stored nor refused; the registry's retry (same Nats-Msg-Id) is
+    answered 409 "duplicate message id is in process", which used to stop the registry. It is
+    waited out: once a follower is back the first attempt is stored and the retry answered as
+    its duplicate, so the journal's sequence and the stream's agree, with one entry."""
+    with start_nats_cluster(tmp_path / "nats") as cluster:
+        run = f"jr{uuid.uuid4().hex[:8]}"
+        bus = await Bus.connect(BusConfig(url=cluster.url, stream_replicas=3), run=run, service="registry")
+        try:
+            journal = await open_journal(bus, snapshot_every=1000)
+            journal.apply(j.AdapterOp(p.adapter_facts(ready(run, 0))))
+            await journal.commit()
+            before = journal.seq
+            leader = (await bus.js.stream_info(journal.stream)).cluster.leader
+            answers: list[BaseException] = []
+            publish_expect = bus.publish_expect
+
+            async def recorded(*args, **kwargs) -> int:
+                try:
+                    return await publish_expect(*args, **kwargs)
+                except Exception as exc:
+                    answers.append(exc)
+                    raise
+
+            bus.publish_expect = recorded  # type: ignore[method-assign]
+            followers = [node for node in cluster.nodes if node.cluster and node.cluster.server_name != leader]
+            for node in followers:
+                node.kill()
+            journal.apply(j.AdmitOp(request(run, 1), 10.0, "tok"))
+            commit = asyncio.create_task(journal.commit())
+            await asyncio.sleep(IN_PROCESS_S)
+            assert not commit.done(), f"the write ended without a quorum: {commit.exception()!r}"
+            followers[0].spawn()
+            await asyncio.wait_for(commit, j.RETRY_FOR_S)
+            codes = [getattr(exc, "err_code", None) for exc in answers]
+            assert 10158 in codes, [str(exc) for exc in answers]
+            assert journal.seq == before + 1 == await bus.last_seq(journal.stream)
+            entry = await bus.message(journal.stream, journal.seq)
+            assert entry is not None and [type(op) for op in j.decode_entry(entry.data).ops] == [j.AdmitOp]
+        finally:
+            await bus.close()
