@@ -189,8 +189,12 @@ class Bus:
             try:
                 existing = (await self.jetstream(f"stream info {config.name}", self.js.stream_info, config.name)).config
             except nats.js.errors.NotFoundError:
+                # a request this user may not make goes unanswered, as one to a cluster electing
+                # its leader does: the error after the bound names both causes
+                create = partial(self.js.add_stream, config)
+                fix = "start the registry first (only it may create a run's streams); is nats-server up?"
                 try:
-                    await self.jetstream(f"create stream {config.name}", self.js.add_stream, config)
+                    await retrying(create, f"create stream {config.name}", self.url, fix=fix)
                 except nats.js.errors.APIError as exc:
                     raise BusError(
                         f"stream {config.name}: missing, and this user cannot create it "
@@ -199,8 +203,10 @@ class Bus:
                 continue
             if not streams.differs(existing, config):
                 continue
+            update = partial(self.js.update_stream, config)
+            fix = "only the operator may update a stream: run `lorabus streams --config FILE` as the operator"
             try:
-                await self.jetstream(f"update stream {config.name}", self.js.update_stream, config)
+                await retrying(update, f"update stream {config.name}", self.url, fix=fix)
             except nats.js.errors.BadRequestError as exc:
                 raise BusError(
                     f"stream {config.name}: existing stream cannot be changed to the current "
