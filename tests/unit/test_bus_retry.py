@@ -89,13 +89,38 @@ async def test_an_answer_is_raised_at_once():
     assert raised.value is wrong and len(calls) == 2
 
 
-async def test_a_bound_run_out_names_the_bus_url_the_call_and_the_last_error():
+class Clock:
+    """`time.monotonic` and `asyncio.sleep` for `retrying`: sleeping moves the clock, so the
+    backoff is read exactly however loaded the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 6))
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(nats_client.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(nats_client.asyncio, "sleep", clock.sleep)
+    return clock
+
+
+async def test_a_bound_run_out_names_the_bus_url_the_call_and_the_last_error(clock):
     call, calls = failing([ELECTION] * 1000)
     url = "nats://a:4222,nats://b:4222,nats://c:4222"
     with pytest.raises(BusError) as raised:
-        await retrying(call, "stream info LORABUS_r_ADAPTERS", url, bound_s=0.3)
+        await retrying(call, "stream info LORABUS_r_ADAPTERS", url, bound_s=3.0)
     message = str(raised.value)
-    assert message.startswith(f"bus.url: {url}, stream info LORABUS_r_ADAPTERS failed for 0.3 s")
+    assert message.startswith(f"bus.url: {url}, stream info LORABUS_r_ADAPTERS failed for 3 s")
     assert "ServiceUnavailableError" in message and "most of its nodes" in message
     assert raised.value.__cause__ is ELECTION
-    assert 3 <= len(calls) <= 5  # backoff 50 ms doubling: a few attempts in 0.3 s, not a spin
+    # 50 ms doubling to 1 s, the last sleep cut to the bound, then one last attempt at it
+    assert clock.slept == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 0.45] and len(calls) == 8
