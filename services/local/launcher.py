@@ -33,7 +33,6 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum, auto
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,10 +43,12 @@ from services.config.loader import load_config
 from services.config.schema import LorabusConfig
 from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
+from services.local.outcome import Outcome, exit_status, resume_hint
 from services.local.ports import free_port
 from services.local.server_watch import ServerWatch, WatchPolicy, kill_group
 from services.local.summary import Progress, print_summary, read_run, summary, training_done
 from services.local.supervision import Restarts, describe_exit
+from services.rollout import server_cmd
 
 if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
     from services.common.bus import Bus, MsgMeta
@@ -256,49 +257,6 @@ async def accepted_unconsumed(bus: Bus, run: str) -> int | None:
         return None
 
 
-class Outcome(Enum):
-    """Why `lorabus up` stopped watching; `exit_status` turns it into the exit code and message."""
-
-    FINISHED = auto()
-    """the last version is exported (and scored, or the bounded wait for its scores is over),
-    and so is every submitted run's last version"""
-    INTERRUPTED = auto()
-    """SIGINT or SIGTERM: the operator stopped the run"""
-    SERVERS_UNHEALTHY = auto()
-    """an inference server exited or did not answer /health within --server-timeout"""
-    GAVE_UP = auto()
-    """a process kept dying: its restart budget (`supervision.RestartPolicy`) is spent"""
-    BUS_LOST = auto()
-    """the run's own nats-server could not be brought back on its store and port"""
-    TIMEOUT = auto()
-    """--timeout passed before the run finished"""
-
-
-def resume_hint(run_dir: Path | str) -> str:
-    argv = " ".join(sys.argv[1:]) if sys.argv[1:] else "--config FILE"
-    return (
-        f"the run's state (streams, ledger, checkpoints, exports) is kept in {run_dir}: "
-        f"rerun the same command (lorabus up {argv}) to resume it"
-    )
-
-
-def exit_status(outcome: Outcome, detail: str, run_dir: Path, timeout_s: float) -> tuple[int, str | None]:
-    """The exit code, and the line for stderr; `detail` is what `supervise` found."""
-    match outcome:
-        case Outcome.FINISHED:
-            return 0, None
-        case Outcome.INTERRUPTED:
-            return 0, f"stopped; {resume_hint(run_dir)}"
-        case Outcome.SERVERS_UNHEALTHY:
-            return 1, f"{detail}; {resume_hint(run_dir)}"
-        case Outcome.GAVE_UP:
-            return 1, f"{detail}; fix the cause (see its log in {run_dir}), then {resume_hint(run_dir)}"
-        case Outcome.BUS_LOST:
-            return 1, f"nats-server: {detail}; {resume_hint(run_dir)}"
-        case Outcome.TIMEOUT:
-            return 1, f"timeout after {timeout_s} s; {resume_hint(run_dir)}"
-
-
 @dataclass
 class Deployment:
     """The children of one run; `pids.json` always lists every child that has been started."""
@@ -365,10 +323,11 @@ class Deployment:
         print(f"  restarted {child.name:<8} pid {child.pid}", flush=True)
         write_pids(self.run_dir, self.children, self.nats)
 
-    def server_watch(self, start_timeout_s: float) -> ServerWatch:
+    def server_watch(self, start_timeout_s: float, health_timeout_s: float) -> ServerWatch:
         by_name = {c.name: c for c in self.children}
         sidecars = {s.name: by_name[s.sidecar] for s in self.servers if s.sidecar in by_name}
-        return ServerWatch(self.servers, sidecars, self.restart_held, WatchPolicy(start_timeout_s=start_timeout_s))
+        policy = WatchPolicy(start_timeout_s=start_timeout_s, timeout_s=health_timeout_s)
+        return ServerWatch(self.servers, sidecars, self.restart_held, policy)
 
 
 async def watch_nats(nats: NatsServer, url: str, restarts: Restarts, now: float) -> str | None:
@@ -415,7 +374,7 @@ async def supervise(
     if stop.is_set():
         return Outcome.INTERRUPTED, ""
     dep.start(dep.rollouts)
-    watch = dep.server_watch(args.server_timeout)
+    watch = dep.server_watch(args.server_timeout, server_cmd.health_timeout_s(cfg, dep.env))
     watch.started(time.monotonic())
     try:
         final_version = cfg.total_train_steps

@@ -7,6 +7,7 @@ because one config describes every data-parallel replica.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 
@@ -97,6 +98,27 @@ def sglang_command(
 def server_env(cfg: LorabusConfig) -> dict[str, str]:
     """Environment the server needs on top of the caller's."""
     return dict(VLLM_ENV) if cfg.rollout.engine == "vllm" else {}
+
+
+SGLANG_HEALTH_VERDICT_S = 20.0
+"""SGLang's `GET /health` is a one-token generation that waits up to SGLANG_HEALTH_CHECK_TIMEOUT
+(20 s by default, sglang/srt/entrypoints/http_server.py) for its scheduler to answer anything,
+then says 503 itself; while a long batch runs (the first batches JIT-compile the LoRA kernels)
+the answer takes as long as that batch"""
+
+
+def health_timeout_s(cfg: LorabusConfig, env: Mapping[str, str] = {}) -> float:
+    """How long a liveness probe of this engine's server may wait for `GET /health`: vLLM answers
+    from its API process at once; SGLang's answer is its own verdict, so the probe outwaits it
+    (on the H100 5 s was too short: a busy, healthy SGLang server was killed twice in one run)."""
+    if cfg.rollout.engine != "sglang":
+        return 5.0
+    verdict = env.get("SGLANG_HEALTH_CHECK_TIMEOUT") or os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT")
+    try:
+        seconds = float(verdict) if verdict else SGLANG_HEALTH_VERDICT_S
+    except ValueError:
+        seconds = SGLANG_HEALTH_VERDICT_S
+    return seconds + 10.0
 
 
 def server_command(cfg: LorabusConfig, **kw) -> list[str]:

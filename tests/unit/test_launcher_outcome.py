@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.launcher import Outcome, exit_status
+from services.local.outcome import Outcome, exit_status
 from services.local.supervision import RestartPolicy, Restarts, describe_exit
 
 RESUME = "rerun the same command"

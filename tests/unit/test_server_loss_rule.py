@@ -31,3 +31,16 @@ def test_a_starting_server_has_its_start_timeout_not_the_miss_count():
 def test_the_first_answer_makes_it_ready():
     st = ServerState(pid=3, started_at=0.0)
     assert on_probe(st, None, 50.0, POLICY) is None and st.ready
+
+
+def test_a_probe_of_sglang_outwaits_its_own_health_verdict():
+    """SGLang's /health answers after a generation step, up to its own 20 s timeout; a probe that
+    gives up sooner kills busy, healthy servers (seen on the H100)."""
+    from services.config.loader import load_config
+    from services.rollout.server_cmd import health_timeout_s
+
+    sglang = load_config("examples/tiny.yaml", ["rollout.engine=sglang", "sglang.max_lora_rank=8"])
+    vllm = load_config("examples/tiny_vllm.yaml", [])
+    assert health_timeout_s(vllm, {}) == 5.0
+    assert health_timeout_s(sglang, {}) == 30.0
+    assert health_timeout_s(sglang, {"SGLANG_HEALTH_CHECK_TIMEOUT": "60"}) == 70.0
