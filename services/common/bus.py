@@ -8,7 +8,8 @@ carry a `Nats-Msg-Id` so retries are deduplicated; and every message is counted 
 Every JetStream call it makes (publishes, stream/KV/consumer management, reads by sequence) is
 retried while the server or cluster recovers (`nats_client.retrying`, for `RECOVER_S`): a
 restarted server or a node lost from a cluster is a pause of a few seconds to a service, not an
-error; an outage longer than that is a `BusError` naming the bus URL.
+error; an outage longer than that is a `BusError` naming the bus URL. `publish_expect` alone
+makes one attempt: its caller (the registry's journal) retries it, recognising its own write.
 
 The bus modules are the only ones that talk to nats-py, split as nats.py splits its client:
 `nats_client` (the connection, raw messages, errors), `inbox` (replies), `pull` (durable
