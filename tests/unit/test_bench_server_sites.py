@@ -22,6 +22,7 @@ def test_the_sglang_learning_run_asks_for_triton_attention_a_gpu_share_the_rollo
     argv = server_cmd.server_command(cfg, host="127.0.0.1", port=1)
     tail = argv[argv.index("--lora-backend") + 2 :]
     assert tail == [
+        "--lora-target-modules", "all",
         "--dtype", "bfloat16", "--attention-backend", "triton", "--mem-fraction-static", "0.3",
         "--cuda-graph-backend-prefill", "disabled",
     ]  # fmt: skip
