@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention, fused_norm
+from services.rollout import decode_attention, fused_norm, sample_kernel
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
@@ -82,11 +83,15 @@ def vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
     return _mix32(torch.arange(vocab, dtype=torch.int32, device=device))
 
 
+def row_keys(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """Each row's int32 half of the noise's hash; `step` is one for the batch or each row's own
+    ([rows]: rows that started at different times)."""
+    return _mix32(((seeds + step * 0x9E3779B1) & _M32).to(torch.int32))
+
+
 def gumbel_noise(seeds: torch.Tensor, step: int | torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] standard Gumbel noise, a pure function of (seed, step, token); `step` is
-    one for the batch or each row's own ([rows]: rows that started at different times)."""
-    row_key = _mix32(((seeds + step * 0x9E3779B1) & _M32).to(torch.int32))
-    bits = _mix32(row_key[:, None] ^ vocab_hash[None, :])
+    """[rows, vocab] standard Gumbel noise, a pure function of (seed, step, token)."""
+    bits = _mix32(row_keys(seeds, step)[:, None] ^ vocab_hash[None, :])
     u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(u))
 
@@ -112,7 +117,10 @@ def sample(
     vocab_hash: torch.Tensor,
     needs_truncation: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and their logprobs (see the module docstring) for one decode step."""
+    """Tokens and their logprobs (see the module docstring) for one decode step; on a GPU without
+    truncation, one fused pass over the logits (`sample_kernel`)."""
+    if not needs_truncation and fused_sampler_available(logits.device):
+        return sample_kernel.sample_fused(logits, temperature, row_keys(seeds, step))
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
@@ -230,6 +238,13 @@ def _forward(model, cache_arg: dict, extra: dict, **inputs) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def fused_sampler_available(device: torch.device) -> bool:
+    """Triton on a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1: tests on CPU)."""
+    if sample_kernel.triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def decode(
     model: PreTrainedModel,
     rows: Sequence[Row],

@@ -1,0 +1,71 @@
+"""The fused sampler (`sample_kernel`) against the torch sampler, on CPU under Triton's interpreter.
+
+Triton decides when it is imported whether it interprets, so the checks run in a child process
+started with TRITON_INTERPRET=1 (as tests/unit/test_lora_kernels.py does). On a GPU the same
+source compiles; benchmarks/sampler.py compares the two there."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(function: str) -> str:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [sys.executable, "-c", f"from tests.unit.test_sample_kernel import {function}; {function}()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_the_fused_sampler_draws_the_torch_samplers_tokens_and_logprobs():
+    assert "sampler checked" in run_interpreted("interpreted")
+
+
+def reference(logits, temperature, seeds, step):
+    """The torch path of `sampling.sample` (no truncation), whatever the environment."""
+    from services.rollout.sampling import gumbel_noise, vocab_hashes
+
+    scaled = logits.float() / torch.where(temperature <= 0, 1.0, temperature)[:, None]
+    logp = scaled.log_softmax(-1)
+    drawn = (scaled + gumbel_noise(seeds, step, vocab_hashes(logits.shape[-1], logits.device))).argmax(-1)
+    tokens = torch.where(temperature <= 0, scaled.argmax(-1), drawn)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def interpreted() -> None:
+    from services.rollout import sample_kernel, sampling
+
+    assert sampling.fused_sampler_available(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    # vocab sizes below, at and across the block; the interpreter has no bfloat16 (numpy)
+    for vocab, dtype in [(37, torch.float32), (sample_kernel.BLOCK, torch.float16), (5000, torch.float32)]:
+        rows = 6
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        logits[5, 7] = logits[5, 9] = logits[5].max() + 1  # a greedy tie: the lower id wins
+        temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, -1.0, 0.0])
+        seeds = torch.tensor([0, 1, 2**32 - 1, 5, 6, 7])
+        for step in (0, 3, torch.tensor([1, 2, 3, 4, 5, 6])):
+            want_t, want_lp = reference(logits, temperature, seeds, step)
+            got_t, got_lp = sampling.sample(
+                logits, temperature, torch.ones(rows), torch.zeros(rows, dtype=torch.long), seeds, step,
+                sampling.vocab_hashes(vocab, logits.device), needs_truncation=False,
+            )  # fmt: skip
+            assert got_t.dtype == torch.int64 and got_lp.dtype == torch.float32
+            assert got_t.tolist() == want_t.tolist(), (vocab, step, got_t, want_t)
+            assert torch.allclose(got_lp, want_lp, atol=1e-5, rtol=1e-5), (vocab, got_lp, want_lp)
+        assert got_t[5].item() == 7
+    # a row's tokens do not depend on the other rows in its batch
+    logits = torch.randn(4, 300, generator=g)
+    t, s = torch.ones(4), torch.arange(4)
+    alone = sample_kernel.sample_fused(logits[2:3], t[2:3], sampling.row_keys(s[2:3], 1))[0]
+    assert alone.item() == sample_kernel.sample_fused(logits, t, sampling.row_keys(s, 1))[0][2].item()
+    print("sampler checked")
