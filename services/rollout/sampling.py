@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
 from services.rollout import decode_attention, fused_norm, sample_kernel
+
+log = logging.getLogger(__name__)
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL stays far below int64 overflow
@@ -120,7 +123,11 @@ def sample(
     """Tokens and their logprobs (see the module docstring) for one decode step; on a GPU without
     truncation, one fused pass over the logits (`sample_kernel`)."""
     if not needs_truncation and fused_sampler_available(logits.device):
-        return sample_kernel.sample_fused(logits, temperature, row_keys(seeds, step))
+        try:
+            return sample_kernel.sample_fused(logits, temperature, row_keys(seeds, step))
+        except Exception as exc:  # a Triton that cannot build it: torch's path, said once
+            _FUSED_BROKEN.append(f"{type(exc).__name__}: {exc}")
+            log.warning("fused sampler unavailable, sampling in torch from now on: %s", _FUSED_BROKEN[0][:500])
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
@@ -237,14 +244,19 @@ def _forward(model, cache_arg: dict, extra: dict, **inputs) -> torch.Tensor:
     return out.logits[:, -1]
 
 
-@torch.inference_mode()
+_FUSED_BROKEN: list[str] = []
+"""why the fused sampler failed in this process (then it is not tried again)"""
+
+
 def fused_sampler_available(device: torch.device) -> bool:
-    """Triton on a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1: tests on CPU)."""
-    if sample_kernel.triton is None:
+    """Triton on a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1: tests on CPU);
+    LORABUS_FUSED_SAMPLER=0 turns it off."""
+    if sample_kernel.triton is None or _FUSED_BROKEN or os.environ.get("LORABUS_FUSED_SAMPLER") == "0":
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@torch.inference_mode()
 def decode(
     model: PreTrainedModel,
     rows: Sequence[Row],

@@ -69,3 +69,28 @@ def interpreted() -> None:
     alone = sample_kernel.sample_fused(logits[2:3], t[2:3], sampling.row_keys(s[2:3], 1))[0]
     assert alone.item() == sample_kernel.sample_fused(logits, t, sampling.row_keys(s, 1))[0][2].item()
     print("sampler checked")
+
+
+def test_a_fused_sampler_that_fails_is_left_for_torch_once_and_said(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    from services.rollout import sample_kernel, sampling
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what makes it eligible on this CPU
+    monkeypatch.setattr(sample_kernel, "sample_fused", broken)
+    monkeypatch.setattr(sampling, "_FUSED_BROKEN", [])
+    logits, temperature, seeds = torch.randn(3, 50), torch.tensor([1.0, 0.0, 0.5]), torch.arange(3)
+    args = (torch.ones(3), torch.zeros(3, dtype=torch.long), seeds, 2, sampling.vocab_hashes(50, logits.device), False)
+    for _ in range(2):
+        tokens, logprobs = sampling.sample(logits, temperature, *args)
+        want_t, want_lp = reference(logits, temperature, seeds, 2)
+        assert tokens.tolist() == want_t.tolist() and torch.allclose(logprobs, want_lp)
+    assert calls == [1] and "PassManager::run failed" in caplog.text
+    monkeypatch.setenv("LORABUS_FUSED_SAMPLER", "0")
+    monkeypatch.setattr(sampling, "_FUSED_BROKEN", [])
+    assert not sampling.fused_sampler_available(torch.device("cuda"))
