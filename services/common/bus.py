@@ -13,7 +13,8 @@ makes one attempt: its caller (the registry's journal) retries it, recognising i
 
 The bus modules are the only ones that talk to nats-py, split as nats.py splits its client:
 `nats_client` (the connection, raw messages, errors), `inbox` (replies), `pull` (durable
-consumers), this module (the `Bus` a service holds) and `run_table` (a fleet's KV run table).
+consumers), this module (the `Bus` a service holds), `stream_reads` (streams read back) and
+`run_table` (a fleet's KV run table).
 Services call their methods, never `nc`/`js` (the attributes stay for tests and tools).
 """
 
@@ -44,7 +45,7 @@ from prometheus_client import Counter
 
 from proto import codec, subjects
 from proto.messages import DeadLetter, DeadLetterReason
-from services.common import nats_client, streams
+from services.common import nats_client, stream_reads, streams
 from services.common.inbox import Inbox
 from services.common.nats_client import (
     DEAD_LETTER_ERRORS,
@@ -513,65 +514,16 @@ class Bus:
     async def message(self, stream: str, seq: int, subject: str | None = None) -> StoredMsg | None:
         """The message at `seq`; with `subject`, the first one at or after `seq` on it; None
         if there is none."""
-        what = f"read message {seq} of {stream}"
-        try:
-            if subject is None:
-                raw = await self.jetstream(what, self.js.get_msg, stream, seq=seq)
-            else:
-                raw = await self.jetstream(what, self.js.get_msg, stream, seq=seq, subject=subject, next=True)
-        except nats.js.errors.NotFoundError:
-            return None
-        return StoredMsg(raw.subject or "", raw.seq or 0, raw.data or b"", raw.headers)
+        return await stream_reads.message(self, stream, seq, subject)
 
     async def last_raw(self, stream: str, subject: str | None = None) -> StoredMsg | None:
         """The newest message of the stream (on `subject`, if given); None if there is none."""
-        if subject is None:
-            info = (await self.jetstream(f"stream info {stream}", self.js.stream_info, stream)).state
-            if not info.last_seq or not info.messages:
-                return None
-            return await self.message(stream, info.last_seq)
-        try:
-            raw = await self.jetstream(f"read the last {subject} of {stream}", self.js.get_last_msg, stream, subject)
-        except nats.js.errors.NotFoundError:
-            return None
-        return StoredMsg(raw.subject or subject, raw.seq or 0, raw.data or b"", raw.headers)
+        return await stream_reads.last_raw(self, stream, subject)
 
     async def read_all(self, stream: str, msg_type: type[T] | Any, *, batch: int = 256) -> list[T]:
         """Every message of `stream` that decodes as `msg_type`, in stream order ([] when the
-        stream does not exist). An ephemeral consumer without acks reads it in batches, so a
-        reader (the launcher's summary) sees what is stored, not what it happened to receive."""
-        try:
-            info = await self.jetstream(f"stream info {stream}", self.js.stream_info, stream)
-        except nats.js.errors.NotFoundError:
-            return []
-        if not info.state.messages:
-            return []
-        last = info.state.last_seq
-        config = ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0, mem_storage=True
-        )
-        subject = (info.config.subjects or [">"])[0]
-        sub = await self.jetstream(f"read {stream}", self.js.pull_subscribe, subject, stream=stream, config=config)
-        out: list[T] = []
-        try:
-            seq = 0
-            while seq < last:
-                try:
-                    msgs = await sub.fetch(batch, timeout=1.0)
-                except nats.errors.TimeoutError:
-                    break  # what is left was removed meanwhile (limits): nothing more to read
-                for raw in msgs:
-                    seq = raw.metadata.sequence.stream
-                    try:
-                        out.append(decode(raw.data, msg_type))
-                    except codec.DecodeError:
-                        continue  # a reader of history skips what the consumers dead-lettered
-        finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the ephemeral consumer goes after inactive_threshold anyway
-                pass
-        return out
+        stream does not exist): `stream_reads.read_all`."""
+        return await stream_reads.read_all(self, stream, msg_type, batch=batch)
 
     @overload
     async def last(self, stream: str, msg_type: type[T], subject: str | None = None) -> T | None: ...
