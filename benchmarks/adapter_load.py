@@ -31,15 +31,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.adapters import adapter_event, random_lora  # noqa: E402
-from benchmarks.shapes import build  # noqa: E402
-from benchmarks.timing import device_name, median_ms, sync  # noqa: E402
-from proto.messages import LoraSpec, ObjectPayload  # noqa: E402
-from services.common import adapter_io  # noqa: E402
-from services.common.lora_targets import HF_LINEAR  # noqa: E402
-from services.common.store import LocalStore  # noqa: E402
-from services.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
-from services.rollout.load_path import Stager  # noqa: E402
+from benchmarks.adapters import adapter_event, random_lora
+from benchmarks.shapes import build
+from benchmarks.timing import device_name, median_ms, sync
+from proto.messages import LoraSpec, ObjectPayload
+from services.common import adapter_io
+from services.common.lora_targets import HF_LINEAR
+from services.common.store import LocalStore
+from services.rollout.engines.embedded import EmbeddedEngine
+from services.rollout.load_path import Stager
 
 SLOTS = 4
 

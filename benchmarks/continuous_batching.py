@@ -31,13 +31,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.adapters import random_lora  # noqa: E402
-from benchmarks.embedded_engine import build_model, model_config  # noqa: E402
-from benchmarks.timing import device_name, sync  # noqa: E402
-from proto.messages import LoraSpec  # noqa: E402
-from services.common.lora_targets import HF_LINEAR  # noqa: E402
-from services.rollout.engines.base import GenRequest  # noqa: E402
-from services.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
+from benchmarks.adapters import random_lora
+from benchmarks.embedded_engine import build_model, model_config
+from benchmarks.timing import device_name, sync
+from proto.messages import LoraSpec
+from services.common.lora_targets import HF_LINEAR
+from services.rollout.engines.base import GenRequest
+from services.rollout.engines.embedded import EmbeddedEngine
 
 
 def workload(groups: int, n: int, prompt_len: int, max_new: int, vocab: int) -> list[GenRequest]:

@@ -33,11 +33,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.adapters import random_lora  # noqa: E402
-from benchmarks.shapes import SHAPES  # noqa: E402
-from benchmarks.timing import device_name, sync  # noqa: E402
-from services.rollout.lora_slots import LoraSlots  # noqa: E402
-from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
+from benchmarks.adapters import random_lora
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import device_name, sync
+from services.rollout.lora_slots import LoraSlots
+from services.rollout.sampling import DecodeGraphs, Row, decode
 
 # (kind, pattern on the kernel's name), first match wins
 KINDS: list[tuple[str, re.Pattern]] = [

@@ -48,14 +48,14 @@ from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import lora_tuning  # noqa: E402
-from benchmarks.adapters import random_lora  # noqa: E402
-from benchmarks.shapes import SHAPES  # noqa: E402
-from benchmarks.timing import device_name, median_ms, sync, timed  # noqa: E402
-from services.common.lora_targets import HF_LINEAR  # noqa: E402
-from services.rollout import lora_kernels  # noqa: E402
-from services.rollout.lora_slots import LoraSlots  # noqa: E402
-from services.rollout.sampling import DecodeGraphs, Row, decode  # noqa: E402
+from benchmarks import lora_tuning
+from benchmarks.adapters import random_lora
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import device_name, median_ms, sync, timed
+from services.common.lora_targets import HF_LINEAR
+from services.rollout import lora_kernels
+from services.rollout.lora_slots import LoraSlots
+from services.rollout.sampling import DecodeGraphs, Row, decode
 
 TARGETS = list(HF_LINEAR)
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         """Graph variants are new: one failing must not cost the run's other figures."""
         try:
             out = fn()
-        except Exception as e:  # noqa: BLE001 - recorded in the results and printed
+        except Exception as e:  # recorded in the results and printed
             import traceback
 
             errors[name] = f"{type(e).__name__}: {e}"

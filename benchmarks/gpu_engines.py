@@ -54,14 +54,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.adapters import random_lora  # noqa: E402
-from benchmarks.shapes import write_model_dir  # noqa: E402
-from proto.messages import LoraSpec, ObjectPayload  # noqa: E402
-from services.common import adapter_io, durable  # noqa: E402
-from services.common.lora_targets import HF_LINEAR  # noqa: E402
-from services.common.store import LocalStore  # noqa: E402
-from services.local.inference_servers import log_tail  # noqa: E402
-from services.rollout.engines.base import GenRequest  # noqa: E402
+from benchmarks.adapters import random_lora
+from benchmarks.shapes import write_model_dir
+from proto.messages import LoraSpec, ObjectPayload
+from services.common import adapter_io, durable
+from services.common.lora_targets import HF_LINEAR
+from services.common.store import LocalStore
+from services.local.inference_servers import log_tail
+from services.rollout.engines.base import GenRequest
 
 VERSIONS = 6
 """versions loaded in turn (the keep window is 4): load figures are the p50 of the last four"""
@@ -394,7 +394,7 @@ async def run_server(kind: str, model_dir: Path, adapters, lora, args, work: Pat
         runner = Runner(kind, engine, proc.pid, server_base(kind, engine, url, cfg))
         await measure(runner, adapters, lora, args, res, work)
         await engine.close()
-    except Exception as exc:  # noqa: BLE001 - one engine failing must not cost the others' figures
+    except Exception as exc:  # one engine failing must not cost the others' figures
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["log_tail"] = log_tail(log, 40)
         print(f"{kind}: FAILED {res['error']}\n{res['log_tail']}", flush=True)
@@ -474,7 +474,7 @@ async def main_async(args) -> int:
         if kind == "embedded":
             try:
                 r = await run_embedded(model_dir, adapters, lora, args, work)
-            except Exception as exc:  # noqa: BLE001 - recorded; the servers still run
+            except Exception as exc:  # recorded; the servers still run
                 import traceback
 
                 traceback.print_exc()

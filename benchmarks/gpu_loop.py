@@ -35,9 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.shapes import write_model_dir  # noqa: E402
-from proto import messages as m  # noqa: E402
-from proto import subjects  # noqa: E402
+from benchmarks.shapes import write_model_dir
+from proto import messages as m
+from proto import subjects
 
 RUNS = {
     # shape: (model dir or None for examples/tiny/model, steps, extra overrides)

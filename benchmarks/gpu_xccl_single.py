@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.shapes import SHAPES  # noqa: E402
-from benchmarks.timing import device_name, median_ms, timed  # noqa: E402
-from services.common import xccl  # noqa: E402
-from services.common.lora_targets import HF_LINEAR  # noqa: E402
-from services.rollout.lora_slots import LoraSlots  # noqa: E402
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import device_name, median_ms, timed
+from services.common import xccl
+from services.common.lora_targets import HF_LINEAR
+from services.rollout.lora_slots import LoraSlots
 
 
 def build(device: torch.device, tiny: bool):

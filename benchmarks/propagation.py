@@ -68,9 +68,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from services.trainer.xccl_sender import SETS as SEND_SETS  # noqa: E402
+from services.trainer.xccl_sender import SETS as SEND_SETS
 
 ACK = "bench.ack"
 XCCL_PATHS = ("xccl", "xccl_copy", "xccl_eager", "xccl_pack", "xccl_only")

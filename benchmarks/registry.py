@@ -51,8 +51,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from proto import subjects  # noqa: E402
-from proto.messages import (  # noqa: E402
+from proto import subjects
+from proto.messages import (
     AdapterReady,
     AdmissionDeny,
     AdmissionGrant,
@@ -64,11 +64,11 @@ from proto.messages import (  # noqa: E402
     Trajectory,
     TrajectoryDecision,
 )
-from services.common import entry  # noqa: E402
-from services.common.bus import Bus, Raw, decode  # noqa: E402
-from services.config.schema import BusConfig  # noqa: E402
-from services.local.nats_server import start_nats_server  # noqa: E402
-from services.registry.status import RegistryStatus, StatusRequest  # noqa: E402
+from services.common import entry
+from services.common.bus import Bus, Raw, decode
+from services.config.schema import BusConfig
+from services.local.nats_server import start_nats_server
+from services.registry.status import RegistryStatus, StatusRequest
 
 RUN = "bench"
 """run names: bench0, bench1, ..."""

@@ -23,8 +23,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.timing import device_name, median_ms, timed  # noqa: E402
-from services.rollout import sample_kernel, sampling  # noqa: E402
+from benchmarks.timing import device_name, median_ms, timed
+from services.rollout import sample_kernel, sampling
 
 
 def torch_way(logits, temperature, seeds, step, vocab_hash):

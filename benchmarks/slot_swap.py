@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.adapters import random_lora  # noqa: E402
-from benchmarks.shapes import SHAPES  # noqa: E402
-from benchmarks.timing import device_name, median_ms, timed  # noqa: E402
-from services.rollout import lora_kernels  # noqa: E402
-from services.rollout.lora_slots import LoraSlots  # noqa: E402
+from benchmarks.adapters import random_lora
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import device_name, median_ms, timed
+from services.rollout import lora_kernels
+from services.rollout.lora_slots import LoraSlots
 
 RANK, SCALE = 16, 2.0
 

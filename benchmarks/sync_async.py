@@ -33,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from proto import messages as m  # noqa: E402
-from services.common import streams  # noqa: E402
-from services.common.bus import Bus  # noqa: E402
-from services.config.schema import BusConfig  # noqa: E402
-from services.local.nats_server import start_nats_server  # noqa: E402
+from proto import messages as m
+from services.common import streams
+from services.common.bus import Bus
+from services.config.schema import BusConfig
+from services.local.nats_server import start_nats_server
 
 RUN = "tiny-trial0"
 

@@ -30,14 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import device_name, sync  # noqa: E402
-from proto.messages import Completion, Trajectory  # noqa: E402
-from services.config.schema import (  # noqa: E402
+from benchmarks.timing import device_name, sync
+from proto.messages import Completion, Trajectory
+from services.config.schema import (
     ActorConfig,
     LorabusConfig,
     OptimizerConfig,
 )
-from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
+from services.trainer.engines.fsdp2 import FSDP2Engine
 
 QWEN = dict(
     vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False

@@ -25,17 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.shapes import SHAPES  # noqa: E402
-from benchmarks.timing import device_name, sync  # noqa: E402
-from proto.messages import Completion, Trajectory  # noqa: E402
-from services.common import adapter_io  # noqa: E402
-from services.config.schema import (  # noqa: E402
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import device_name, sync
+from proto.messages import Completion, Trajectory
+from services.common import adapter_io
+from services.config.schema import (
     ActorConfig,
     GenerationConfig,
     LorabusConfig,
     OptimizerConfig,
 )
-from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
+from services.trainer.engines.fsdp2 import FSDP2Engine
 
 QWEN25_15B = dict(SHAPES["qwen2.5-1.5b"], max_position_embeddings=4096)
 TINY = dict(

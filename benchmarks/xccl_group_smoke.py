@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.propagation import make_tensors, manifest_for  # noqa: E402
+from benchmarks.propagation import make_tensors, manifest_for
 
 
 def sha(tensors: dict[str, torch.Tensor]) -> str:

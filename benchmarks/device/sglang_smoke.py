@@ -274,7 +274,7 @@ async def run(args: argparse.Namespace) -> dict:
         engine = SglangEngine.from_config(cfg, [url])
         res["server_version"] = (await engine.http.get(f"{url}/server_info")).json().get("version")
         await smoke(engine, url, blobs, spec, args, vocab, res)
-    except Exception as exc:  # noqa: BLE001 - recorded with the server's log, then the exit status says it
+    except Exception as exc:  # recorded with the server's log, then the exit status says it
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         if engine is not None:

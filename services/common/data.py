@@ -139,7 +139,7 @@ def _read_hf(cfg: DatasetConfig, local: Path | None) -> list[tuple[str, object]]
             ds = datasets.load_from_disk(str(local))
         else:
             ds = datasets.load_dataset(cfg.path, cfg.config_name, split=cfg.split)
-    except Exception as exc:  # noqa: BLE001 - offline, unknown id, gated: all the user's to fix
+    except Exception as exc:  # offline, unknown id, gated: all the user's to fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(
             f"path: {name!r} (split {cfg.split!r}) cannot be loaded: {first}; a hub id needs the "
