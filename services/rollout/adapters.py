@@ -75,6 +75,9 @@ class AdapterFollower:
         self.engine, self.bus, self.fetch, self.engine_name = engine, bus, fetch, engine_name
         self.keep = keep
         self.book = VersionBook(keep)
+        # read at scrape time from the book, which drops a version only after the engine's
+        # unload returned: what a soak watches to see old versions really leave
+        metrics.LOADED_VERSIONS.labels(replica).set_function(lambda: len(self.book.loaded()))
         self.load_attempts, self.retry_base_s = load_attempts, retry_base_s
         self.newest_seen = -1
         """the newest version followed (only events that passed `_refusal` count)"""

@@ -24,6 +24,11 @@ PROPAGATION_SECONDS = Histogram(
     ["replica"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+LOADED_VERSIONS = Gauge(
+    "lorabus_rollout_loaded_versions",
+    "Adapter versions the engine holds now (the keep window, plus old ones still pinned by requests)",
+    ["replica"],
+)
 TOKENS = Counter("lorabus_rollout_tokens_total", "Completion tokens generated", ["replica"])
 TOKENS_PER_SECOND = Gauge(
     "lorabus_rollout_tokens_per_second", "Completion tokens/s of the last engine batch", ["replica"]
