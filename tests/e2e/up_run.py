@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from services.config.areal.report import REPORTED_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # tests/e2e/test_up.py: best of the last three versions >= v0 + MARGIN on the fixed held-out set
@@ -54,8 +57,11 @@ def run_up(
 
     thread = threading.Thread(target=run_beside, daemon=True)
     thread.start()
+    # an AReaL file loaded earlier in this pytest process marked its table printed in os.environ;
+    # a fresh `lorabus up` must print its own
+    env = {k: v for k, v in os.environ.items() if k != REPORTED_ENV}
     proc = subprocess.run(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s + 120
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s + 120
     )
     print(proc.stdout)
     (run_dir / "up.log").write_text(proc.stdout)
