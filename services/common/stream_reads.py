@@ -7,19 +7,28 @@ a stream or message that does not exist is None or [], never an error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import codec
 from services.common.nats_client import StoredMsg, decode
 
-if TYPE_CHECKING:
-    from services.common.bus import Bus
-
 T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Bus(Protocol):
+    """What a read needs of `services.common.bus.Bus` (named here so the two modules do not
+    import each other): its JetStream context and its retrying call."""
+
+    js: JetStreamContext
+
+    async def jetstream(self, what: str, call: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R: ...
 
 
 async def message(bus: Bus, stream: str, seq: int, subject: str | None = None) -> StoredMsg | None:

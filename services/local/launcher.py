@@ -45,6 +45,7 @@ from services.local import inference_servers, processes
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.outcome import Outcome, exit_status, resume_hint
 from services.local.ports import free_port
+from services.local.processes import Child
 from services.local.server_watch import ServerWatch, WatchPolicy, kill_group
 from services.local.summary import Progress, print_summary, read_run, summary, training_done
 from services.local.supervision import Restarts, describe_exit
@@ -52,53 +53,6 @@ from services.rollout import server_cmd
 
 if TYPE_CHECKING:  # follow() imports the bus when the run starts; these names are for the checker
     from services.common.bus import Bus, MsgMeta
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    url: str | None = None
-    """inference servers: the base URL"""
-    env_extra: dict[str, str] = field(default_factory=dict)
-    server: bool = False
-    """an inference server (started before the sidecars, stopped after them)"""
-    sidecar: str | None = None
-    """inference servers: the rollout replica that drives it (`server_watch`)"""
-
-    def start(self, env: dict[str, str]) -> None:
-        log = open(self.log_path, "ab", buffering=0)
-        # own process group: Ctrl-C in the terminal reaches only the launcher, which then stops
-        # the children in order
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**env, **self.env_extra},
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            # a launcher killed outright takes its services along (SIGTERM: they stop cleanly),
-            # so rerunning the command resumes the run instead of meeting orphans
-            preexec_fn=processes.die_with_parent,
-        )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def popen(self) -> subprocess.Popen[bytes]:
-        if self.proc is None:
-            raise RuntimeError(f"child {self.name}: not started; call start() first")
-        return self.proc
-
-    @property
-    def pid(self) -> int:
-        return self.popen().pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen().returncode
 
 
 def trainer_launcher(cfg: LorabusConfig) -> list[str]:

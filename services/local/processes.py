@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -45,3 +47,53 @@ def terminate_group(pid: int) -> None:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
+
+
+@dataclass
+class Child:
+    """One process `lorabus up` starts and supervises: a service, or an inference server and
+    the replica that drives it."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    url: str | None = None
+    """inference servers: the base URL"""
+    env_extra: dict[str, str] = field(default_factory=dict)
+    server: bool = False
+    """an inference server (started before the sidecars, stopped after them)"""
+    sidecar: str | None = None
+    """inference servers: the rollout replica that drives it (`server_watch`)"""
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab", buffering=0)
+        # own process group: Ctrl-C in the terminal reaches only the launcher, which then stops
+        # the children in order
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, **self.env_extra},
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            # a launcher killed outright takes its services along (SIGTERM: they stop cleanly),
+            # so rerunning the command resumes the run instead of meeting orphans
+            preexec_fn=die_with_parent,
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def popen(self) -> subprocess.Popen[bytes]:
+        if self.proc is None:
+            raise RuntimeError(f"child {self.name}: not started; call start() first")
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        return self.popen().pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen().returncode

@@ -33,7 +33,7 @@ from services.local import processes
 from services.local.supervision import describe_exit
 
 if TYPE_CHECKING:
-    from services.local.launcher import Child
+    from services.local.processes import Child
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.local.launcher import Child
 from services.local.ports import free_port
+from services.local.processes import Child
 from services.local.server_watch import ServerWatch, WatchPolicy
 
 HEALTH = """
