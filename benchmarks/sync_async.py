@@ -1,159 +1,236 @@
-"""Synchronous vs asynchronous RL: wall-clock to a fixed held-out score, k = 0, 1, 2, 4.
+"""Synchronous vs asynchronous RL: wall-clock to fixed held-out scores, k = 0, 1, 2, 4, over seeds;
+where the time of a step goes, and how busy each side keeps the GPU.
 
-    python benchmarks/sync_async.py [--steps 40] [--targets 0.43 0.48 0.5] [--ks 0 1 2 4]
-        [--out benchmarks/results/sync_async.json]
+    python benchmarks/sync_async.py                                  # tiny task, CPU, one seed
+    python benchmarks/sync_async.py --task arith3 [--seeds 1 2 3] [--ks 0 1 2 4] [--steps 80]
+        [--targets 0.65 0.70 0.73] [--out benchmarks/results/sync_async_arith3.json]
+        [--max-wall-s 540] [--report-only] [override ...]
 
-One `lorabus up` per k on the tiny task (examples/tiny.yaml, every service its own process,
-the evaluator on), one after the other on this machine in one invocation, so the four are
-measured side by side. k = `rollout.max_head_offpolicyness`: 0 is synchronous (a version's
+One `lorabus up` per (k, seed) (every service its own process, the evaluator on), one after the
+other on this machine. k = `rollout.max_head_offpolicyness`: 0 is synchronous (a version's
 samples all come from it; the rollouts wait while the trainer steps), larger k lets the
-rollouts run ahead of the trainer by up to k versions.
+rollouts run ahead of the trainer by up to k versions. A seed is `seed=S actor.seed=S` (the
+rollouts' sampling and prompt order, and the LoRA's initialisation). `--task arith3` is the
+GPU task (examples/arith3_gpu.yaml in bf16, made first with gpu_learning's helper unless
+examples/arith3/model exists; its v0 scores 0.598, 80 steps reach ~0.74).
 
 Time to score: from the announcement of v0 to the announcement of the first version whose
 greedy held-out score (the evaluator's, on the fixed 500-prompt set) reaches each target; both
 times are the trainer's `AdapterReady.created_at`, read back from the run's streams, so the
-evaluator's own lag and the processes' start-up are not counted. Also reported: steps to the
-target, seconds per step, the best score, rejected-stale trajectories. Writes the JSON and a
-PNG (held-out score against wall-clock, one line per k) beside it.
+evaluator's own lag and the processes' start-up are not counted (start-up and the whole
+launcher wall are reported beside). Mean and spread are over the seeds that reached the
+target (the count is shown when some did not). The issue's targets (#34) are computed too:
+each k's time to the synchronous runs' mean final score against the synchronous runs'
+training time, and each k's final score against k = 0's.
+
+Where the time goes (benchmarks/rl_runs.py says how each is read from what the services record):
+per step, the seconds between two announcements split into generation, transfer (publish and
+load), training, both at once (overlap) and idle; and over the run, the fraction of wall-clock
+in which the trainer, the rollouts and the evaluator each have work on the GPU.
+
+Each run is written to <out>_runs/k<k>_seed<s>.json as it ends; a rerun with the same settings
+skips the recorded ones (a device call that ran out of time is continued by the next), and
+the table, JSON and PNG cover every run recorded there (`--report-only`: only that).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import platform
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from proto import messages as m
-from services.common import streams
-from services.common.bus import Bus
-from services.config.schema import BusConfig
-from services.local.nats_server import start_nats_server
+from benchmarks import rl_runs
+from benchmarks.rl_runs import CATEGORIES, spread
 
-RUN = "tiny-trial0"
-
-
-def run_up(k: int, steps: int, run_dir: Path) -> float:
-    cmd = [sys.executable, "-m", "services.local.launcher", "--config", "examples/tiny.yaml",
-           "--timeout", "1200", "--progress-every", "30", f"run_dir={run_dir}",
-           f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={k}"]  # fmt: skip
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"k={k}: lorabus up failed:\n{proc.stdout[-3000:]}")
-    return time.monotonic() - t0
+DEFAULTS = {
+    "tiny": {"targets": [0.43, 0.48, 0.5], "seeds": [1], "out": "benchmarks/results/sync_async.json"},
+    # v0 0.598, final ~0.74-0.75 in 80 steps (gpu_learning_embedded_bf16_h100.json): 0.73 is near
+    # the end, where seeds may differ in reaching it at all
+    "arith3": {"targets": [0.65, 0.70, 0.73], "seeds": [1, 2, 3], "out": "benchmarks/results/sync_async_arith3.json"},
+}
 
 
-async def read(run_dir: Path) -> tuple[dict[int, float], dict[int, float], dict[str, int]]:
-    """(version -> announced at, version -> held-out score, verdict counts) from the streams."""
-    server = start_nats_server(run_dir / "nats")
-    bus = await Bus.connect(BusConfig(url=server.url), run=RUN, service="bench")
-    try:
-        ready: list[m.AdapterReady] = await bus.read_all(streams.ADAPTERS(RUN), m.AdapterReady)
-        evals: list[m.EvalResult] = await bus.read_all(streams.EVALS(RUN), m.EvalResult)
-        decisions: list[m.TrajectoryDecision] = await bus.read_all(streams.DECISIONS(RUN), m.TrajectoryDecision)
-    finally:
-        await bus.close()
-        server.close()
-    first: dict[str, str] = {}
-    for d in decisions:
-        first.setdefault(d.trajectory_id, d.verdict)
-    verdicts: dict[str, int] = {}
-    for v in first.values():
-        verdicts[v] = verdicts.get(v, 0) + 1
-    return {e.version: e.created_at for e in ready}, {e.version: e.score for e in evals}, verdicts
+def aggregate(runs: list[dict], targets: list[float]) -> dict:
+    """Per k: mean and spread over seeds; and the issue's targets."""
+    by_k: dict[int, list[dict]] = {}
+    for r in runs:
+        by_k.setdefault(r["k"], []).append(r)
+    out: dict = {"by_k": {}}
+    for k, rs in sorted(by_k.items()):
+        row: dict = {"seeds": sorted(r["seed"] for r in rs), "to_target": {}}
+        for t in targets:
+            hits = [rl_runs.time_to(r["curve"], t) for r in rs]
+            row["to_target"][str(t)] = {
+                "seconds": spread([s for s, _ in hits if s is not None]),
+                "version": spread([v for _, v in hits if v is not None]),
+            }
+        for key in ("final_score", "best_score", "s_per_step", "training_s", "startup_s", "wall_s"):
+            row[key] = spread([r[key] for r in rs])
+        row["busy"] = {b: spread([r["busy"][b] for r in rs]) for b in ("trainer", "rollouts", "both", "evaluator")}
+        row["mean_step"] = {c: spread([r["mean_step"][c] for r in rs]) for c in ("seconds", *CATEGORIES)}
+        row["stale_rejected"] = spread([r["trajectories"].get("rejected-stale", 0) for r in rs])
+        out["by_k"][str(k)] = row
+    sync = out["by_k"].get("0")
+    if sync:
+        # #34: k = 2 reaches the synchronous run's final score in <= 0.4x its wall-clock (mean of
+        # the seeds); k = 4 ends within 2 % of k = 0's final score
+        goal, sync_s = sync["final_score"]["mean"], sync["training_s"]["mean"]
+        targets_34: dict = {"sync_final_mean": goal, "sync_training_s_mean": sync_s, "by_k": {}}
+        for k, rs in sorted(by_k.items()):
+            hits = [rl_runs.time_to(r["curve"], goal)[0] for r in rs]
+            reached = [s for s in hits if s is not None]
+            mean = sum(reached) / len(reached) if reached else None
+            final = out["by_k"][str(k)]["final_score"]["mean"]
+            targets_34["by_k"][str(k)] = {
+                "seconds_to_sync_final": spread(reached),
+                "seeds_reaching_it": f"{len(reached)}/{len(rs)}",
+                "fraction_of_sync_wall": None if mean is None or not sync_s else round(mean / sync_s, 3),
+                "final_vs_sync": round(final / goal - 1, 4) if goal else None,
+            }
+        out["issue_34"] = targets_34
+    return out
 
 
-def measure(k: int, steps: int, targets: list[float], scratch: Path) -> dict:
-    run_dir = scratch / f"k{k}"
-    wall = run_up(k, steps, run_dir)
-    announced, scores, verdicts = asyncio.run(read(run_dir))
-    t0 = announced[0]
-    span = announced[max(announced)] - t0
-    to_target = {}
-    for target in targets:
-        reached = next((v for v in sorted(scores) if scores[v] >= target and v in announced), None)
-        to_target[str(target)] = {
-            "seconds": None if reached is None else round(announced[reached] - t0, 2),
-            "steps": reached,
-        }
-    return {
-        "k": k,
-        "to_target": to_target,
-        "best_score": max(scores.values()),
-        "v0_score": scores[0],
-        "s_per_step": round(span / max(max(announced), 1), 3),
-        "launcher_wall_s": round(wall, 1),
-        "trajectories": verdicts,
-        "curve": [[round(announced[v] - t0, 2), scores[v]] for v in sorted(scores) if v in announced],
-    }
+def pm(s: dict, fmt: str = ".1f") -> str:
+    if not s["n"]:
+        return "-"
+    return f"{s['mean']:{fmt}}" + (f"±{s['sd']:{fmt}}" if s["n"] > 1 else "")
 
 
-def plot(results: list[dict], targets: list[float], path: Path) -> None:
+def table(agg: dict, targets: list[float], steps: int, task: str, seeds_wanted: int) -> None:
+    print(f"\n{task}: seconds from v0 to a held-out score (mean±sd over seeds; [n] when only n seeds reached it), "
+          f"{steps} steps per run")  # fmt: skip
+    head = ["k", *(f">= {t}" for t in targets), "final", "best", "s/step", "training s", "start-up s", "wall s"]
+    rows = []
+    for k, row in agg["by_k"].items():
+        n = len(row["seeds"])
+        cells = []
+        for t in targets:
+            hit = row["to_target"][str(t)]
+            got = hit["seconds"]["n"]
+            cells.append(pm(hit["seconds"]) + (f" [{got}]" if got < n else ""))
+        rows.append([k + (" (sync)" if k == "0" else ""), *cells, pm(row["final_score"], ".3f"),
+                     pm(row["best_score"], ".3f"), pm(row["s_per_step"], ".3f"), pm(row["training_s"]),
+                     pm(row["startup_s"]), pm(row["wall_s"])])  # fmt: skip
+    show(head, rows)
+    print("\nwhere a step's seconds go (mean per step, then over seeds) and busy fractions of the training window")
+    head = ["k", "step s", *CATEGORIES, "trainer busy", "rollouts busy", "both", "evaluator", "stale rej."]
+    rows = []
+    for k, row in agg["by_k"].items():
+        rows.append([k + (" (sync)" if k == "0" else ""),
+                     *(pm(row["mean_step"][c], ".3f") for c in ("seconds", *CATEGORIES)),
+                     *(pm(row["busy"][b], ".2f") for b in ("trainer", "rollouts", "both", "evaluator")),
+                     pm(row["stale_rejected"], ".0f")])  # fmt: skip
+    show(head, rows)
+    t34 = agg.get("issue_34")
+    if t34:
+        print(f"\n#34: time to the synchronous runs' mean final score {t34['sync_final_mean']:.3f}, as a fraction of "
+              f"their training time {t34['sync_training_s_mean']:.1f} s (target: k = 2 <= 0.4); final vs k = 0 "
+              f"(target: k = 4 within 2 %)")  # fmt: skip
+        for k, row in t34["by_k"].items():
+            frac = row["fraction_of_sync_wall"]
+            print(f"  k = {k}: {pm(row['seconds_to_sync_final'])} s ({row['seeds_reaching_it']} seeds), "
+                  f"{'-' if frac is None else f'{frac:.2f}x'}; final {row['final_vs_sync']:+.1%}")  # fmt: skip
+    missing = [k for k, row in agg["by_k"].items() if len(row["seeds"]) < seeds_wanted]
+    if missing:
+        print(f"\nfewer seeds than asked for k = {', '.join(missing)}")
+
+
+def show(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for r in [head, *rows]:
+        print("  ".join(f"{str(x):>{w}}" for x, w in zip(r, widths)))
+
+
+def plot(runs: list[dict], targets: list[float], task: str, path: Path) -> None:
+    """Held-out score against seconds since v0: each seed thin, the mean over seeds (per version
+    scored in every seed, at the seeds' mean time) thick, one colour per k."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in results:
-        xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, marker=".", label=f"k = {r['k']}" + (" (synchronous)" if r["k"] == 0 else ""))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ks = sorted({r["k"] for r in runs})
+    for i, k in enumerate(ks):
+        color = f"C{i}"
+        rs = [r for r in runs if r["k"] == k]
+        for r in rs:
+            xs, _, ys = zip(*r["curve"])
+            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8)
+        common = sorted(set.intersection(*({int(v) for _, v, _ in r["curve"]} for r in rs)))
+        mean = []
+        for ver in common:
+            points = [(x, y) for r in rs for x, v, y in r["curve"] if int(v) == ver]
+            mean.append((sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)))
+        label = f"k = {k}" + (" (synchronous)" if k == 0 else "") + f", {len(rs)} seed{'s' * (len(rs) > 1)}"
+        ax.plot(*zip(*mean), color=color, marker=".", linewidth=2, label=label)
     for target in targets:
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("seconds since v0 was announced")
     ax.set_ylabel("held-out score (greedy, 500 prompts)")
-    ax.set_title("tiny task: held-out score against wall-clock, by max_head_offpolicyness")
-    ax.legend()
+    ax.set_title(f"{task}: held-out score against wall-clock, by max_head_offpolicyness k")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--targets", type=float, nargs="+", default=[0.43, 0.48, 0.5])
+    p.add_argument("--task", choices=sorted(rl_runs.TASKS), default="tiny")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the task's)")
+    p.add_argument("--targets", type=float, nargs="+", default=None)
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
-    p.add_argument("--out", default="benchmarks/results/sync_async.json")
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--timeout", type=float, default=None, help="lorabus up's --timeout per run")
+    p.add_argument("--max-wall-s", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument("--report-only", action="store_true", help="tabulate the recorded runs, run nothing")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run (after the task's)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="sync-async-") as tmp:
-        results = [measure(k, args.steps, args.targets, Path(tmp)) for k in args.ks]
-    print(f"\nseconds (steps) to a held-out score on the tiny task ({args.steps} steps per run)")
-    print(
-        f"{'k':>3} "
-        + " ".join(f"{'>= ' + str(t):>12}" for t in args.targets)
-        + f" {'s/step':>7} {'best':>6} {'stale':>6}"
-    )
-    for r in results:
-        cells = []
-        for t in args.targets:
-            hit = r["to_target"][str(t)]
-            cells.append("-" if hit["seconds"] is None else f"{hit['seconds']:.1f} ({hit['steps']})")
-        stale = r["trajectories"].get("rejected-stale", 0)
-        print(f"{r['k']:>3} " + " ".join(f"{c:>12}" for c in cells)
-              + f" {r['s_per_step']:>7.2f} {r['best_score']:>6.3f} {stale:>6}")  # fmt: skip
-    out = Path(args.out)
+    d = DEFAULTS[args.task]
+    steps = args.steps or rl_runs.TASKS[args.task].steps
+    targets, seeds = args.targets or d["targets"], args.seeds or d["seeds"]
+    out = Path(args.out or d["out"])
+    runs_dir = out.with_name(out.stem + "_runs")
+    settings = {"task": args.task, "steps": steps, "overrides": args.overrides}
+    if not args.report_only:
+        rl_runs.ensure_task(args.task, args.overrides, runs_dir)
+        cells = [
+            (f"k{k}_seed{s}",
+             [f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={k}", f"seed={s}", f"actor.seed={s}",
+              *args.overrides])
+            for s in seeds for k in args.ks
+        ]  # fmt: skip
+        rl_runs.run_cells(cells, args.task, runs_dir, settings, args.max_wall_s, args.timeout)
+    runs = rl_runs.recorded(runs_dir, settings)
+    for r in runs:  # the cell's k and seed, from its name
+        k, s = r["name"].split("_")
+        r["k"], r["seed"] = int(k[1:]), int(s[4:])
+    if not runs:
+        raise SystemExit(f"no run recorded in {runs_dir} with settings {settings}")
+    agg = aggregate(runs, targets)
+    table(agg, targets, steps, args.task, len(seeds))
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": "sync_async",
-        "task": "examples/tiny.yaml",
-        "steps": args.steps,
-        "targets": args.targets,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
-        "results": results,
+        "task": args.task,
+        "config": rl_runs.TASKS[args.task].config,
+        "settings": settings,
+        "targets": targets,
+        "machines": rl_runs.machines(runs),
+        **agg,
+        "runs": [{k: v for k, v in r.items() if k != "per_step"} for r in runs],
+        "per_step_sync": {f"seed{r['seed']}": r["per_step"] for r in runs if r["k"] == 0},
     }
-    out.write_text(json.dumps(doc, indent=2))
-    plot(results, args.targets, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    rl_runs.plot_or_say(plot, runs, targets, args.task, out.with_suffix(".png"))
+    print(f"wrote {out}, {out.with_suffix('.png')} (runs in {runs_dir})")
 
 
 if __name__ == "__main__":
