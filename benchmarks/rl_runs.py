@@ -7,11 +7,13 @@ process) in a fresh run directory, and read back afterwards from what the system
   held-out curve     EvalResult per version (the evaluator's greedy score on the fixed held-out
                      set) at AdapterReady.created_at, the trainer's announcement of the version
   training           TrainerStep.step_seconds (the train step's own clock, ending in a GPU sync:
-                     the loss and grad norm are read back), placed to end where the step
-                     returned, i.e. TrainerStep.finished_at less the publish time the trainer
-                     logs ("vN announced in X ms"); the adapter's copy out (milliseconds for a
-                     LoRA) falls inside it
-  publish            from that return to AdapterReady.created_at (serialise + object store put)
+                     the loss and grad norm are read back), ending at TrainerStep.trained_at
+                     where the trainer stamps it (the update's end); from trainers that do not,
+                     at TrainerStep.finished_at less the publish time the trainer logs ("vN
+                     announced in X ms"), so the adapter's copy out (milliseconds for a LoRA)
+                     falls inside it
+  publish            from there to AdapterReady.created_at: the version's canary where the
+                     trainer computes one, the adapter's copy out, serialise, object store put
   load               from AdapterReady.created_at to the last replica's AdapterLoaded.loaded_at
   generation         each rollout batch's Trajectory.started_at..finished_at (taken grants to
                      generated tokens back on the host), per replica
@@ -199,11 +201,12 @@ def timeline(rec: Record, publish_s: dict[int, float], evals: list[tuple[float, 
     """Busy fractions over the training window and the per-step breakdown (module docstring)."""
     train, publish = [], []
     for s in rec.steps:
-        returned = s.finished_at - publish_s.get(s.version, 0.0)
-        created = rec.ready.get(s.version, returned)
-        returned = min(returned, created)
-        train.append((returned - s.step_seconds, returned))
-        publish.append((returned, created))
+        created = rec.ready.get(s.version, s.finished_at)
+        # getattr: trained_at is newer than some trainers whose streams this may read
+        end = getattr(s, "trained_at", None) or s.finished_at - publish_s.get(s.version, 0.0)
+        end = min(end, created)
+        train.append((end - s.step_seconds, end))
+        publish.append((end, created))
     replicas = sorted({r for r, _, _ in rec.batches})
     gen = [(a, b) for _, a, b in rec.batches]
     loads = {}  # version -> seconds from its announcement until every replica had loaded it
@@ -226,6 +229,7 @@ def timeline(rec: Record, publish_s: dict[int, float], evals: list[tuple[float, 
         **{f"rollout:{r}": round(union([(a, b) for q, a, b in rec.batches if q == r], lo, hi) / window, 3)
            for r in replicas},
     }  # fmt: skip
+    canary = {s.version: getattr(s, "canary_seconds", None) for s in rec.steps}
     per_step = []
     for v, nxt in zip(versions, versions[1:]):
         parts = attribute(rec.ready[v], rec.ready[nxt], train, gen, transfer)
@@ -234,6 +238,7 @@ def timeline(rec: Record, publish_s: dict[int, float], evals: list[tuple[float, 
             "seconds": round(rec.ready[nxt] - rec.ready[v], 4),
             **{k: round(x, 4) for k, x in parts.items()},
             "publish_s": round(publish_s.get(nxt, 0.0), 4),
+            "canary_s": None if canary.get(nxt) is None else round(canary[nxt], 4),
             "load_s": round(loads[v], 4) if v in loads else None,
         })  # fmt: skip
     mean_step = (
