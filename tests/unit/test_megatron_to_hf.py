@@ -203,6 +203,27 @@ def test_moe_per_expert_single_rank():
         check_expert(out, e, weights[e], *loras[e], s)
 
 
+def test_moe_sequential_mlp_names_are_the_per_expert_scheme():
+    """The local layer spec (no Transformer Engine) builds SequentialMLP experts, whose LoRA
+    tensors are named `local_experts.<idx>.linear_fc1.adapter...` instead of `...weight<idx>`."""
+    s = ModelShape(
+        **{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__}, "ep_size": 2, "ep_rank": 1}
+    )
+    shard, _ = per_expert_shard(s)
+    renamed = {}
+    for name, t in shard.items():
+        stem, idx = name.rstrip("0123456789"), name[len(name.rstrip("0123456789")) :]
+        head, tail = stem.split(".mlp.experts.")
+        renamed[f"{head}.mlp.experts.local_experts.{idx}.{tail}"] = t
+    out = convert(renamed, s)
+    expected = convert(shard, s)
+    assert out.keys() == expected.keys() and all(torch.equal(out[k], expected[k]) for k in out)
+    assert min(int(k.split(".experts.")[1].split(".")[0]) for k in out) == s.experts_per_rank  # rank 1's
+    bad = {k + ("0" if k.endswith("weight") else ""): v for k, v in renamed.items()}
+    with pytest.raises(ConversionError, match="SequentialMLP"):
+        convert(bad, s)
+
+
 def test_moe_per_expert_two_ep_ranks_merged():
     s = ModelShape(**{**{f: getattr(QWEN3_30B_A3B, f) for f in QWEN3_30B_A3B.__struct_fields__}, "ep_size": 2})
     half = s.num_experts // 2

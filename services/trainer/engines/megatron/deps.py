@@ -6,9 +6,11 @@ import importlib
 from types import ModuleType
 
 EXTRA_HINT = (
-    "install the optional extra with `pip install 'lorabus[megatron]'` (megatron-core) plus "
-    "megatron-bridge in an environment that satisfies its pins (transformers<5, "
-    "transformer-engine); see docs/megatron.md"
+    "install megatron-core and megatron-bridge without their dependencies: `pip install --no-deps "
+    "megatron-bridge==0.6.2 megatron-core==0.19.2` (Python 3.12, transformers 5.8-5.17; "
+    "Transformer Engine optional), as `make megatron-env` and "
+    "benchmarks/device/megatron-bridge-site.sh do (`lorabus[megatron]` alone brings megatron-core); "
+    "see docs/megatron.md"
 )
 
 

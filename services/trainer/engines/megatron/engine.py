@@ -145,6 +145,14 @@ def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, de
         provider.apply_rope_fusion = False
         provider.masked_softmax_fusion = False
         provider.persist_layer_norm = False
+        # MoE: the local spec's experts are a SequentialMLP of Column/RowParallelLinear (one
+        # LoRA per expert); TE's grouped GEMM and fused token permutation are not there
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+    if device.type == "cpu" and getattr(provider, "num_moe_experts", None):
+        # the alltoall dispatcher makes a CUDA stream when built; allgather is the same routing
+        # at EP 1 without one (CPU is for tests)
+        provider.moe_token_dispatcher_type = "allgather"
     for name in ("hidden_dropout", "attention_dropout"):
         setattr(provider, name, 0.0)  # the step's proximal and trained logprobs must agree
 
