@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_accepted_staleness": summary["max_accepted_staleness"],
         "eval_unscored": summary.get("eval_unscored"),
         "restarts": summary.get("restarts"),
+        # issue 28: the k3 KL and |Δ logprob| of behaviour against trainer logprobs (on-policy tokens:
+        # each version's own gap; run with rollout.merge_head=false for the unmerged embedded figure),
+        # and the canary's seconds on both sides and its share of each version's time to servable
+        "train_infer_mismatch": summary.get("train_infer_mismatch"),
+        "canary": summary.get("canary"),
         **load_paths(args.run_dir),
     }
     if base is not None and len(curve) > 1:

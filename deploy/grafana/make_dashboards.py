@@ -101,6 +101,30 @@ OVERVIEW = [
     ),
     ("Trainer loss", "timeseries", "none", [("lorabus_trainer_loss", "loss")], 12),
     (
+        "Train/inference mismatch (per-token KL, k3)",
+        "timeseries",
+        "none",
+        [
+            ('lorabus_trainer_mismatch_kl{stat="mean", tokens="on_policy"}', "KL mean (on-policy tokens)"),
+            ('lorabus_trainer_mismatch_kl{stat="max", tokens="on_policy"}', "KL max (on-policy tokens)"),
+            ('lorabus_trainer_mismatch_kl{stat="mean", tokens="all"}', "KL mean (all tokens)"),
+            ('lorabus_trainer_mismatch_logprob_diff{stat="mean", tokens="on_policy"}', "|Δ logprob| mean (on-policy)"),
+            (q95("lorabus_rollout_canary_gap", "replica"), "canary |Δ logprob| p95 {{replica}} (at each load)"),
+        ],
+        12,
+    ),
+    (
+        "Policy identity: rejected, refused, load failures (canary withdrawals among them)",
+        "timeseries",
+        "short",
+        [
+            ("sum by (reason) (increase(lorabus_registry_rejections_total[5m]))", "registry rejected: {{reason}}"),
+            ("sum by (reason) (increase(lorabus_trainer_refused_groups_total[5m]))", "trainer refused: {{reason}}"),
+            ("sum by (replica) (increase(lorabus_rollout_load_failures_total[5m]))", "load failures {{replica}}"),
+        ],
+        12,
+    ),
+    (
         "Eval score per version",
         "timeseries",
         "none",
@@ -170,6 +194,16 @@ THROUGHPUT = [
         8,
     ),
     ("Export time", "timeseries", "s", [(q95("lorabus_exporter_export_seconds"), "p95")], 8),
+    (
+        "Canary time (part of time to servable)",
+        "timeseries",
+        "s",
+        [
+            (q95("lorabus_trainer_canary_seconds"), "p95 trainer"),
+            (q95("lorabus_rollout_canary_seconds", "replica"), "p95 {{replica}}"),
+        ],
+        8,
+    ),
     (
         "Registry decision latency",
         "timeseries",

@@ -43,6 +43,16 @@ def check_lora(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_mismatch(cfg: LorabusConfig) -> list[str]:
+    limit = cfg.actor.max_train_infer_kl
+    if limit is not None and not limit > 0:
+        return [
+            f"actor.max_train_infer_kl: {limit}, a KL threshold must be > 0; set a positive bound (NeMo-RL "
+            "measured a mean of 2e-3 with a native adapter) or null to refuse nothing"
+        ]
+    return []
+
+
 def check_lora_name(cfg: LorabusConfig) -> list[str]:
     g, ro, out = cfg.gconfig.lora_name, cfg.rollout.lora_name, []
     if ro and ro != g:
@@ -387,6 +397,7 @@ def check_fleet(cfg: LorabusConfig) -> list[str]:
 
 RULES = (
     check_lora,
+    check_mismatch,
     check_lora_name,
     check_engine_matrix,
     check_megatron,

@@ -163,6 +163,11 @@ class ActorConfig(Section):
     """recompute each decoder layer's activations in the backward pass instead of keeping
     them (AReaL's name): activation memory of one layer instead of all, for about a third
     more compute"""
+    max_train_infer_kl: float | None = None
+    """refuse (dead-letter, never train) a group whose mean per-token KL between its behaviour
+    logprobs and the trainer's exceeds this (k3 estimator, services/trainer/mismatch.py); the
+    trainer's logprobs are its current weights', so tokens of older versions carry the policy's
+    drift since too; null: measure and report, refuse nothing"""
 
 
 class RolloutConfig(Section):
@@ -206,6 +211,10 @@ class RolloutConfig(Section):
     decoded on its own and waits for its longest row"""
     slab_length: int = 2048
     """with slab_rows: the most tokens (prompt + new tokens) one row holds"""
+    merge_head: bool = True
+    """embedded engine: serve the newest version merged into the base weights (the fast path;
+    rounded once in the serving dtype); false: every version stays a separate LoRA product, as
+    the trainer computes it (the native baseline of the train/inference mismatch)"""
 
     # Derived values are properties, not back-filled copies: a section built by hand (tests,
     # benchmarks) must give the same answer as one that went through the loader.

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from proto import messages as m
 from services.clients import eval_policy
+from services.local import consistency
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
@@ -99,6 +100,8 @@ class RunRecord:
     loaded: dict[str, int] = field(default_factory=dict)
     failed_loads: int = 0
     """AdapterFailed reports that gave the version up (will_retry false)"""
+    loads: list[m.AdapterLoaded] = field(default_factory=list)
+    """every first load of a version on a replica (not the re-loads of a restore)"""
 
     def verdicts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -167,6 +170,8 @@ async def read_run(bus: Bus, run: str) -> RunRecord:
     for report in reports:
         if isinstance(report, m.AdapterLoaded):
             record.loaded[report.replica] = max(record.loaded.get(report.replica, -1), report.version)
+            if report.load_seconds > 0:  # a restore's re-load reports 0 and no canary
+                record.loads.append(report)
         elif isinstance(report, m.AdapterFailed) and not report.will_retry:
             record.failed_loads += 1
     return record
@@ -201,6 +206,8 @@ def summary(
         "adapter_versions_given_up": record.failed_loads,
         "eval_unscored": eval_wait.missing if eval_wait else [],
         "eval_waited_s": round(eval_wait.waited_s, 1) if eval_wait else 0.0,
+        "train_infer_mismatch": consistency.mismatch(steps),
+        "canary": consistency.canary_cost(steps, record.loads),
     }
 
 
@@ -211,6 +218,8 @@ def print_summary(result: dict) -> None:
         f"{result['elapsed_s']} s; logs in {result['run_dir']}"
     )
     print(f"trajectories: {result['trajectories']}")
+    for line in consistency.lines(result):
+        print(line)
     if result.get("restarts"):
         print(f"restarts: {result['restarts']}")
     if result["eval_unscored"]:

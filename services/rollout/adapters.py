@@ -223,7 +223,7 @@ class AdapterFollower:
             try:
                 await self._make_room()
                 done = await loaders.load(self._loaders, ev, attempt=attempt, verify_first=verify_first)
-                await self._canary(ev)
+                canary_s = await self._canary(ev)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.replica).inc()
                 # a canary that fails fails again on the same weights: given up like a corrupt object
@@ -258,21 +258,24 @@ class AdapterFollower:
             metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
             if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
                 metrics.LOADED_VERSION.labels(self.replica).set(head)
-            await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded")
+            await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded",
+                                      canary_seconds=canary_s)  # fmt: skip
             return True
         return False  # not reached: the last attempt returns or raises
 
-    async def _canary(self, ev: AdapterReady) -> None:
+    async def _canary(self, ev: AdapterReady) -> float | None:
         """Check a version just loaded against its canary before it is marked loaded (served);
-        one that fails leaves the engine and raises `CanaryFailed` with the figures."""
+        returns the seconds it took (None: the event carried none). One that fails leaves the
+        engine and raises `CanaryFailed` with the figures."""
         if ev.canary is None:
-            return
+            return None
         t0 = time.perf_counter()
-        measured = await canary.score(self.engine, ev.version, ev.canary)
-        metrics.CANARY_SECONDS.labels(self.replica).observe(time.perf_counter() - t0)
+        measured = await canary.score(self.engine, ev.version, ev.canary, self.cfg.rollout.dtype)
+        seconds = time.perf_counter() - t0
+        metrics.CANARY_SECONDS.labels(self.replica).observe(seconds)
         metrics.CANARY_GAP.labels(self.replica).observe(min(measured.value, 1e6))
         if measured.passed:
-            return
+            return seconds
         await self.engine.unload_version(ev.version)
         raise canary.CanaryFailed(
             f"{ev.adapter_name}: {measured.describe(len(ev.canary.sequences))}; withdrawn on this replica, "
@@ -359,7 +362,14 @@ class AdapterFollower:
         await self.bus.publish(subjects.rollout_report(self.run_id, self.replica, kind), msg, msg_id=msg_id)
 
     async def _report_loaded(
-        self, version: int, via: LoadedVia, *, load_seconds: float, loaded_at: float, kind: str
+        self,
+        version: int,
+        via: LoadedVia,
+        *,
+        load_seconds: float,
+        loaded_at: float,
+        kind: str,
+        canary_seconds: float | None = None,
     ) -> None:
         """Report `version` servable; `kind` (`loaded`, or `reloaded` by a restore) names it in
         the msg_id."""
@@ -372,6 +382,7 @@ class AdapterFollower:
                 via=via,
                 load_seconds=load_seconds,
                 loaded_at=loaded_at,
+                canary_seconds=canary_seconds,
             ),
             msg_id=f"{self.replica}-{kind}-v{version}-{uuid.uuid4().hex[:8]}",
         )

@@ -10,7 +10,8 @@ its token. Where the two pick different tokens, a healthy engine is at a near-ti
 tokens' logprobs are close); a base model answering under the adapter's name, an adapter loaded
 with the wrong scale or targets, or a corrupted tensor moves the logprobs by far more.
 
-Invariant: a version whose gap exceeds its dtype's tolerance (`TOLERANCE`) is never marked
+Invariant: a version whose gap exceeds its dtype's tolerance (`TOLERANCE`, the looser of the
+trainer's and the replica's dtype) is never marked
 loaded on this replica: the follower unloads it and reports AdapterFailed with the figures, and
 the versions it already serves stay served.
 """
@@ -52,15 +53,26 @@ class Gap:
         )
 
 
-def gap(canary: Canary, results: list[GenResult]) -> Gap:
-    """The replica's greedy `results` (one per canary sequence) against the trainer's."""
+def tolerance(canary: Canary, serving: Dtype | None = None) -> float:
+    """The looser of the trainer's dtype and the replica's own (`serving`, rollout.dtype): a
+    bf16 replica of a float32 trainer rounds its logits as bf16 does."""
+    return max(TOLERANCE[canary.dtype], TOLERANCE[serving] if serving is not None else 0.0)
+
+
+def gap(canary: Canary, results: list[GenResult], serving: Dtype | None = None) -> Gap:
+    """The replica's greedy `results` (one per canary sequence) against the trainer's; the
+    replica serves in `serving` (None: the canary's dtype)."""
     if len(results) != len(canary.sequences):
         raise ValueError(f"results: {len(results)} for {len(canary.sequences)} canary sequences; one each")
-    worst = Gap(0.0, 0, 0, TOLERANCE[canary.dtype])
+    worst = Gap(0.0, 0, 0, tolerance(canary, serving))
     for i, (seq, got) in enumerate(zip(canary.sequences, results)):
         for j, (want_id, want_lp) in enumerate(zip(seq.token_ids, seq.logprobs)):
             if j >= len(got.token_ids):
-                # the replica stopped (an end token) where the trainer went on
+                if got.finish_reason == "stop":
+                    # it agreed on every token up to an end token, where a server stops and the
+                    # trainer's reference (which knows no end tokens) goes on: nothing to compare
+                    break
+                # it stopped short otherwise (aborted): no answer is not the trainer's answer
                 return Gap(float("inf"), i, j, worst.tolerance)
             diff = abs(got.logprobs[j] - want_lp)
             if diff > worst.value:
@@ -77,7 +89,7 @@ def requests(sequences: list[CanarySequence]) -> list[GenRequest]:
     ]
 
 
-async def score(engine: Engine, version: int, canary: Canary) -> Gap:
+async def score(engine: Engine, version: int, canary: Canary, serving: Dtype | None = None) -> Gap:
     """Decode the canary's prompts under `version` (already loaded) and measure the gap."""
     outs = await engine.generate(requests(canary.sequences), version)
-    return gap(canary, [o[0] for o in outs])
+    return gap(canary, [o[0] for o in outs], serving)

@@ -1,5 +1,7 @@
 """Serve several LoRA versions of one adapter from one base model, with the head merged.
 
+(`merge_head` False keeps W = W0 and corrects every row, the head's too: the unmerged baseline.)
+
 Why not peft: peft's `load_adapter` allocates new modules per version (~0.7 s for 37 MB on an
 H200) and its unmerged forward adds two small matmuls per target module for every row (0.64x
 base tokens/s; two versions mixed in a batch, 0.13x). Here:
@@ -387,6 +389,10 @@ class LoraSlots:
         self.table = SlotTable(slots)
         self.routing = Routing("torch")
         self.head: int | None = None
+        self.merge_head = True
+        """whether the head is merged into the weights (the fast path); False: W stays W0 and
+        every row, the head's too, runs its version's LoRA product (the native baseline of the
+        train/inference mismatch, rollout.merge_head)"""
         self._scale: dict[int, float] = {}
         self.layers: dict[str, SlotLinear] = {}
         self.groups: list[SlotGroup] = []
@@ -512,8 +518,13 @@ class LoraSlots:
                 f"{self._dtype}); leave merge_kernel False"
             )
         for buffers in self._shapes:
-            buffers.merge(head_slot, kernel=self.merge_kernel)
+            buffers.merge(head_slot if self.merge_head else None, kernel=self.merge_kernel)
         self.head = version
+
+    @property
+    def merged(self) -> int | None:
+        """The version merged into the weights (None: none is, W is W0)."""
+        return self.head if self.merge_head else None
 
     # --- per forward ---
     @torch.no_grad()
@@ -522,8 +533,9 @@ class LoraSlots:
         device), or None when every row is on the head. The returned tensor is this batch
         size's buffer: it is rewritten by the next call for the same size."""
         slot_of = {v: self.table.slot_of(v) for v in set(row_versions)}  # KeyError if not loaded
-        head_slot = None if self.head is None else self.table.slot_of(self.head)
-        if all(v == self.head for v in row_versions):
+        merged = self.merged
+        head_slot = None if merged is None else self.table.slot_of(merged)
+        if all(v == merged for v in row_versions):
             return None
         n = len(row_versions)
         key = (tuple(row_versions), head_slot, tuple(sorted(slot_of.items())))
@@ -538,7 +550,7 @@ class LoraSlots:
         if self._cols_key.get(n) != key:
             signs = torch.zeros(n, self.table.slots, dtype=self._dtype)
             for row, v in enumerate(row_versions):
-                if v != self.head:
+                if v != merged:
                     signs[row, slot_of[v]] = 1.0
                     if head_slot is not None:
                         signs[row, head_slot] = -1.0

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = entry.start(args, PROG, service="trainer")
 
     from services.common.metrics import start_metrics_server
+    from services.trainer import canary as trainer_canary
     from services.trainer import ranks, resume, service
     from services.trainer.engines import make_engine
     from services.trainer.engines.base import collective_timeout_s
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         follow_parent()
     engine = make_engine(cfg)
     ckpt = resume.restore(engine, cfg)
-    # the untrained adapter is v0; gathering it is a collective, so every rank takes part
+    # the untrained adapter is v0; gathering it is a collective, so every rank takes part, as
+    # in the first version's canary (a forward of the sharded model)
     initial = engine.adapter_state() if ckpt is None else None
+    canary, _ = trainer_canary.timed(engine)
     if engine.rank != 0:
         ranks.worker_loop(engine)
         return leave(engine)
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.device,
                 engine.world_size,
             )
-            asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers))
+            asyncio.run(service.run_rank0(cfg, engine, ckpt, initial, followers, canary))
         finally:
             followers.stop()  # however rank 0 ends, the followers must stop too
     except ranks.PeerLost as exc:

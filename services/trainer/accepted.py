@@ -4,13 +4,15 @@ ACCEPTED stream whose acks wait until the batch is trained and published.
 Invariant: a trajectory is acked only once the step that trained it is published (or when it
 was trained before: its sequence is in `trained`, or its id in the checkpoint's last step), and
 one that this run cannot train (another run's, a token id beyond the vocabulary, a shape the
-loss refuses) is dead-lettered, never trained.
+loss refuses, behaviour logprobs beyond actor.max_train_infer_kl: `refuse`) is dead-lettered,
+never trained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import msgspec
 
@@ -92,6 +94,18 @@ class AcceptedQueue:
         """Unsubscribe the reader before the bus drains (nothing of it is left to deliver)."""
         if self.reader is not None:
             await self.reader.stop()
+
+    async def refuse(self, reasons: Mapping[str, str]) -> None:
+        """Dead-letter the held trajectories the step refused (trajectory id -> why) and let go
+        of them: they were not trained, and no redelivery brings them back."""
+        kept = []
+        for d in self.held:
+            why = reasons.get(d.msg.trajectory_id)
+            if why is None:
+                kept.append(d)
+            else:
+                await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {why}")
+        self.held = kept
 
     def mark_trained(self) -> None:
         """The held batch is trained: remember its sequences (before the checkpoint is saved)."""

@@ -29,6 +29,8 @@ class Sample:
     advantage: float
     token_weight: float = 0.0
     """this sample's per-token share of its minibatch's loss (0 for padding samples)"""
+    group: int = 0
+    """the index of its trajectory in the step's batch (what the mismatch tally groups by)"""
 
     @property
     def completion_len(self) -> int:
@@ -71,7 +73,7 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
         flat = batch_normalise(torch.cat(advantages), lengths, use_std=ppo.batch_adv_norm_std, eps=ppo.norm_eps)
         advantages = list(flat.split([len(g.completions) for g in groups]))
     samples = []
-    for group, adv in zip(groups, advantages):
+    for index, (group, adv) in enumerate(zip(groups, advantages)):
         if (why := problem(group)) is not None:
             raise ValueError(f"trajectory {group.trajectory_id}: {why}")
         for completion, a in zip(group.completions, adv.tolist()):
@@ -84,6 +86,7 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
                     behave_logprobs=list(completion.logprobs),
                     versions=list(completion.versions),
                     advantage=a,
+                    group=index,
                 )
             )
     return samples
@@ -160,6 +163,8 @@ class MicroBatch:
     behave_logprobs: Tensor
     versions: Tensor
     advantages: Tensor
+    groups: Tensor
+    """[rows]: each row's trajectory index in the step's batch (`Sample.group`)"""
 
     @property
     def logits_to_keep(self) -> int:
@@ -180,6 +185,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
     behave = torch.zeros((b, width))
     versions = torch.zeros((b, width), dtype=torch.long)
     advantages = torch.zeros((b, width))
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     for i, s in enumerate(samples):
         n = len(s.input_ids)
         input_ids[i, :n] = torch.tensor(s.input_ids)
@@ -197,4 +203,5 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         behave_logprobs=behave,
         versions=versions,
         advantages=advantages,
+        groups=groups,
     )

@@ -6,15 +6,22 @@ caller hands it (the base with the version's adapter applied, in the serving dty
 each continuation token's log-probability at temperature 1: the `Canary` published with the
 version, that every replica checks its load against (`services.rollout.canary`).
 
+The trainer computes it in each step, after the update, from the model it trains (`timed`,
+called by `ranks.run_step`; the first version's at start), and publishes it on the version's
+AdapterReady on either path (object store or XCCL).
+
 Invariant: the reference is computed from the trainer's own weights in the dtype the replicas
 serve, never from what a replica loaded; equal weights give equal canaries.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from proto.messages import Canary, CanarySequence, Dtype
+from services.trainer.engines.base import CanaryEngine
 
 N_PROMPTS = 4
 PROMPT_TOKENS = 8
@@ -33,18 +40,37 @@ def prompts(vocab_size: int, seed: int, n: int = N_PROMPTS, length: int = PROMPT
 def reference(model: torch.nn.Module, prompt_ids: list[list[int]], dtype: Dtype,
               n_tokens: int = CONTINUATION_TOKENS) -> Canary:  # fmt: skip
     """Greedy continuations of `prompt_ids` under `model` (a causal LM returning `.logits`, its
-    adapter applied, already in `dtype`), each token's temperature-1 logprob beside it."""
+    adapter applied, already in `dtype`), each token's temperature-1 logprob beside it. Prompts
+    of one length are decoded as one batch (the run's prompts are: `n_tokens` forwards in all)."""
     device = next(model.parameters()).device
-    sequences = []
-    for prompt in prompt_ids:
-        ids = torch.tensor([prompt], device=device)
+    sequences: list[CanarySequence | None] = [None] * len(prompt_ids)
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompt_ids):
+        by_length.setdefault(len(prompt), []).append(i)
+    for rows in by_length.values():
+        ids = torch.tensor([prompt_ids[i] for i in rows], device=device)
         tokens, logprobs = [], []
         for _ in range(n_tokens):
-            logits = model(input_ids=ids).logits[0, -1].float()
-            lp = logits.log_softmax(-1)
-            token = int(lp.argmax())
-            tokens.append(token)
-            logprobs.append(min(0.0, float(lp[token])))
-            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
-        sequences.append(CanarySequence(prompt_token_ids=list(prompt), token_ids=tokens, logprobs=logprobs))
-    return Canary(dtype=dtype, sequences=sequences)
+            lp = model(input_ids=ids).logits[:, -1].float().log_softmax(-1)
+            token = lp.argmax(-1, keepdim=True)
+            tokens.append(token[:, 0].tolist())
+            logprobs.append(lp.gather(-1, token)[:, 0].clamp(max=0.0).tolist())
+            ids = torch.cat([ids, token], dim=1)
+        for j, i in enumerate(rows):
+            sequences[i] = CanarySequence(
+                prompt_token_ids=list(prompt_ids[i]),
+                token_ids=[int(step[j]) for step in tokens],
+                logprobs=[float(step[j]) for step in logprobs],
+            )
+    return Canary(dtype=dtype, sequences=[s for s in sequences if s is not None])
+
+
+def timed(engine: object) -> tuple[Canary | None, float | None]:
+    """(the canary of the adapter `engine` holds now, seconds it took); (None, None) for an
+    engine that computes none (`CanaryEngine`): its versions are then served unchecked.
+    A collective under FSDP2: every rank calls it at the same point."""
+    if not isinstance(engine, CanaryEngine):
+        return None, None
+    t0 = time.perf_counter()
+    canary = engine.canary()
+    return canary, time.perf_counter() - t0

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from proto import codec, subjects
-from proto.messages import AdapterReady, LoraSpec, ObjectPayload, Payload, XcclPayload
+from proto.messages import AdapterReady, Canary, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, durable, streams
 from services.common.durable import ANNOUNCED_NAME, adapter_key, announced_key
 from services.common.store import ObjectNotFound, ObjectRef, ObjectStore
@@ -112,6 +112,7 @@ def adapter_event(
     payloads: list[Payload],
     lora: LoraSpec,
     trainer_step: int,
+    canary: Canary | None = None,
 ) -> AdapterReady:
     return AdapterReady(
         run=run,
@@ -123,6 +124,7 @@ def adapter_event(
         created_at=time.time(),
         lora=lora,
         payloads=payloads,
+        canary=canary,
     )
 
 
@@ -308,10 +310,12 @@ async def publish_adapter(
     trainer_step: int,
     sender: XcclSender | None = None,
     weights: bytes | None = None,
+    canary: Canary | None = None,
 ) -> AdapterReady | None:
     """Store and/or broadcast `tensors` as version `version` and announce it (see `deliver`
-    for the order); returns the event, or None when this version had been announced already
-    by this trainer epoch (then only a missing object copy of the same weights is stored)."""
+    for the order) with its `canary`, on either path; returns the event, or None when this
+    version had been announced already by this trainer epoch (then only a missing object copy
+    of the same weights is stored)."""
     previous = await published_event(bus, run, version, epoch)
     if previous is not None:
         await _repair(store, previous, run, version, tensors, weights)
@@ -320,7 +324,7 @@ async def publish_adapter(
 
     async def publish(payloads: list[Payload]) -> None:
         event = adapter_event(run=run, epoch=epoch, lora_name=lora_name, version=version, payloads=payloads,
-                              lora=lora, trainer_step=trainer_step)  # fmt: skip
+                              lora=lora, trainer_step=trainer_step, canary=canary)  # fmt: skip
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(epoch, version))
         sent.append(event)
 

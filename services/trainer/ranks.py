@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from proto.messages import Trajectory
+from services.trainer import canary as trainer_canary
 from services.trainer.engines.base import StepStats, TrainEngine, collective_timeout_s
 
 log = logging.getLogger(__name__)
@@ -122,8 +124,14 @@ def run_step(
 ) -> tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
     optimizer state when the step is checkpointed). `into` (rank 0 under XCCL): where the
-    adapter is written (`TrainEngine.adapter_state`)."""
+    adapter is written (`TrainEngine.adapter_state`). The new version's canary is computed
+    here, on the model just updated (`stats.canary`). A step that refused every group made no
+    update: no canary, no adapter ({}), no optimizer state (every rank knows it alike)."""
     stats = engine.train_step(work.groups, head_version=work.version)
+    stats.trained_at = time.time()
+    if stats.groups == 0:
+        return stats, {}, None
+    stats.canary, stats.canary_seconds = trainer_canary.timed(engine)
     adapter = engine.adapter_state(into)
     optim = engine.optimizer_state() if work.save_checkpoint else None
     return stats, adapter, optim

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from proto.messages import Canary
 from services.common import adapter_io
 from services.common.store import ObjectStore
 from services.config.schema import LorabusConfig
+from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint
 from services.trainer.engines.base import TrainEngine
 from services.trainer.publish import parse_adapter_version
@@ -54,6 +56,8 @@ class Resume:
     tensors: dict[str, torch.Tensor]
     trained_ids: frozenset[str]
     trained_seqs: tuple[tuple[int, int], ...] = ()
+    canary: Canary | None = None
+    """the first version's canary: the engine holds exactly these weights when it starts"""
 
     @classmethod
     def plan(
@@ -61,8 +65,10 @@ class Resume:
         ckpt: checkpoint.Checkpoint | None,
         initial: dict[str, torch.Tensor] | None,
         highest_stored: int | None,
+        canary: Canary | None = None,
     ) -> Resume:
-        """`initial` is the untrained adapter, needed when there is no checkpoint."""
+        """`initial` is the untrained adapter, needed when there is no checkpoint; `canary`: the
+        engine's canary of what it holds now (restored or untrained)."""
         version, unchanged = resume_plan(ckpt, highest_stored)
         if ckpt is None:
             if initial is None:
@@ -70,10 +76,10 @@ class Resume:
                     "initial: None without a checkpoint; gather the untrained adapter "
                     "(engine.adapter_state() on every rank) before serving"
                 )
-            return cls(version, adapter_io.to_bytes(initial), initial, frozenset())
+            return cls(version, adapter_io.to_bytes(initial), initial, frozenset(), canary=canary)
         tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
-        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs))
+        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs), canary)
 
 
 def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:
@@ -89,7 +95,8 @@ async def resume(engine: TrainEngine, cfg: LorabusConfig, store: ObjectStore) ->
     """Where a run starts: its newest checkpoint (restored into `engine`) or its untrained adapter."""
     ckpt = restore(engine, cfg)
     initial = engine.adapter_state() if ckpt is None else None
+    canary, _ = trainer_canary.timed(engine)
     highest = await asyncio.to_thread(highest_stored_version, store, cfg.run)
     if ckpt is not None:
         log.info("run %s: resuming from %s step %d (v%d)", cfg.run, cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
-    return Resume.plan(ckpt, initial, highest)
+    return Resume.plan(ckpt, initial, highest, canary)

@@ -4,9 +4,10 @@ A run is what a single-run trainer is: its own durable on its own ACCEPTED strea
 (`AcceptedQueue`), its resume plan and checkpoints (its `actor.checkpoint_dir`), its versions
 announced under its own subjects. Per step:
 
-    pull B accepted groups -> train_step -> gather adapter -> announce v<N+1> (upload, or
-      broadcast with the upload behind it) -> TrainerStep -> checkpoint (if due) -> ack the B
-      messages
+    pull B accepted groups -> train_step (groups beyond actor.max_train_infer_kl left out and
+      dead-lettered) -> canary -> gather adapter -> announce v<N+1> with its canary (upload, or
+      broadcast with the upload behind it) -> TrainerStep -> checkpoint (if due) -> ack the
+      messages trained
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
 the restarted trainer: accepted trajectories are never lost. The announcement comes before the
@@ -36,11 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from proto import subjects
-from proto.messages import AdapterReady, TrainerStep, Trajectory
+from proto.messages import AdapterReady, Canary, Mismatch, TrainerStep, Trajectory
 from services.common import adapter_io
 from services.common.bus import Bus
 from services.config.schema import LorabusConfig
-from services.trainer import checkpoint, metrics
+from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
 from services.trainer.publish import publish_adapter
@@ -76,10 +77,16 @@ class Rank0:
     """the run's trainer epoch, carried by every adapter event (`publish.trainer_epoch`)"""
 
     async def announce(
-        self, version: int, tensors: dict[str, torch.Tensor], *, weights: bytes | None = None
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        weights: bytes | None = None,
+        canary: Canary | None = None,
     ) -> AdapterReady | None:
-        """Store (or broadcast) and announce `version`; None when it was announced already.
-        `weights`: its serialised form when at hand (else serialised where `deliver` says)."""
+        """Store (or broadcast) and announce `version` with its `canary`; None when it was
+        announced already. `weights`: its serialised form when at hand (else serialised where
+        `deliver` says)."""
         return await publish_adapter(
             self.bus,
             self.store,
@@ -92,6 +99,7 @@ class Rank0:
             trainer_step=self.engine.step,
             sender=self.sender,
             weights=weights,
+            canary=canary,
         )
 
 
@@ -105,14 +113,22 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     # under XCCL the adapter is written straight into the sender's free send set
     into = ctx.sender.fill_views() if ctx.sender is not None else None
     stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
+    if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
+        await queue.refuse(stats.refused)
+        metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))
+        log.warning("step %d refused %d of %d groups: %s", step_index, len(stats.refused), len(groups),
+                    next(iter(stats.refused.values())))  # fmt: skip
+    if stats.groups == 0:  # every group refused: no update, so no version
+        record_mismatch(stats, run)
+        return version
     version += 1
     t0 = time.perf_counter()
-    ids = [g.trajectory_id for g in groups]
+    ids = [g.trajectory_id for g in groups if g.trajectory_id not in stats.refused]
     queue.mark_trained()
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
-    await ctx.announce(version, adapter)
+    await ctx.announce(version, adapter, canary=stats.canary)
     announced = time.perf_counter()
     metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
     # the step's record before the checkpoint: a crash after a checkpoint resumes past this
@@ -131,6 +147,9 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
             step_seconds=stats.step_seconds,
             mean_staleness=stats.mean_staleness,
             finished_at=time.time(),
+            trained_at=stats.trained_at or None,
+            canary_seconds=stats.canary_seconds,
+            mismatch=stats.mismatch,
         ),
         msg_id=f"trainer-step-{step_index}",
     )
@@ -158,7 +177,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     record(stats, version, run)
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs grad_norm %.3g lr %.3g "
-        "clip %.3f masked %.3f imp_weight %.3f (max %.2f)",
+        "clip %.3f masked %.3f imp_weight %.3f (max %.2f) %s canary %s",
         step_index,
         version,
         stats.loss,
@@ -171,11 +190,42 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         stats.loss_stats.get("masked_fraction", 0.0),
         stats.loss_stats.get("imp_weight_mean", 1.0),
         stats.loss_stats.get("imp_weight_max", 1.0),
+        describe(stats.mismatch),
+        "-" if stats.canary_seconds is None else f"{stats.canary_seconds * 1e3:.1f} ms",
     )
     return version
 
 
+def describe(m: Mismatch | None) -> str:
+    """The step log line's mismatch part: k3 KL and |Δ logprob|, mean (max), on-policy tokens."""
+    if m is None:
+        return "mismatch -"
+    f, scope = (m.on_policy, "on-policy") if m.on_policy is not None else (m.all_tokens, "all")
+    return (
+        f"kl {f.kl_mean:.2e} (max {f.kl_max:.2e}) |dlogp| {f.abs_mean:.2e} (max {f.abs_max:.2e}) "
+        f"[{scope}, {f.tokens} tok, k3]" + (f" refused {m.refused_groups}" if m.refused_groups else "")
+    )
+
+
+def record_mismatch(stats: StepStats, run: str) -> None:
+    for kl in stats.group_kl:
+        metrics.GROUP_KL.labels(run).observe(kl)
+    m = stats.mismatch
+    if m is None:
+        return
+    for scope, f in (("on_policy", m.on_policy), ("all", m.all_tokens)):
+        if f is None or f.tokens == 0:
+            continue
+        metrics.MISMATCH_KL.labels(run, "mean", scope).set(f.kl_mean)
+        metrics.MISMATCH_KL.labels(run, "max", scope).set(f.kl_max)
+        metrics.MISMATCH_LOGPROB.labels(run, "mean", scope).set(f.abs_mean)
+        metrics.MISMATCH_LOGPROB.labels(run, "max", scope).set(f.abs_max)
+
+
 def record(stats: StepStats, version: int, run: str) -> None:
+    record_mismatch(stats, run)
+    if stats.canary_seconds is not None:
+        metrics.CANARY_SECONDS.labels(run).observe(stats.canary_seconds)
     metrics.STEP_SECONDS.labels(run).observe(stats.step_seconds)
     metrics.TOKENS_PER_SECOND.labels(run).set(stats.tokens / max(stats.step_seconds, 1e-9))
     metrics.VERSION.labels(run).set(version)
@@ -222,7 +272,7 @@ class TrainWorker:
         """Announce the first version (again, if it was), then collect the first batch."""
         ctx, start = self.ctx, self.begin
         self.version = start.version
-        event = await ctx.announce(start.version, start.tensors, weights=start.weights)
+        event = await ctx.announce(start.version, start.tensors, weights=start.weights, canary=start.canary)
         log.info("run %s: v%d %s", self.run, start.version, "announced" if event else "was already announced")
         metrics.VERSION.labels(self.run).set(start.version)
         queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from proto.messages import RunStateName
+from proto.messages import Canary, RunStateName
 from services.common import share
 from services.common.bus import Bus
 from services.common.run_host import MakeWorker, RunHost
 from services.config.schema import LorabusConfig
+from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint
 from services.trainer.engines.base import TrainEngine, shares_base
 from services.trainer.publish import trainer_epoch
@@ -155,11 +156,13 @@ async def run_rank0(
     ckpt: checkpoint.Checkpoint | None,
     initial: dict[str, torch.Tensor] | None,
     followers: Followers,
+    canary: Canary | None = None,
 ) -> int:
     """Connect, plan the start from `ckpt` (after `restore`) or `initial` (the untrained
     adapter, gathered on every rank beforehand: a collective under FSDP2) and `serve`;
-    returns the last published version. The caller calls `followers.stop()` too, for the
-    ways out that never get here."""
+    returns the last published version. `canary`: the first version's, computed on every rank
+    beforehand too (None: computed here, when the engine is one process). The caller calls
+    `followers.stop()` too, for the ways out that never get here."""
     from services.common.store import open_store
 
     stop = asyncio.Event()
@@ -174,7 +177,9 @@ async def run_rank0(
         try:
             highest = await asyncio.to_thread(highest_stored_version, store, cfg.run)
             epoch = await asyncio.to_thread(trainer_epoch, store, cfg.run)
-            start = Resume.plan(ckpt, initial, highest)
+            if canary is None and engine.world_size == 1:
+                canary, _ = trainer_canary.timed(engine)
+            start = Resume.plan(ckpt, initial, highest, canary)
             if ckpt is not None:
                 log.info("resuming from %s step %d (v%d)", cfg.actor.checkpoint_dir, ckpt.step, ckpt.version)
             async with sender_for(cfg, engine) as sender:

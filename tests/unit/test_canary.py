@@ -48,6 +48,16 @@ def test_a_replica_that_stops_early_fails():
     assert not g.passed and math.isinf(g.value) and (g.sequence, g.token) == (0, 1)
 
 
+def test_a_replica_that_agrees_up_to_an_end_token_passes():
+    # a server stops at its end token; the trainer's reference, knowing none, went on past it
+    stopped = GenResult(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop")
+    g = gap(CANARY, [stopped, result([8, 9], [-1.0, -0.5])])
+    assert g.passed
+    # but stopping at a token the trainer did not pick is a divergence measured at that token
+    other = GenResult(token_ids=[5, 1], logprobs=[-0.1, -3.0], finish_reason="stop")
+    assert not gap(CANARY, [other, result([8, 9], [-1.0, -0.5])]).passed
+
+
 def test_one_result_per_sequence():
     with pytest.raises(ValueError, match="results: 1 for 2 canary sequences"):
         gap(CANARY, [result([5], [-0.1])])

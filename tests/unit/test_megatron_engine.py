@@ -439,7 +439,7 @@ def test_megatron_trainer_main_gets_past_its_first_log_line(fake_megatron, tmp_p
 
     served = []
 
-    async def run_rank0(cfg, engine, ckpt, initial, followers) -> int:
+    async def run_rank0(cfg, engine, ckpt, initial, followers, canary=None) -> int:
         served.append((engine, ckpt, initial))
         return 0
 

@@ -57,6 +57,7 @@ class EmbeddedEngine:
         cuda_graphs: bool = True,
         slab_rows: int = 0,
         slab_length: int = 2048,
+        merge_head: bool = True,
     ):
         if slots < 2:
             raise ValueError(f"slots: {slots} must be >= 2 (lora_keep_versions + 1)")
@@ -82,6 +83,8 @@ class EmbeddedEngine:
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
         self.n_slots = slots
+        self.merge_head = merge_head
+        """rollout.merge_head: the newest version merged into the weights (`LoraSlots.merge_head`)"""
         self.slots: LoraSlots | None = None
         self.steps = 0
         """forward steps taken so far (for tests and metrics)"""
@@ -103,6 +106,7 @@ class EmbeddedEngine:
             cuda_graphs=cfg.rollout.cuda_graphs,
             slab_rows=cfg.rollout.slab_rows,
             slab_length=cfg.rollout.slab_length,
+            merge_head=cfg.rollout.merge_head,
         )
 
     # --- versions ---
@@ -127,6 +131,7 @@ class EmbeddedEngine:
                     f"lora.rank: v{version} has rank {lora.rank} but the slots hold rank "
                     f"{self.slots.rank}; every version of one adapter must share its rank"
                 )
+            self.slots.merge_head = self.merge_head
             self.slots.load(version, tensors, lora.alpha / lora.rank)
             self._sync()
             t1 = time.perf_counter()

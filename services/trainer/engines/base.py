@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from proto.messages import LoraSpec, Trajectory
+from proto.messages import Canary, LoraSpec, Mismatch, Trajectory
 from services.config.schema import ActorConfig, LorabusConfig
 from services.trainer.loss import LossStats
 
@@ -53,6 +53,18 @@ class StepStats:
     lr: float
     step_seconds: float
     loss_stats: dict[str, float] = field(default_factory=dict)
+    mismatch: Mismatch | None = None
+    """behaviour against trainer logprobs over the batch (`trainer.mismatch`); None: an engine
+    that does not measure it"""
+    group_kl: list[float] = field(default_factory=list)
+    """each group's mean per-token KL, in batch order (what actor.max_train_infer_kl judges)"""
+    refused: dict[str, str] = field(default_factory=dict)
+    """trajectory id -> why the step refused it (not trained: beyond actor.max_train_infer_kl)"""
+    trained_at: float = 0.0
+    """time.time() when the update ended (`ranks.run_step`)"""
+    canary: Canary | None = None
+    """the new version's canary (`ranks.run_step`), for its AdapterReady"""
+    canary_seconds: float | None = None
 
     @property
     def mean_staleness(self) -> float:
@@ -132,6 +144,16 @@ class TrainEngine(Protocol):
 
     def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:
         """Restore a checkpoint (every rank passes the full adapter); collective."""
+        ...
+
+
+@runtime_checkable
+class CanaryEngine(Protocol):
+    """An engine that can answer the load canary with the adapter it holds now (fsdp2)."""
+
+    def canary(self) -> Canary:
+        """Greedy continuations of the run's canary prompts under the current adapter, in the
+        serving dtype (`services.trainer.canary`); collective: every rank calls it."""
         ...
 
 

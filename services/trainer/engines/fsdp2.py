@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from proto.messages import LoraSpec, Trajectory
+from proto.messages import Canary, LoraSpec, Trajectory
 from services.common.models import resolve_device
 from services.config.schema import LorabusConfig
-from services.trainer import batching, precision, startup
+from services.trainer import batching, mismatch, precision, startup
+from services.trainer import canary as trainer_canary
 from services.trainer.engines.base import (
     StepStats,
     init_distributed,
@@ -176,17 +177,16 @@ class FSDP2Engine:
 
     # --- the step ------------------------------------------------------------------------
 
-    def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
-        """One train step on `groups` (every rank passes the same batch): proximal logprobs
-        with no grad, then `ppo_n_minibatches` optimiser updates. `head_version` is the
-        version being trained (for staleness = head_version - token version)."""
-        t0 = time.perf_counter()
-        self._activate()
+    def _scored(
+        self, groups: list[Trajectory], head_version: int, n_minibatches: int
+    ) -> tuple[list[list[batching.MicroBatch]], list[list[torch.Tensor]], mismatch.Tally]:
+        """This rank's micro-batches of `groups` per minibatch, their proximal logprobs (no grad)
+        and the mismatch tally of the whole batch (summed over the ranks)."""
         ppo = self.actor.ppo
         samples = batching.to_samples(groups, ppo)
         if not samples:
             raise ValueError("train_step: every completion in the batch is empty")
-        minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss)
+        minibatches = batching.split_minibatches(samples, n_minibatches, token_level=ppo.token_level_loss)
         plans = [
             [
                 batching.collate(mb, self.pad_id)
@@ -196,8 +196,38 @@ class FSDP2Engine:
             ]
             for minibatch in minibatches
         ]
+        tally = mismatch.Tally.empty(len(groups))
         with torch.no_grad():
             prox = [[self.logprobs(mb) for mb in plan] for plan in plans]
+        for plan, plan_prox in zip(plans, prox):
+            for mb, mb_prox in zip(plan, plan_prox):
+                tally.add(mb, mb_prox, head_version)
+        if self.world_size > 1:
+            tally.all_reduce(device=self.device)
+        return plans, prox, tally
+
+    def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
+        """One train step on `groups` (every rank passes the same batch): proximal logprobs
+        with no grad, then `ppo_n_minibatches` optimiser updates. `head_version` is the
+        version being trained (for staleness = head_version - token version). Groups beyond
+        `actor.max_train_infer_kl` are left out before any update (`StepStats.refused`); when
+        none is left, the step makes no update (`groups` 0)."""
+        t0 = time.perf_counter()
+        self._activate()
+        ppo = self.actor.ppo
+        plans, prox, tally = self._scored(groups, head_version, ppo.ppo_n_minibatches)
+        beyond = tally.beyond(self.actor.max_train_infer_kl)
+        report, group_kl = tally.report(refused=len(beyond)), tally.group_kl().tolist()
+        refused = {groups[i].trajectory_id: why for i, why in beyond.items()}
+        if beyond:
+            groups = [g for i, g in enumerate(groups) if i not in beyond]
+            kept = sum(1 for g in groups for c in g.completions if c.token_ids)
+            if kept == 0:
+                return StepStats(step=self.step - 1, loss=0.0, reward_mean=0.0, groups=0, tokens=0, grad_norm=0.0,
+                                 lr=float(self.scheduler.get_last_lr()[0]), step_seconds=time.perf_counter() - t0,
+                                 mismatch=report, refused=refused, group_kl=group_kl)  # fmt: skip
+            # fewer completions may not fill every minibatch the config asks for
+            plans, prox, _ = self._scored(groups, head_version, min(ppo.ppo_n_minibatches, kept))
 
         # FSDP2 averages gradients over ranks; the loss weights already divide by the whole
         # batch's token count, so undo the average.
@@ -234,7 +264,7 @@ class FSDP2Engine:
 
         if self.world_size > 1:
             stats, loss_total = summed_over_ranks(stats, loss_total)
-        return step_stats(
+        result = step_stats(
             groups,
             step=self.step - 1,
             updates=len(plans),
@@ -244,6 +274,21 @@ class FSDP2Engine:
             lr=lr,
             started=t0,
         )
+        result.mismatch, result.refused, result.group_kl = report, refused, group_kl
+        return result
+
+    def canary(self) -> Canary:
+        """The adapter now in the model on the run's canary prompts, in the serving dtype
+        (autocast, as the step's forwards), dropout off; collective under FSDP2."""
+        self._activate()
+        prompt_ids = trainer_canary.prompts(self.vocab_size, seed=self.actor.seed)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with precision.forward_context(self.device, self.dtype):
+                return trainer_canary.reference(self.model, prompt_ids, self.actor.dtype)
+        finally:
+            self.model.train(training)
 
     # --- adapter and checkpoint state ----------------------------------------------------
 
