@@ -2,14 +2,17 @@
 SGLang protocol server — with the trainer's reference from transformers + peft on the same
 adapter directory. A healthy load passes at the float32 tolerance; a request that reaches the
 base model under the adapter's name (here: the server answers the request with the untrained
-v0, B = 0, as when a LoRA request is dropped or a name resolves to another copy) is caught.
+v0, B = 0, as when a LoRA request is dropped or a name resolves to another copy) is caught, as
+are the trainer's weights loaded with 4x their alpha or with one tensor corrupted in place.
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+import torch
 
-from services.common import models
+from services.common import adapter_io, models
 from services.rollout import canary
 from services.rollout.canary import TOLERANCE
 from services.trainer import canary as trainer_canary
@@ -35,6 +38,22 @@ async def check_engine(engine, monkeypatch) -> None:
     want = reference(engine.dirs.local(VERSION))
     healthy = await canary.score(engine, VERSION, want)
     assert healthy.passed and healthy.value <= TOLERANCE["float32"], healthy
+    # the trainer's weights loaded wrongly under a version's name: with 4x its alpha, and with
+    # one tensor corrupted in place (right shape, other values); each fails the trainer's canary
+    data, spec = make_adapter(rank=8, seed=31, scale=3.0)
+    tensors = adapter_io.from_bytes(data)
+    key = sorted(k for k in tensors if ".lora_B." in k)[0]
+    tensors[key] = torch.randn_like(tensors[key])
+    for fault, (weights, lora) in {
+        "alpha": (data, msgspec.structs.replace(spec, alpha=spec.alpha * 4)),
+        "corrupt": (adapter_io.to_bytes(tensors), spec),
+    }.items():
+        await engine.load_version(VERSION + 1, weights, lora)
+        try:
+            measured = await canary.score(engine, VERSION + 1, want)
+            assert not measured.passed and measured.value > 10 * TOLERANCE["float32"], (fault, measured)
+        finally:
+            await engine.unload_version(VERSION + 1)
     name = engine.dirs.name
     monkeypatch.setattr(engine.dirs, "name", lambda v: name(0) if v == VERSION else name(v))
     base = await canary.score(engine, VERSION, want)
