@@ -1,34 +1,49 @@
-"""Many runs on one fleet vs the same runs one after another, on this machine's CPU.
+"""Many runs on one fleet vs the same runs one after another: on the CPU (tiny) or one GPU (arith3).
 
-    python benchmarks/multi_run.py [--steps 10] [--runs 1 2 4] [--out benchmarks/results/multi_run_cpu.json]
+    python benchmarks/multi_run.py                                   # CPU: tiny, N = 1 2 4, 10 steps
+    python benchmarks/multi_run.py --task arith3 --phase solo --out-dir R --label h100      # GPU call 1
+    python benchmarks/multi_run.py --task arith3 --phase together --out-dir R --label h100  # GPU call 2
+    python benchmarks/multi_run.py --task arith3 --phase all ...                           # both at once
 
-The tiny task (examples/tiny.yaml: embedded engine, 2 rollout replicas, one FSDP2 trainer).
-N runs of the same shape (rank 8, all-linear, exact-match reward), seeds 1..N, each `--steps`
-trainer steps:
+Tasks (`multi_run_specs.TASKS`):
+- tiny: examples/tiny.yaml (embedded engine, 2 replicas, one FSDP2 trainer, CPU); N runs of one
+  shape (rank 8, all-linear), seeds 1..N, the last version scored.
+- arith3: examples/arith3_gpu.yaml in bf16 (trainer, two embedded replicas, one GPU), the task
+  made by scripts/make_arith3_task.py (as benchmarks/gpu_learning.py makes it); N = 1 2 4 8
+  runs of mixed shapes (ranks 8/16/32, all-linear or attention-only: `MIXED`), v0 and every
+  10th version scored, the last run of a fleet of 4 or more submitted only once the fleet is
+  busy (its own run has published v3): the "run added to a busy fleet" case.
 
-- together: one `lorabus up` (the first run is the fleet's own), the other N-1 submitted with
-  `lorabus run submit` as soon as the fleet answers; timed from the launch to its exit (every
-  run's last version exported).
-- sequential: N plain `lorabus up`, one after another, of the same runs (the N = 1 "together"
-  row is the first of them); timed end to end, start-up included, as a user would run them.
+Phases (the GPU's calls are at most 10 minutes, so the two halves can run apart; the work dir
+keeps what the second needs, and `--solo-json` can bring it from elsewhere):
+- solo: each spec alone, one plain `lorabus up` after another, start-up included, as a user
+  would run them; each run's held-out curve scored from its exports. Spec 1 alone is also the
+  N = 1 row.
+- together: for each N > 1 one `lorabus up` (spec 1 is the fleet's own run) and runs 2..N
+  submitted at runtime through the fleet's run requests (`RunTable.submit`, what `lorabus run
+  submit` sends), timed from the launch to its exit (every run's last version exported).
 
-Reported per N: wall time of each mode and their ratio (target: N = 4 together <= 0.5 x
-sequential), trainer steps per hour, rollout tokens per second (completion tokens of every
-trajectory of every run, over the wall time), the peak resident memory of the fleet's processes
-(trainer + rollouts + registry + exporter, sampled every 0.5 s; target: N = 4 grows over N = 1
-by the adapters only, i.e. within the noise of a run's processes) and each run's held-out score
-(greedy, 500 prompts) at its last version, together and solo.
+Reported per N: wall time together and one after another (the sum of the solo runs' walls),
+runs completed per hour and trainer steps per hour both ways, rollout tokens per second, GPU
+utilisation (nvidia-smi's busy share, sampled every 0.5 s) and GPU memory (peak and mean),
+peak resident memory of the fleet's processes, each run's first trajectory after its submit
+and mean trainer step time (together vs alone), and each run's held-out score at its last
+version together vs alone, the difference in units of the solo score's standard error
+(sqrt(p (1 - p) / n) over the n held-out prompts). Results are written after every run, so a
+call that runs out of time leaves what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -37,12 +52,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = "examples/tiny.yaml"
+from benchmarks import multi_run_specs as specs
+from benchmarks.gpu_monitor import GpuMonitor, combine, gpu_name
+
 SERVICES = ("registry", "trainer", "exporter", "rollout-0", "rollout-1")
+HELDOUT = 500
+"""held-out prompts every score is over (the evaluator's default max_prompts covers both tasks)"""
 
 
 def rss_mib(pid: int) -> float:
-    """Resident memory of a process and its children (torchrun-free here: one process each)."""
+    """Resident memory of a process (torchrun-free here: one process each)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -69,149 +88,500 @@ class PeakMemory(threading.Thread):
             self.peak = max(self.peak, sum(rss_mib(pid) for name, pid in pids.items() if name in SERVICES))
 
 
-def up(run_dir: Path, nats_url: str, run: str, seed: int, steps: int, extra: list[str], submit: list[Path]) -> dict:
-    """One `lorabus up`; `submit`: run files to submit once the fleet answers. Returns timings."""
-    overrides = [f"run={run}", f"run_dir={run_dir}", f"total_train_steps={steps}", f"seed={seed}", *extra]
-    cmd = [sys.executable, "-m", "services.local.launcher", "--config", CONFIG, "--bus-url", nats_url,
-           "--no-evaluate", "--timeout", "3000", "--progress-every", "30", *overrides]  # fmt: skip
+# --- one `lorabus up`, with runs submitted while it runs ----------------------------------------
+
+
+async def submit_runs(
+    nats_url: str, task: specs.Task, fleet_overrides: list[str], files: list[tuple[Path, bool]],
+    proc: subprocess.Popen, started: float,
+) -> dict[str, float]:  # fmt: skip
+    """Submit each run file once the fleet answers (a late one once the fleet's own run has
+    published `task.late_version`); returns run -> wall-clock time its submit was accepted."""
+    from services.common.bus import Bus
+    from services.common.run_table import RunTable
+    from services.config import runconfig
+    from services.config.loader import load_config
+    from services.config.schema import BusConfig
+
+    fleet_cfg = load_config(task.config, fleet_overrides)
+    fleet_raw = runconfig.fleet_tree(task.config, fleet_overrides)
+    bus = await Bus.connect(BusConfig(url=nats_url), run=fleet_cfg.run, service="bench")
+    table, accepted = RunTable(bus, fleet_cfg.run), {}
+    try:
+        pending = list(files)
+        while pending:
+            if proc.poll() is not None or time.monotonic() - started > task.up_timeout_s:
+                names = [p.name for p, _ in pending]
+                raise RuntimeError(f"fleet {fleet_cfg.run} ended before {names} were submitted")
+            try:
+                listing = await table.list(timeout=1.0)
+            except Exception:  # the registry is not up yet
+                await asyncio.sleep(0.5)
+                continue
+            heads = {r.run: r.head_version for r in listing.runs}
+            head = heads.get(fleet_cfg.run)
+            busy = head is not None and head >= task.late_version
+            for path, is_late in [p for p in pending if not p[1] or busy]:
+                tree, cfg = runconfig.load_run(fleet_cfg, fleet_raw, path)  # the CLI's local check
+                reply = await table.submit(cfg.run, tree, timeout=10.0)
+                if not reply.ok:
+                    raise RuntimeError(f"submit {path.name} refused: {reply.problems}")
+                accepted[cfg.run] = time.time()
+                pending.remove((path, is_late))
+                print(f"  submitted {cfg.run}{' (into the busy fleet)' if is_late else ''}", flush=True)
+            if pending:
+                await asyncio.sleep(0.2)
+    finally:
+        await bus.close()
+    return accepted
+
+
+def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], files: list[tuple[Path, bool]],
+       logs: Path) -> dict:  # fmt: skip
+    """One `lorabus up` of `task` with `overrides`; `files`: run files (and whether late) to
+    submit while it runs. Returns its wall time, peak RSS, GPU figures and submit times."""
+    cmd = [sys.executable, "-m", "services.local.launcher", "--config", task.config, "--bus-url", nats_url,
+           "--no-evaluate", "--timeout", str(task.up_timeout_s), "--progress-every", "10", *overrides]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     memory = PeakMemory(run_dir)
-    started = time.monotonic()
-    with (run_dir.parent / f"{run}.up.log").open("w") as log:
+    log_path = logs / f"{run_dir.name}.up.log"
+    with log_path.open("w") as log, GpuMonitor() as gpu:
+        launched_at, started = time.time(), time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         memory.start()
-        fleet_args = ["--config", CONFIG, f"bus.url={nats_url}", *overrides]
-        for path in submit:
-            while True:
-                done = subprocess.run([sys.executable, "-m", "services.cli", "run", "submit", str(path), *fleet_args],
-                                      cwd=ROOT, capture_output=True, text=True)  # fmt: skip
-                if done.returncode == 0:
-                    break
-                if proc.poll() is not None or time.monotonic() - started > 600:
-                    raise RuntimeError(f"submit {path} failed: {done.stderr}")
-                time.sleep(1.0)
+        try:
+            submitted = asyncio.run(submit_runs(nats_url, task, overrides, files, proc, started)) if files else {}
+        except BaseException:
+            proc.terminate()
+            proc.wait(timeout=60)
+            raise
         proc.wait()
+        wall = time.monotonic() - started
     memory.done.set()
     if proc.returncode != 0:
-        raise RuntimeError(f"lorabus up {run} failed; see {run_dir.parent / f'{run}.up.log'}")
-    return {"wall_s": time.monotonic() - started, "peak_rss_mib": memory.peak}
+        for name in ("trainer.log", "registry.log", "rollout-0.log"):
+            if (run_dir / name).exists():
+                shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
+        raise RuntimeError(f"lorabus up {run_dir.name} failed (exit {proc.returncode}); see {log_path}")
+    return {"wall_s": wall, "peak_rss_mib": memory.peak, "gpu": gpu.summary(), "launched_at": launched_at,
+            "submitted_at": submitted}  # fmt: skip
 
 
-async def completion_tokens(nats_url: str, runs: list[str]) -> int:
-    from proto import codec, subjects
-    from proto.messages import Trajectory
+# --- what the runs left on the bus --------------------------------------------------------------
+
+
+async def _read_all(bus, stream: str, subject: str, kind):
+    from proto import codec
+
+    sub = await bus.js.pull_subscribe(subject, stream=stream)
+    out = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(500, timeout=1.0)
+            except Exception:  # nothing left (a timeout)
+                break
+            out += [codec.decode(msg.data, kind) for msg in msgs]
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def run_streams(nats_url: str, runs: list[str]) -> dict[str, dict]:
+    """Per run: completion tokens, trajectories, its first trajectory's finish time, and its
+    trainer steps' mean time."""
+    from proto import subjects
+    from proto.messages import TrainerStep, Trajectory
     from services.common import streams
     from services.common.bus import Bus
     from services.config.schema import BusConfig
 
     bus = await Bus.connect(BusConfig(url=nats_url), run=runs[0], service="bench")
-    total = 0
+    out = {}
     try:
         for run in runs:
-            sub = await bus.js.pull_subscribe(subjects.trajectory_all(run), stream=streams.TRAJECTORIES(run))
-            while True:
-                try:
-                    msgs = await sub.fetch(500, timeout=1.0)
-                except Exception:
-                    break
-                for msg in msgs:
-                    traj = codec.decode(msg.data, Trajectory)
-                    total += sum(len(c.token_ids) for c in traj.completions)
-            await sub.unsubscribe()
+            trajs = await _read_all(bus, streams.TRAJECTORIES(run), subjects.trajectory_all(run), Trajectory)
+            steps = await _read_all(bus, streams.TRAINER(run), subjects.trainer_step(run), TrainerStep)
+            out[run] = {
+                "tokens": sum(len(c.token_ids) for t in trajs for c in t.completions),
+                "trajectories": len(trajs),
+                "first_trajectory_at": min((t.finished_at for t in trajs), default=None),
+                "steps": len(steps),
+                "step_seconds_mean": round(sum(s.step_seconds for s in steps) / len(steps), 4) if steps else None,
+            }
     finally:
         await bus.close()
-    return total
+    return out
 
 
-def final_scores(exports: dict[str, Path], version: int) -> dict[str, float]:
-    from services.clients.evaluate import Evaluator, heldout_reward
+# --- held-out scores ----------------------------------------------------------------------------
+
+
+class Scorer:
+    """One evaluator (the base loaded once) for every run's exports; v0 is the base for every
+    run (LoRA B = 0), scored once."""
+
+    def __init__(self, task: specs.Task, overrides: list[str]):
+        self.task, self.overrides, self._evaluator, self.v0 = task, overrides, None, None
+
+    def _score(self, directory: Path) -> float:
+        if self._evaluator is None:
+            from services.clients.evaluate import Evaluator, heldout_reward
+            from services.config.loader import load_config
+
+            self._evaluator = Evaluator(load_config(self.task.config, self.overrides), heldout_reward)
+        return round(self._evaluator.score(directory)[1], 4)
+
+    def curve(self, export: Path, steps: int) -> dict[str, float]:
+        """version (as a JSON key) -> score, for the versions the task scores."""
+        if self.v0 is None and self.task.eval_every > 0:
+            self.v0 = self._score(export / "v0")
+        return {str(v): self._score(export / f"v{v}") for v in specs.versions_to_score(self.task, steps)}
+
+
+def standard_error(p: float, n: int = HELDOUT) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n)
+
+
+def cleanup(run_dir: Path) -> None:
+    """What a scored run leaves that nothing reads again (adapters of every version: GBs on
+    the GPU's disk over 20 runs); logs stay."""
+    for sub in ("store", "export", "checkpoints"):
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
+    for child in (run_dir / "runs").glob("*") if (run_dir / "runs").exists() else []:
+        cleanup(child)
+
+
+# --- phases -------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, task: specs.Task):
+        self.args, self.task, self.steps = args, task, args.steps or task.steps
+        self.begun = time.monotonic()
+        self.work: Path = args.work_dir
+        self.logs = args.out_dir / f"multi_run_{args.label}_logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.tag = uuid.uuid4().hex[:4]
+        self.overrides = [*task.overrides, *args.overrides]
+        self.scorer = Scorer(task, self.overrides)
+        self.result_path = args.out_dir / f"multi_run_{args.label}.json"
+        self.results: dict = {}
+
+    def time_left(self, needed_s: float) -> bool:
+        budget = self.args.budget_s
+        return budget is None or time.monotonic() - self.begun + needed_s <= budget
+
+    def save(self) -> None:
+        self.result_path.write_text(json.dumps(self.results, indent=2) + "\n")
+        (self.work / f"{self.args.label}.json").write_text(json.dumps(self.results, indent=2) + "\n")
+
+    def header(self) -> dict:
+        return {
+            "task": self.task.name,
+            "label": self.args.label,
+            "device": gpu_name() or f"cpu ({os.cpu_count()} cores)",
+            "steps_per_run": self.steps,
+            "overrides": self.overrides,
+            "base_model_sha256": model_sha(self.task, self.overrides),
+            "specs": {str(i): self.task.spec(i).describe() for i in range(1, max(self.args.runs) + 1)},
+        }
+
+    def solo(self, nats_url: str) -> None:
+        """Each spec alone, one after another; its curve scored from its exports."""
+        solo = self.results.setdefault("solo", {})
+        for i in range(1, max(self.args.runs) + 1):
+            if str(i) in solo:
+                continue
+            if not self.time_left(self._last_wall(solo)):
+                self.results.setdefault("skipped", []).append(f"solo {i}: out of --budget-s")
+                break
+            run = f"solo{self.tag}s{i}"
+            run_dir = self.work / run
+            overrides = [*self.overrides, *specs.solo_overrides(self.task, i, run, run_dir, self.steps)]
+            timing = up(self.task, run_dir, nats_url, overrides, [], self.logs)
+            seen = asyncio.run(run_streams(nats_url, [run]))[run]
+            curve = self.scorer.curve(run_dir / "export", self.steps)
+            cleanup(run_dir)
+            solo[str(i)] = {
+                "run": run,
+                "spec": self.task.spec(i).describe(),
+                "wall_s": round(timing["wall_s"], 1),
+                "peak_rss_mib": round(timing["peak_rss_mib"], 1),
+                "gpu": timing["gpu"],
+                **_seen(seen, timing["launched_at"]),
+                "curve": curve,
+                "final": curve[str(self.steps)],
+            }
+            self.results["v0"] = self.scorer.v0
+            final = curve[str(self.steps)]
+            print(f"solo {i} ({self.task.spec(i).describe()}): {timing['wall_s']:.0f} s, final {final}", flush=True)
+            self.save()
+
+    def _last_wall(self, done: dict) -> float:
+        walls = [r["wall_s"] for r in done.values()] if done else []
+        return 1.2 * max(walls) if walls else 0.0
+
+    def together(self, nats_url: str, n: int) -> dict:
+        fleet = f"fleet{self.tag}n{n}"
+        root = self.work / fleet
+        files = []
+        for i in range(2, n + 1):
+            tree = specs.run_tree(self.task, i, f"{fleet}-{i}", self.steps)
+            files.append((specs.run_file(self.work / f"{fleet}-{i}.json", tree), specs.late(self.task, n, i)))
+        overrides = [*self.overrides, *specs.solo_overrides(self.task, 1, fleet, root, self.steps),
+                     *specs.fleet_overrides(self.task, n)]  # fmt: skip
+        timing = up(self.task, root, nats_url, overrides, files, self.logs)
+        runs = {1: fleet} | {i: f"{fleet}-{i}" for i in range(2, n + 1)}
+        seen = asyncio.run(run_streams(nats_url, list(runs.values())))
+        exports = {1: root / "export"} | {i: root / "runs" / runs[i] / "export" for i in range(2, n + 1)}
+        per_run = []
+        for i, run in runs.items():
+            curve = self.scorer.curve(exports[i], self.steps)
+            since = timing["submitted_at"].get(run, timing["launched_at"])
+            per_run.append(
+                {
+                    "spec": i,
+                    "run": run,
+                    "describe": self.task.spec(i).describe(),
+                    "late": specs.late(self.task, n, i),
+                    "submitted_after_s": round(since - timing["launched_at"], 1),
+                    **_seen(seen[run], since),
+                    "curve": curve,
+                }
+            )
+        cleanup(root)
+        return {"wall_s": timing["wall_s"], "peak_rss_mib": timing["peak_rss_mib"], "gpu": timing["gpu"],
+                "per_run": per_run}  # fmt: skip
+
+    def together_rows(self, nats_url: str, solo: dict) -> None:
+        rows = self.results.setdefault("rows", [])
+        done = {r["runs"] for r in rows}
+        for n in self.args.runs:
+            if n in done:
+                continue
+            if n == 1:
+                if "1" in solo:  # a fleet of one run is that run alone
+                    rows.append(row(1, self.steps, _as_together(solo["1"]), solo))
+                    self.save()
+                continue
+            guess = self._last_wall({str(i): solo[str(i)] for i in range(1, n + 1) if str(i) in solo}) * max(1, n / 3)
+            if not self.time_left(guess):
+                self.results.setdefault("skipped", []).append(f"together N={n}: out of --budget-s")
+                continue
+            result = self.together(nats_url, n)
+            rows.append(row(n, self.steps, result, solo))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_run"}), flush=True)
+            self.save()
+
+
+def _seen(seen: dict, since: float) -> dict:
+    first = seen.pop("first_trajectory_at", None)
+    return {**seen, "first_trajectory_s": None if first is None else round(first - since, 2)}
+
+
+def _as_together(solo_row: dict) -> dict:
+    keep = ("spec", "run", "tokens", "trajectories", "steps", "step_seconds_mean", "first_trajectory_s", "curve")
+    return {"wall_s": solo_row["wall_s"], "peak_rss_mib": solo_row["peak_rss_mib"], "gpu": solo_row["gpu"],
+            "per_run": [{"spec": 1, "describe": solo_row["spec"], "late": False, "submitted_after_s": 0.0,
+                         **{k: solo_row[k] for k in keep if k in solo_row}}]}  # fmt: skip
+
+
+def row(n: int, steps: int, together: dict, solo: dict) -> dict:
+    """One N's figures: together against the same runs alone, one after another."""
+    alone = [solo.get(str(i)) for i in range(1, n + 1)]
+    complete = all(alone)
+    seq_wall = sum(r["wall_s"] for r in alone if r) if complete else None
+    tokens = sum(r["tokens"] for r in together["per_run"])
+    out = {
+        "runs": n,
+        "together_wall_s": round(together["wall_s"], 1),
+        "sequential_wall_s": round(seq_wall, 1) if seq_wall else None,
+        "together_over_sequential": round(together["wall_s"] / seq_wall, 3) if seq_wall else None,
+        "together_runs_per_hour": round(n / together["wall_s"] * 3600, 1),
+        "sequential_runs_per_hour": round(n / seq_wall * 3600, 1) if seq_wall else None,
+        "runs_per_hour_gain": round(seq_wall / together["wall_s"], 2) if seq_wall else None,
+        "together_steps_per_hour": round(n * steps / together["wall_s"] * 3600, 1),
+        "sequential_steps_per_hour": round(n * steps / seq_wall * 3600, 1) if seq_wall else None,
+        "together_rollout_tokens_per_s": round(tokens / together["wall_s"], 1),
+        "sequential_rollout_tokens_per_s": round(sum(r["tokens"] for r in alone) / seq_wall, 1) if seq_wall else None,
+        "together_peak_rss_mib": round(together["peak_rss_mib"], 1),
+        "solo_peak_rss_mib": round(max(r["peak_rss_mib"] for r in alone), 1) if complete else None,
+        "together_gpu": together["gpu"],
+        "sequential_gpu": combine([r["gpu"] for r in alone]) if complete else None,
+        "together_scores": [r["curve"][str(steps)] for r in together["per_run"]],
+        "solo_scores": [r["final"] if r else None for r in alone],
+        "per_run": [],
+    }
+    for r in together["per_run"]:
+        mine = solo.get(str(r["spec"]))
+        final = r["curve"][str(steps)]
+        entry = {**r, "final_together": final}
+        if mine:
+            se = standard_error(mine["final"])
+            entry |= {
+                "final_solo": mine["final"],
+                "solo_standard_error": round(se, 4),
+                "difference_in_standard_errors": round((final - mine["final"]) / se, 2) if se else None,
+                "solo_step_seconds_mean": mine.get("step_seconds_mean"),
+                "solo_curve": mine["curve"],
+            }
+        out["per_run"].append(entry)
+    return out
+
+
+def model_sha(task: specs.Task, overrides: list[str]) -> str | None:
+    """sha256 of the base model's weights: the solo and together halves must share one base."""
     from services.config.loader import load_config
 
-    evaluator = Evaluator(load_config(CONFIG), heldout_reward)
-    return {run: round(evaluator.score(path / f"v{version}")[1], 4) for run, path in exports.items()}
+    path = Path(load_config(task.config, overrides).actor.path)
+    path = path if path.is_absolute() else ROOT / path
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
-def run_file(path: Path, run: str, seed: int, steps: int) -> Path:
-    path.write_text(json.dumps({"run": run, "seed": seed, "total_train_steps": steps}))
-    return path
+def make_task(task: specs.Task, args: argparse.Namespace) -> None:
+    """The arith3 task as benchmarks/gpu_learning.py makes it (unless its model exists)."""
+    if task.name != "arith3":
+        return
+    from benchmarks.gpu_learning import TASK, run
+
+    out = Path(args.task_dir) if args.task_dir else TASK
+    if (out / "model" / "config.json").exists():
+        return
+    cmd = [sys.executable, "scripts/make_arith3_task.py", "--out", str(out), *args.pretrain_args.split()]
+    started = time.monotonic()
+    if run(cmd, args.out_dir / f"multi_run_{args.label}_pretrain.log") != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed; see multi_run_{args.label}_pretrain.log")
+    print(f"task made in {time.monotonic() - started:.0f} s", flush=True)
 
 
-def main() -> int:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, specs.Task]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/multi_run_cpu.json"))
-    args = ap.parse_args()
+    ap.add_argument("--task", choices=sorted(specs.TASKS), default="tiny")
+    ap.add_argument("--phase", choices=("all", "solo", "together"), default="all")
+    ap.add_argument("--steps", type=int, default=0, help="trainer steps per run (0: the task's)")
+    ap.add_argument("--runs", type=int, nargs="+", default=None, help="fleet sizes (default: the task's)")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results")
+    ap.add_argument("--label", default="", help="names the files multi_run_<label>.* (default cpu / gpu)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="default /tmp/lorabus-multi-run-<task>")
+    ap.add_argument(
+        "--solo-json",
+        type=Path,
+        default=None,
+        help="the solo phase's result (default: the work dir's, from an earlier --phase solo)",
+    )
+    ap.add_argument("--budget-s", type=float, default=None, help="start no run that would end past this")
+    ap.add_argument("--task-dir", default=None, help="arith3: where the task is made (default examples/arith3)")
+    ap.add_argument("--pretrain-args", default="", help="arith3: extra arguments of scripts/make_arith3_task.py")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every lorabus up (and the scorer)")
+    args = ap.parse_args(argv)
+    task = specs.TASKS[args.task]
+    args.runs = args.runs or list(task.runs)
+    args.label = args.label or ("cpu" if args.task == "tiny" else "gpu")
+    args.work_dir = args.work_dir or Path(f"/tmp/lorabus-multi-run-{args.task}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    return args, task
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, task = parse(argv)
     from services.local.nats_server import start_nats_server
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    tag = uuid.uuid4().hex[:4]
-    results: dict = {"steps_per_run": args.steps, "cpu_count": os.cpu_count(), "rows": []}
-    with tempfile.TemporaryDirectory(prefix="multi_run_") as tmp:
-        root = Path(tmp)
-        nats = start_nats_server(root / "nats")
+    make_task(task, args)
+    bench = Bench(args, task)
+    bench.results = bench.header()
+    if args.phase == "together":
+        path = args.solo_json or args.work_dir / f"{args.label}.json"
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        bench.results["solo"] = earlier.get("solo", {})
+        bench.results["v0"] = bench.scorer.v0 = earlier.get("v0")
+        bench.results["solo_from"] = str(path) if earlier else "none: rows have no sequential figures"
+        if earlier.get("base_model_sha256") != bench.results["base_model_sha256"]:
+            bench.results["warning"] = "the solo runs had another base model (sha256 differs)"
+    nats = start_nats_server(args.work_dir / f"nats-{bench.tag}")
+    try:
+        if args.phase in ("all", "solo"):
+            bench.solo(nats.url)
+        if args.phase in ("all", "together"):
+            bench.together_rows(nats.url, bench.results.get("solo", {}))
+    finally:
+        nats.stop()
+        bench.save()
+    if args.task == "tiny":
+        bench.results.setdefault("base_score", 0.376)
+    bench.save()
+    print(table(bench.results))
+    if task.eval_every > 0:
         try:
-            solo: dict[int, dict] = {}
-            for seed in range(1, max(args.runs) + 1):
-                run = f"solo{tag}s{seed}"
-                timing = up(root / run, nats.url, run, seed, args.steps, [], [])
-                tokens = asyncio.run(completion_tokens(nats.url, [run]))
-                score = final_scores({run: root / run / "export"}, args.steps)[run]
-                solo[seed] = {**timing, "tokens": tokens, "score": score}
-                print(f"solo seed {seed}: {timing['wall_s']:.0f} s, {tokens} tokens, score {score}", flush=True)
-            for n in args.runs:
-                fleet = f"fleet{tag}n{n}"
-                # room for every run's keep window: 4 slots each (max_head_offpolicyness 2)
-                extra = [f"fleet.lora_slots={4 * n}", f"fleet.max_runs={max(n, 1)}"]
-                files = [run_file(root / f"{fleet}-{s}.json", f"{fleet}-{s}", s, args.steps) for s in range(2, n + 1)]
-                timing = up(root / fleet, nats.url, fleet, 1, args.steps, extra, files)
-                runs = [fleet] + [f"{fleet}-{s}" for s in range(2, n + 1)]
-                tokens = asyncio.run(completion_tokens(nats.url, runs))
-                exports = {fleet: root / fleet / "export"} | {
-                    f"{fleet}-{s}": root / fleet / "runs" / f"{fleet}-{s}" / "export" for s in range(2, n + 1)
-                }
-                scores = final_scores(exports, args.steps)
-                seq_wall = sum(solo[s]["wall_s"] for s in range(1, n + 1))
-                seq_tokens = sum(solo[s]["tokens"] for s in range(1, n + 1))
-                row = {
-                    "runs": n,
-                    "together_wall_s": round(timing["wall_s"], 1),
-                    "sequential_wall_s": round(seq_wall, 1),
-                    "together_over_sequential": round(timing["wall_s"] / seq_wall, 3),
-                    "together_steps_per_hour": round(n * args.steps / timing["wall_s"] * 3600, 1),
-                    "sequential_steps_per_hour": round(n * args.steps / seq_wall * 3600, 1),
-                    "together_rollout_tokens_per_s": round(tokens / timing["wall_s"], 1),
-                    "sequential_rollout_tokens_per_s": round(seq_tokens / seq_wall, 1),
-                    "together_peak_rss_mib": round(timing["peak_rss_mib"], 1),
-                    "solo_peak_rss_mib": round(max(solo[s]["peak_rss_mib"] for s in range(1, n + 1)), 1),
-                    "together_scores": list(scores.values()),
-                    "solo_scores": [solo[s]["score"] for s in range(1, n + 1)],
-                }
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            nats.stop()
-    results["base_score"] = 0.376
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
+            plot(bench.results, args.out_dir / f"multi_run_{args.label}.png")
+        except ImportError as exc:
+            print(f"no plot: {exc!r}")
     return 0
 
 
 def table(results: dict) -> str:
     lines = [
-        f"{'runs':>4} {'together s':>10} {'sequential s':>12} {'ratio':>6} {'steps/h tog':>11} {'steps/h seq':>11} "
-        f"{'tok/s tog':>9} {'tok/s seq':>9} {'RSS MiB tog':>11} {'RSS MiB solo':>12}  scores together | solo"
+        f"{'runs':>4} {'together s':>10} {'seq s':>7} {'ratio':>6} {'runs/h tog':>10} {'runs/h seq':>10} "
+        f"{'tok/s tog':>9} {'tok/s seq':>9} {'GPU% tog':>8} {'GPU% seq':>8} {'GPU MiB tog':>11}  "
+        "final scores together | solo"
     ]
-    for r in results["rows"]:
+
+    def gpu(g: dict | None, key: str) -> str:
+        return "-" if not g else str(g[key])
+
+    for r in results.get("rows", []):
         lines.append(
-            f"{r['runs']:>4} {r['together_wall_s']:>10} {r['sequential_wall_s']:>12} "
-            f"{r['together_over_sequential']:>6} "
-            f"{r['together_steps_per_hour']:>11} {r['sequential_steps_per_hour']:>11} "
-            f"{r['together_rollout_tokens_per_s']:>9} {r['sequential_rollout_tokens_per_s']:>9} "
-            f"{r['together_peak_rss_mib']:>11} {r['solo_peak_rss_mib']:>12}  "
+            f"{r['runs']:>4} {r['together_wall_s']:>10} {r['sequential_wall_s'] or '-':>7} "
+            f"{r['together_over_sequential'] or '-':>6} {r['together_runs_per_hour']:>10} "
+            f"{r['sequential_runs_per_hour'] or '-':>10} {r['together_rollout_tokens_per_s']:>9} "
+            f"{r['sequential_rollout_tokens_per_s'] or '-':>9} {gpu(r['together_gpu'], 'util_mean_pct'):>8} "
+            f"{gpu(r['sequential_gpu'], 'util_mean_pct'):>8} {gpu(r['together_gpu'], 'mem_peak_mib'):>11}  "
             f"{r['together_scores']} | {r['solo_scores']}"
         )
     return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """One panel per spec: its held-out curve alone (dashed) and in each fleet that ran it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    solo, rows, v0 = results.get("solo", {}), results.get("rows", []), results.get("v0")
+    n_specs = max([len(solo)] + [r["runs"] for r in rows] + [1])
+    cols = min(4, n_specs)
+    fig, axes = plt.subplots(math.ceil(n_specs / cols), cols, figsize=(3.2 * cols, 2.6 * math.ceil(n_specs / cols)),
+                             squeeze=False, sharey=True)  # fmt: skip
+    for i in range(1, n_specs + 1):
+        ax = axes[(i - 1) // cols][(i - 1) % cols]
+        start = {0: v0} if v0 is not None else {}
+        if str(i) in solo:
+            curve = start | {int(k): v for k, v in solo[str(i)]["curve"].items()}
+            ax.plot(list(curve), list(curve.values()), "k--", label="alone")
+        for r in rows:
+            for p in r["per_run"]:
+                if p["spec"] == i and r["runs"] > 1:
+                    curve = start | {int(k): v for k, v in p["curve"].items()}
+                    ax.plot(list(curve), list(curve.values()), "o-", ms=3, label=f"fleet of {r['runs']}")
+        ax.set_title(results.get("specs", {}).get(str(i), f"run {i}"), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.supxlabel("adapter version (trainer steps)")
+    fig.supylabel("held-out greedy accuracy")
+    fig.suptitle(f"{results['task']} on {results['device']}: each run in a fleet vs alone", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
