@@ -324,17 +324,24 @@ FAMILIES: tuple[Family, ...] = (
             f"run{op.capitalize()}",
             subjects.run_control,
             (message,),
-            ("operator",),
+            senders,
             ("registry",),
             f"`lorabus run {op}`: {what} Core NATS request/reply; the run table itself is the KV "
             "bucket `lorabus_<fleet>_runs` (one RunRecord per run, written by the registry only).",
             fixed={"op": op},
             reply=("RunReply",),
         )
-        for op, message, what in (
-            ("submit", "RunSubmit", "add a run to the fleet (its config validated by the registry)."),
-            ("list", "RunList", "the fleet's runs with their state, share and progress."),
-            ("stop", "RunStop", "stop granting work to a run; its versions and exports stay."),
+        for op, message, senders, what in (
+            ("submit", "RunSubmit", ("operator",), "add a run to the fleet (its config validated by the registry)."),
+            ("list", "RunList", ("operator",), "the fleet's runs with their state, share and progress."),
+            (
+                "stop",
+                "RunStop",
+                ("operator", "trainer", "rollout"),
+                "stop granting work to a run; its versions and exports stay. The trainer and the "
+                "rollouts send it too, for a submitted run that failed on its own (reason `failed in "
+                "<service>: ...`, services/common/run_faults.py).",
+            ),
         )
     ),
     Family(

@@ -537,6 +537,9 @@ class RunInfo(Struct, kw_only=True):
     running: NonNegInt = 0
     """grants issued and not yet finished"""
     accepted: NonNegInt = 0
+    reason: Text = ""
+    """why it stopped or finished: the stop request's reason (`failed in <service>: ...` when a
+    service stopped it for a fault of its own, `services.common.run_faults`)"""
 
 
 class RunReply(Message, kw_only=True):

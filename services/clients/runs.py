@@ -52,13 +52,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def render(reply: RunReply) -> str:
     lines = [
         f"{'run':<24} {'state':<9} {'share':>5} {'rank':>4} {'lora_name':<16} {'head':>6} {'steps':>5} "
-        f"{'running':>7} {'accepted':>8}"
+        f"{'running':>7} {'accepted':>8}  reason"
     ]
     for r in reply.runs:
         head = "-" if r.head_version is None else f"v{r.head_version}"
         lines.append(
             f"{r.run:<24} {r.state:<9} {r.share:>5g} {r.lora_rank:>4} {r.lora_name:<16} {head:>6} "
-            f"{r.total_train_steps:>5} {r.running:>7} {r.accepted:>8}"
+            f"{r.total_train_steps:>5} {r.running:>7} {r.accepted:>8}" + (f"  {r.reason}" if r.reason else "")
         )
     return "\n".join(lines)
 

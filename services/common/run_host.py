@@ -13,6 +13,8 @@ on the same code path. A service that ends a run itself (the trainer, at its las
     worker: start -> (serving) -> drain -> close
 
 - start: begin serving the run (consumers, loops); what raises leaves the run unserved (closed).
+  A `RunFault` (the run's own: its config, its reward function) is also reported to the
+  registry (`run_faults.report`), which stops the run with the reason in every process.
 - drain: take no new work, and return once the work in hand is done.
 - close: release what the run holds (an adapter on a shared model, versions on an engine).
 
@@ -30,6 +32,7 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Generic, Protocol, TypeVar
 
 from proto.messages import RunRecord, RunStateName
+from services.common import run_faults
 from services.common.bus import Bus
 from services.common.run_table import RunTable
 from services.config import runconfig
@@ -56,6 +59,8 @@ W = TypeVar("W", bound=RunWorker)
 
 MakeWorker = Callable[[LorabusConfig, Bus], Awaitable[W]]
 """(a run's config, its bus: the process's for the own run, else a view) -> the run's worker"""
+Report = Callable[[Bus, str, str, str, BaseException], Awaitable[bool]]
+"""(bus, fleet, run, service, fault) -> whether the registry agreed to stop the run"""
 
 
 class RunHost(Generic[W]):
@@ -72,12 +77,14 @@ class RunHost(Generic[W]):
         ends: Collection[RunStateName] = ENDED,
         ready: asyncio.Event | None = None,
         changed: asyncio.Event | None = None,
+        report: Report = run_faults.report,
     ):
         self.cfg, self.bus, self.make, self.name = cfg, bus, make, name
         self.fleet = cfg.run
         self.opens, self.ends = frozenset(opens), frozenset(ends)
         if self.opens & self.ends:
             raise ValueError(f"opens/ends: {sorted(self.opens & self.ends)} in both; a state opens a run or ends it")
+        self.report = report
         self.ready = ready
         """set once other runs may join (the rollout: when the own run has shaped the slots)"""
         self.workers: dict[str, W] = {}
@@ -120,6 +127,9 @@ class RunHost(Generic[W]):
     async def on_record(self, record: RunRecord) -> None:
         try:
             await self._on_record(record)
+        except run_faults.RunFault as fault:  # the run's own: never opened again here, stopped by the registry
+            self.ended.add(record.run)
+            await self.report(self.bus, self.fleet, record.run, self.name, fault)
         except Exception:  # one run that cannot be served must not stop the others
             log.exception("%s: cannot follow run %s (%s)", self.name, record.run, record.state)
 

@@ -93,4 +93,5 @@ def info(record: RunRecord, cfg: LorabusConfig, ledger: Ledger | None) -> RunInf
         head_version=None if ledger is None else ledger.head,
         running=0 if ledger is None else ledger.running,
         accepted=0 if ledger is None else ledger.accepted,
+        reason=record.reason,
     )

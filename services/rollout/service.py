@@ -12,6 +12,11 @@ generated it. Beside it, while the run is served:
 - the adapter follower (`adapters.AdapterFollower`: the durable consumer of adapter versions);
 - heartbeat: ReplicaHeartbeat every `rollout.heartbeat_s`;
 - engine watch (server engines): the follower's `watch_engine_loop`.
+
+A reward function that raises is the run's fault (`run_faults.RunFault`): the batch is dropped
+(its leases expire), and after `run_faults.STRIKES` such batches in a row a run that shares the
+replica (`on_fault` set) stops asking for work and is reported to the registry, which stops it
+with the reason; the replica's other runs go on. A run alone keeps trying, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -41,6 +46,7 @@ from proto.messages import (
 )
 from services.common.bus import Bus
 from services.common.data import Prompt, epoch_order
+from services.common.run_faults import RunFault, Strikes
 from services.config.schema import LorabusConfig
 from services.rollout import metrics
 from services.rollout.adapters import AdapterFollower
@@ -113,6 +119,9 @@ class RolloutService:
         """unload the run's versions when it closes (a run that shares the replica's engine)"""
         self.draining = False
         """no more grants: the run is leaving this replica"""
+        self.on_fault: Callable[[RunFault], Awaitable[object]] | None = None
+        """how the run's own fault is reported (`FleetReplica`: to the registry); None: keep trying"""
+        self._strikes = Strikes()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -184,6 +193,13 @@ class RolloutService:
         changed, wait_s = self.adapters.changed, 0.0
         try:
             await self.generate(grants)
+            self._strikes.clear()
+        except RunFault as fault:
+            log.error("rollout %s: %d grants dropped: %s", self.replica, len(grants), fault)
+            wait_s = 1.0
+            if self._strikes.hit() and self.on_fault is not None:
+                self.draining = True  # the work loop asks for it no more; the registry stops it everywhere
+                await self.on_fault(fault)
         except Exception:
             # the grants' leases expire at the registry; keep serving
             log.exception("rollout %s: batch of %d grants failed", self.replica, len(grants))
@@ -281,7 +297,7 @@ class RolloutService:
                                      engine=self.engine_name, engine_id=engine_id)  # fmt: skip
             completions = []
             for r in results:
-                reward = float(self.reward_fn(prompt.text, self.decode_text(r.token_ids), prompt.answer))
+                reward = self._reward(prompt, self.decode_text(r.token_ids))
                 metrics.REWARD.labels(self.replica).observe(reward)
                 tokens += len(r.token_ids)
                 completions.append(
@@ -308,6 +324,15 @@ class RolloutService:
                 )
             )
         return trajectories, tokens
+
+    def _reward(self, prompt: Prompt, completion: str) -> float:
+        try:
+            return float(self.reward_fn(prompt.text, completion, prompt.answer))
+        except Exception as exc:  # the run's own code on the run's own data
+            raise RunFault(
+                f"train_dataset.reward_fn: {self.cfg.train_dataset.reward_fn or 'the default'} raised {exc!r} on "
+                f"prompt {prompt.prompt_id!r}; fix the reward function and submit the run again"
+            ) from exc
 
     # --- the run's life on the replica (`RunWorker`) ---
     async def start(self) -> None:

@@ -19,7 +19,9 @@ adapters, and the cost of that crash is one step of compute.
 A run collects its next batch in the background, and only while it is not training (a batch's
 acks come after its step, so collection never overlaps its own step). Runs other than the
 fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model, so a run's
-adapter leaves it (`drop`) only between steps.
+adapter leaves it (`drop`) only between steps. A step that raises is the run's `RunFault`
+(`services.common.run_faults`): the scheduler stops that run and the others go on; what fails
+after it (the store, the bus) is everyone's and raised as it is.
 
 Invariant: a step trains one run's batch on that run's adapter only and publishes and acks in
 that run's namespace; each queue reads one run's stream and refuses another run's trajectory.
@@ -40,6 +42,7 @@ from proto import subjects
 from proto.messages import AdapterReady, Canary, Mismatch, TrainerStep, Trajectory
 from services.common import adapter_io
 from services.common.bus import Bus
+from services.common.run_faults import RunFault
 from services.config.schema import LorabusConfig
 from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
@@ -112,7 +115,10 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     await asyncio.to_thread(followers.send, work)
     # under XCCL the adapter is written straight into the sender's free send set
     into = ctx.sender.fill_views() if ctx.sender is not None else None
-    stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
+    try:
+        stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
+    except Exception as exc:  # the run's batch on the run's adapter: its fault alone (I/O is raised below)
+        raise RunFault(f"step {step_index} on {len(groups)} groups raised {exc!r}") from exc
     if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
         await queue.refuse(stats.refused)
         metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))

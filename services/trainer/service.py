@@ -12,7 +12,9 @@ One loop steps them (`serve`): every run collects its next batch in the backgrou
 the runs holding a full batch the one with the fewest steps per unit of share trains next, ties
 to the one that waited longest (`share.pick` with steps done in place of groups in flight):
 busy runs get trainer steps in proportion to their shares, and a run without a full batch never
-holds the trainer. While no run holds a batch, rank 0 heartbeats the other ranks.
+holds the trainer. While no run holds a batch, rank 0 heartbeats the other ranks. A submitted
+run whose adapter cannot join the model or whose step raises (`run_faults.RunFault`) is retired
+and reported to the registry, which stops it with the reason; the other runs go on.
 
 Invariant: the trainer ends when its own run is done and no other run is live (or on stop), and
 every run's step is published before its batch is acked (`runs.step`).
@@ -31,8 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from proto.messages import Canary, RunStateName
-from services.common import share
+from services.common import run_faults, share
 from services.common.bus import Bus
+from services.common.run_faults import RunFault
 from services.common.run_host import MakeWorker, RunHost
 from services.config.schema import LorabusConfig
 from services.trainer import canary as trainer_canary
@@ -119,7 +122,14 @@ async def serve(host: RunHost[TrainWorker], followers: Followers, stop: asyncio.
         if worker is None:
             await followers.heartbeat_while(_woken(host.changed, stop))
             continue
-        await worker.train(steps)
+        try:
+            await worker.train(steps)
+        except RunFault as fault:
+            if worker is own:  # its engine holds the base: a restart, as a single-run trainer's
+                raise
+            worker.ending = True  # retired above on the next turn, whatever the registry answers
+            await run_faults.report(host.bus, host.fleet, worker.run, "trainer", fault)
+            continue
         steps += 1
     return own.version
 
@@ -135,13 +145,16 @@ def worker_maker(
         if run_cfg.run == cfg.run:
             return TrainWorker(ctx, start, model, wake)
         if not shares_base(engine):
-            raise ValueError(
+            raise RunFault(
                 f"actor.backend: {cfg.actor.backend!r} with actor.nproc_per_node {engine.world_size}: this "
                 f"trainer cannot take run {run_cfg.run!r} beside its own; runs share one trainer with backend "
                 "fsdp2 and nproc_per_node 1"
             )
         async with model:  # the adapter joins the model between steps
-            sibling = engine.sibling(run_cfg, run_cfg.run)
+            try:
+                sibling = engine.sibling(run_cfg, run_cfg.run)
+            except Exception as exc:  # its LoRA shape on this model: the run's config, its fault alone
+                raise RunFault(f"its adapter cannot join the base model: {exc}") from exc
             begin = await resume(sibling, run_cfg, store)
         epoch = await asyncio.to_thread(trainer_epoch, store, run_cfg.run)
         run_ctx = Rank0(run_cfg, sibling, bus, store, ctx.stop, ctx.followers, None, epoch)
