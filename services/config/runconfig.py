@@ -5,7 +5,9 @@ generation, optimiser and PPO settings, off-policyness, data and reward, steps, 
 Everything else (base model, backends, engines, replicas, bus, store) is the fleet's: every run
 of a fleet shares one base model and one set of processes. A key the run file omits is the
 fleet config's (as written, so `${run_dir}` follows the run); the run's `run_dir` defaults to
-`<fleet run_dir>/runs/<run>`, and with it its checkpoints and exports.
+`<fleet run_dir>/runs/<run>`, and with it its checkpoints and exports. An AReaL experiment
+file may be a run file too: translated as `lorabus up` translates it, it becomes its run keys
+(`areal_run`).
 
 The merged tree goes through the config loader (`config_from_dict`): the same shape checks,
 did-you-mean and rules as a file given to `lorabus up`, so a run file is valid exactly when the
@@ -113,7 +115,8 @@ def _without(tree: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _only(tree: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+def only(tree: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """The part of `tree` under the dotted `keys`."""
     out: dict[str, Any] = {}
     for key in keys:
         node: Any = tree
@@ -153,7 +156,7 @@ def run_config(
     mine = _without(run_tree, [path for path, _ in outside])
     own = (*RUN_KEYS, *PER_RUN_PATHS)
     pinned = _without(msgspec.to_builtins(fleet), own)
-    tree = deep_merge(deep_merge(pinned, _only(fleet_raw, own)), mine)
+    tree = deep_merge(deep_merge(pinned, only(fleet_raw, own)), mine)
     if "run_dir" not in mine:
         tree["run_dir"] = f"{fleet.run_dir.rstrip('/')}/runs/${{run}}"
     try:
@@ -168,8 +171,13 @@ def run_config(
 def load_run(
     fleet: LorabusConfig, fleet_raw: dict[str, Any], path: str | os.PathLike[str]
 ) -> tuple[dict[str, Any], LorabusConfig]:
-    """(the run file's tree, the run's whole config); raises `ConfigError`."""
+    """(the run file's tree, the run's whole config); raises `ConfigError`. An AReaL experiment
+    file is translated as `lorabus up` translates it and becomes its run keys (`areal_run`)."""
     tree = read_tree(path)
+    if areal.is_areal(tree):
+        from services.config import areal_run
+
+        tree = areal_run.run_tree(fleet, tree, source=os.fspath(path))
     return tree, run_config(fleet, fleet_raw, tree, source=os.fspath(path))
 
 

@@ -1,0 +1,44 @@
+"""`lorabus run submit AREAL.yaml --config FLEET` against the registry (real nats-server): the
+AReaL experiment is translated with `lorabus up`'s table, submitted as its run keys, and the
+registry takes it as a run of its own name, rank and learning rate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import yaml
+
+from services.common.run_table import RunTable
+from services.config import runconfig
+from tests.integration.test_fleet_registry import (  # noqa: F401 - bus, fleet, fleet_config, registry are fixtures
+    bus,
+    fleet,
+    fleet_config,
+    listed,
+    lorabus_run,
+    registry,
+)
+
+
+async def test_an_areal_experiment_is_submitted_as_a_run(bus, registry, fleet, fleet_config, tmp_path):
+    await listed(bus, fleet, registry)
+    tree = yaml.safe_load(open("examples/areal_tiny.yaml"))
+    tree["trial_name"] = "areal1"
+    tree["actor"]["lora_rank"] = 4
+    tree["actor"]["optimizer"]["lr"] = 5e-4
+    path = tmp_path / "areal_run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    done = await asyncio.to_thread(lorabus_run, "submit", str(path), "--config", str(fleet_config))
+    assert done.returncode == 0, done.stderr
+    assert "run tiny-areal1 submitted to fleet" in done.stdout and "rank 4" in done.stdout
+    assert "is an AReaL experiment file" in done.stderr and "actor.optimizer.lr" in done.stderr
+    record = (await RunTable(bus, fleet).records())["tiny-areal1"]
+    cfg = runconfig.restore(record.config, (await asyncio.to_thread(_fleet_cfg, fleet_config)))
+    assert (cfg.actor.lora_rank, cfg.actor.optimizer.lr, cfg.total_train_steps) == (4, 5e-4, 40)
+    assert cfg.actor.path == "examples/tiny/model" and cfg.run_dir.endswith(f"{fleet}/runs/tiny-areal1")
+
+
+def _fleet_cfg(path):
+    from services.config.loader import load_config
+
+    return load_config(path)
