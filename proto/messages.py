@@ -473,6 +473,9 @@ class TrainerStep(Message, kw_only=True):
     servable on a replica is that replica's AdapterLoaded.loaded_at minus this"""
     canary_seconds: Annotated[float, Meta(ge=0)] | None = None
     """how long the version's canary took in the trainer; None: no canary computed"""
+    canary_wait_seconds: Annotated[float, Meta(ge=0)] | None = None
+    """how long the version's announcement waited for it (its compute overlaps the upload or
+    the broadcast in a one-process trainer): the trainer's part of its time to servable"""
     mismatch: Mismatch | None = None
     """the train/inference mismatch of the step's batch; None from trainers that predate it"""
 

@@ -5,8 +5,9 @@ Read from what the streams hold (`summary.read_run`): each TrainerStep's mismatc
 The mismatch of version v is the on-policy figure of the step that started from v: the only
 moment the trainer holds v's weights, so the only clean comparison with the tokens v generated.
 A version's time to servable on a replica is its AdapterLoaded.loaded_at minus the trainer's
-step end (TrainerStep.trained_at): the canary (trainer's and replica's) lies inside it, and its
-cost is their sum over that time.
+step end (TrainerStep.trained_at). The canary's cost is its part of that time: what the trainer's
+announcement waited for it (its compute overlaps the upload or broadcast) plus the replica's
+check, which comes before the version serves.
 
 Invariant: pure (no I/O); steps and loads that predate these fields count as absent, never as 0.
 """
@@ -52,6 +53,12 @@ def mismatch(steps: Iterable[m.TrainerStep]) -> dict | None:
     }
 
 
+def _waited(step: m.TrainerStep) -> float | None:
+    """The trainer's part of the time to servable: what the announcement waited for the canary
+    (all of its compute, from trainers that do not say)."""
+    return step.canary_wait_seconds if step.canary_wait_seconds is not None else step.canary_seconds
+
+
 def canary_cost(steps: Iterable[m.TrainerStep], loads: Iterable[m.AdapterLoaded]) -> dict | None:
     """What the canaries cost: seconds on each side and their share of time to servable."""
     by_version = {s.version: s for s in steps}
@@ -59,22 +66,25 @@ def canary_cost(steps: Iterable[m.TrainerStep], loads: Iterable[m.AdapterLoaded]
     replica = [ld.canary_seconds for ld in loads if ld.canary_seconds is not None]
     if not trainer and not replica:
         return None
+    waited = {v: _waited(s) for v, s in by_version.items()}
     servable, fractions = [], []
     for ld in loads:
         step = by_version.get(ld.version)
-        if step is None or step.trained_at is None or ld.canary_seconds is None or step.canary_seconds is None:
+        wait = waited.get(ld.version)
+        if step is None or step.trained_at is None or ld.canary_seconds is None or wait is None:
             continue
         total = ld.loaded_at - step.trained_at
         if total <= 0:
             continue
         servable.append(total)
-        fractions.append((step.canary_seconds + ld.canary_seconds) / total)
+        fractions.append((wait + ld.canary_seconds) / total)
 
     def stats(xs: list[float]) -> dict | None:
         return {"n": len(xs), "mean": _round(sum(xs) / len(xs)), "max": _round(max(xs))} if xs else None
 
     return {
         "trainer_seconds": stats(trainer),
+        "trainer_wait_seconds": stats([w for w in waited.values() if w is not None]),
         "replica_seconds": stats(replica),
         "time_to_servable_s": stats(servable),
         "fraction_of_time_to_servable": stats(fractions),
@@ -99,9 +109,11 @@ def lines(result: dict) -> list[str]:
     cost = result.get("canary")
     if cost:
         parts = []
-        for key, name in (("trainer_seconds", "trainer"), ("replica_seconds", "replica")):
-            if cost.get(key):
-                parts.append(f"{name} {cost[key]['mean'] * 1e3:.1f} ms")
+        if cost.get("trainer_seconds"):
+            wait = cost.get("trainer_wait_seconds") or {"mean": 0.0}
+            parts.append(f"trainer {cost['trainer_seconds']['mean'] * 1e3:.1f} ms (waited {wait['mean'] * 1e3:.1f} ms)")
+        if cost.get("replica_seconds"):
+            parts.append(f"replica {cost['replica_seconds']['mean'] * 1e3:.1f} ms")
         if cost.get("fraction_of_time_to_servable"):
             frac, tts = cost["fraction_of_time_to_servable"], cost["time_to_servable_s"]
             parts.append(

@@ -6,9 +6,10 @@ caller hands it (the base with the version's adapter applied, in the serving dty
 each continuation token's log-probability at temperature 1: the `Canary` published with the
 version, that every replica checks its load against (`services.rollout.canary`).
 
-The trainer computes it in each step, after the update, from the model it trains (`timed`,
-called by `ranks.run_step`; the first version's at start), and publishes it on the version's
-AdapterReady on either path (object store or XCCL).
+The trainer computes it in each step, after the update, from the model it trains (`timed`:
+beside the upload or broadcast in one process, `Beside`; in `ranks.run_step` over several
+ranks, where it is a collective; the first version's at start), and publishes it on the
+version's AdapterReady on either path (object store or XCCL).
 
 Invariant: the reference is computed from the trainer's own weights in the dtype the replicas
 serve, never from what a replica loaded; equal weights give equal canaries.
@@ -16,6 +17,7 @@ serve, never from what a replica loaded; equal weights give equal canaries.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -23,9 +25,13 @@ import torch
 from proto.messages import Canary, CanarySequence, Dtype
 from services.trainer.engines.base import CanaryEngine
 
-N_PROMPTS = 4
+# Its cost is its sequential forwards (the trainer's decode, the replica's decode before the
+# version serves): many short sequences in one batch compare as many tokens as a few long
+# ones for a quarter of the latency. Two tokens each, so a replica's decode path (KV cache,
+# its decode kernels) is checked beside its prefill; 16 is what the wire allows.
+N_PROMPTS = 16
 PROMPT_TOKENS = 8
-CONTINUATION_TOKENS = 8
+CONTINUATION_TOKENS = 2
 
 
 def prompts(vocab_size: int, seed: int, n: int = N_PROMPTS, length: int = PROMPT_TOKENS) -> list[list[int]]:
@@ -74,3 +80,19 @@ def timed(engine: object) -> tuple[Canary | None, float | None]:
     t0 = time.perf_counter()
     canary = engine.canary()
     return canary, time.perf_counter() - t0
+
+
+class Beside:
+    """A one-process trainer's canary, computed in a thread while the version is stored or
+    broadcast (`publish.publish_adapter` awaits `wait()` just before the event)."""
+
+    def __init__(self, engine: object):
+        self.task = asyncio.ensure_future(asyncio.to_thread(timed, engine))
+        self.waited: float | None = None
+        """how long the announcement waited for it (None: it was never awaited)"""
+
+    async def wait(self) -> Canary | None:
+        t0 = time.perf_counter()
+        canary, _ = await self.task
+        self.waited = time.perf_counter() - t0
+        return canary

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import os
 import secrets
@@ -310,12 +311,13 @@ async def publish_adapter(
     trainer_step: int,
     sender: XcclSender | None = None,
     weights: bytes | None = None,
-    canary: Canary | None = None,
+    canary: Canary | Awaitable[Canary | None] | None = None,
 ) -> AdapterReady | None:
     """Store and/or broadcast `tensors` as version `version` and announce it (see `deliver`
     for the order) with its `canary`, on either path; returns the event, or None when this
     version had been announced already by this trainer epoch (then only a missing object copy
-    of the same weights is stored)."""
+    of the same weights is stored). `canary` may still be in the making (an awaitable): it is
+    awaited just before the event, so it overlaps the upload or the broadcast."""
     previous = await published_event(bus, run, version, epoch)
     if previous is not None:
         await _repair(store, previous, run, version, tensors, weights)
@@ -323,8 +325,9 @@ async def publish_adapter(
     sent: list[AdapterReady] = []
 
     async def publish(payloads: list[Payload]) -> None:
+        reference = await canary if inspect.isawaitable(canary) else canary
         event = adapter_event(run=run, epoch=epoch, lora_name=lora_name, version=version, payloads=payloads,
-                              lora=lora, trainer_step=trainer_step, canary=canary)  # fmt: skip
+                              lora=lora, trainer_step=trainer_step, canary=reference)  # fmt: skip
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(epoch, version))
         sent.append(event)
 

@@ -124,14 +124,17 @@ def run_step(
 ) -> tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
     optimizer state when the step is checkpointed). `into` (rank 0 under XCCL): where the
-    adapter is written (`TrainEngine.adapter_state`). The new version's canary is computed
-    here, on the model just updated (`stats.canary`). A step that refused every group made no
-    update: no canary, no adapter ({}), no optimizer state (every rank knows it alike)."""
+    adapter is written (`TrainEngine.adapter_state`). Over several ranks the new version's
+    canary is computed here, on the model just updated (`stats.canary`: a collective, in the
+    same place on every rank); one process computes it beside the announcement instead
+    (`runs.step`). A step that refused every group made no update: no canary, no adapter ({}),
+    no optimizer state (every rank knows it alike)."""
     stats = engine.train_step(work.groups, head_version=work.version)
     stats.trained_at = time.time()
     if stats.groups == 0:
         return stats, {}, None
-    stats.canary, stats.canary_seconds = trainer_canary.timed(engine)
+    if engine.world_size > 1:
+        stats.canary, stats.canary_seconds = trainer_canary.timed(engine)
     adapter = engine.adapter_state(into)
     optim = engine.optimizer_state() if work.save_checkpoint else None
     return stats, adapter, optim

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ from services.common import adapter_io
 from services.common.bus import Bus
 from services.common.run_faults import RunFault
 from services.config.schema import LorabusConfig
+from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
@@ -85,7 +87,7 @@ class Rank0:
         tensors: dict[str, torch.Tensor],
         *,
         weights: bytes | None = None,
-        canary: Canary | None = None,
+        canary: Canary | Awaitable[Canary | None] | None = None,
     ) -> AdapterReady | None:
         """Store (or broadcast) and announce `version` with its `canary`; None when it was
         announced already. `weights`: its serialised form when at hand (else serialised where
@@ -134,8 +136,15 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
-    await ctx.announce(version, adapter, canary=stats.canary)
+    # one process: the canary is computed while the version is stored or broadcast
+    beside = trainer_canary.Beside(engine) if engine.world_size == 1 else None
+    await ctx.announce(version, adapter, canary=asyncio.ensure_future(beside.wait()) if beside else stats.canary)
     announced = time.perf_counter()
+    if beside is not None:
+        stats.canary, stats.canary_seconds = await beside.task
+        stats.canary_wait_seconds = beside.waited
+    else:  # computed in the step, before any of the announcement
+        stats.canary_wait_seconds = stats.canary_seconds
     metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
     # the step's record before the checkpoint: a crash after a checkpoint resumes past this
     # step and would never publish it; a crash before one redoes the step, and its record's
@@ -155,6 +164,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
             finished_at=time.time(),
             trained_at=stats.trained_at or None,
             canary_seconds=stats.canary_seconds,
+            canary_wait_seconds=stats.canary_wait_seconds,
             mismatch=stats.mismatch,
         ),
         msg_id=f"trainer-step-{step_index}",
@@ -197,9 +207,15 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         stats.loss_stats.get("imp_weight_mean", 1.0),
         stats.loss_stats.get("imp_weight_max", 1.0),
         describe(stats.mismatch),
-        "-" if stats.canary_seconds is None else f"{stats.canary_seconds * 1e3:.1f} ms",
+        canary_line(stats),
     )
     return version
+
+
+def canary_line(stats: StepStats) -> str:
+    if stats.canary_seconds is None:
+        return "-"
+    return f"{stats.canary_seconds * 1e3:.1f} ms (waited {(stats.canary_wait_seconds or 0.0) * 1e3:.1f} ms)"
 
 
 def describe(m: Mismatch | None) -> str:

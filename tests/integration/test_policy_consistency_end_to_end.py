@@ -45,6 +45,7 @@ from services.rollout.__main__ import fetcher
 from services.rollout.canary import TOLERANCE
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.service import RolloutService
+from services.trainer import canary as trainer_canary
 from tests.fixtures.waiting import wait_until
 from tests.integration.test_rollout_service import PROMPTS, Recorder
 from tests.integration.test_trainer_service import (  # noqa: F401 - tiny_model_dir is a fixture
@@ -104,7 +105,11 @@ async def test_canary_and_mismatch_ride_real_events_and_a_bad_group_is_refused(
     task = None
     try:
         v0 = await wait_event(bus, run, 0, proc, log)
-        assert v0.canary is not None and v0.canary.dtype == "float32" and len(v0.canary.sequences) == 4
+        assert (
+            v0.canary is not None
+            and v0.canary.dtype == "float32"
+            and len(v0.canary.sequences) == trainer_canary.N_PROMPTS
+        )
         task = asyncio.create_task(service.run(stop))
         last = await wait_event(bus, run, STEPS, proc, log, timeout=240)
         events = [await wait_event(bus, run, v, proc, log) for v in range(STEPS + 1)]
@@ -124,6 +129,8 @@ async def test_canary_and_mismatch_ride_real_events_and_a_bad_group_is_refused(
         assert sorted(steps) == list(range(STEPS))
         for s in steps.values():
             assert s.mismatch is not None and s.trained_at is not None and s.canary_seconds is not None
+            # one process: computed beside the upload or broadcast, the event waited for the rest
+            assert s.canary_wait_seconds is not None and s.canary_wait_seconds <= s.canary_seconds + 0.05
             assert s.trained_at <= s.finished_at
             assert s.mismatch.all_tokens.tokens > 0
             on = s.mismatch.on_policy

@@ -3,6 +3,7 @@ pooled, and the canary's share of time to servable; and the replica's tolerance 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from proto import messages as m
@@ -51,13 +52,19 @@ def test_canary_cost_is_its_share_of_the_time_from_the_step_end_to_servable():
     ]
     loads = [loaded(1, 100.5, 0.015), loaded(2, 201.0, 0.03), loaded(2, 200.9, None)]
     out = consistency.canary_cost(steps, loads)
-    assert out["trainer_seconds"] == {"n": 2, "mean": 0.015, "max": 0.02}
+    assert out["trainer_seconds"] == out["trainer_wait_seconds"] == {"n": 2, "mean": 0.015, "max": 0.02}
     assert out["replica_seconds"] == {"n": 2, "mean": 0.0225, "max": 0.03}
     assert out["time_to_servable_s"] == {"n": 2, "mean": 0.75, "max": 1.0}
     assert out["fraction_of_time_to_servable"] == {"n": 2, "mean": 0.05, "max": 0.05}
     printed = consistency.lines({"canary": out, "train_infer_mismatch": None})
-    assert printed == ["canary: trainer 15.0 ms, replica 22.5 ms, 5.0% of time to servable (mean 750 ms; worst 5.0%)"]
+    assert printed == [
+        "canary: trainer 15.0 ms (waited 15.0 ms), replica 22.5 ms, 5.0% of time to servable (mean 750 ms; worst 5.0%)"
+    ]
     assert consistency.canary_cost([step(1, mismatch=None, canary_s=None)], [loaded(1, 1.0, None)]) is None
+    # a trainer that overlapped its canary with the upload: only what the event waited counts
+    overlapped = [msgspec.structs.replace(s, canary_wait_seconds=0.0) for s in steps]
+    frac = consistency.canary_cost(overlapped, loads)["fraction_of_time_to_servable"]
+    assert frac == {"n": 2, "mean": 0.03, "max": 0.03}
 
 
 def test_a_replica_serving_in_lower_precision_than_the_trainer_is_judged_by_its_own_dtype():

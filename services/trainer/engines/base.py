@@ -65,6 +65,8 @@ class StepStats:
     canary: Canary | None = None
     """the new version's canary (`ranks.run_step`), for its AdapterReady"""
     canary_seconds: float | None = None
+    canary_wait_seconds: float | None = None
+    """how long the announcement waited for the canary (`runs.step`)"""
 
     @property
     def mean_staleness(self) -> float:
