@@ -183,6 +183,39 @@ async def test_unreachable_server_is_unhealthy_and_errors_name_it(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_real_vllm_serves_the_tiny_model_like_transformers(vllm_server, tok):
+    """vLLM (CPU build, its own transformers) loads the model directory as is, adds the same bos
+    to a text prompt, stops on eos and decodes greedily to transformers' answers. (It ran in
+    tests/unit/test_models.py as an offline `vllm.LLM` of its own, ~50 s to start; the
+    session's server is the same directory in the same build.)"""
+    from services.common.data import arith_split
+
+    prompts = arith_split("valid")[:16]
+    body = {"model": vllm_server.cfg.vllm.model, "prompt": [p.text for p in prompts], "max_tokens": 6,
+            "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+    answer = httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120.0)
+    assert answer.status_code == 200, answer.text
+    choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    model = models.load_base_model(TINY_MODEL, dtype="float32", device="cpu").eval()
+    with torch.no_grad():
+        for p, choice in zip(prompts, choices, strict=True):
+            ids = models.encode_prompt(tok, p.text)
+            assert choice["prompt_token_ids"] == ids
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=tok.eos_token_id,
+            )
+            assert choice["text"] == models.decode_completion(tok, out[0, len(ids) :].tolist())
+            assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 async def test_restarted_server_is_noticed_and_reloaded(engine, vllm_server, tok):
     w6, s6 = make_adapter(rank=8, seed=6, scale=3.0)
     w7, s7 = make_adapter(rank=8, seed=7, scale=3.0)
