@@ -179,9 +179,9 @@ async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
             metric, score = await asyncio.to_thread(evaluator.score, directory)
             elapsed = time.monotonic() - started
             log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, elapsed)
-            metrics.EVAL_SECONDS.labels(evaluator_name).observe(elapsed)
-            metrics.EVAL_SCORE.labels(evaluator_name, metric).set(score)
-            metrics.EVAL_VERSION.labels(evaluator_name).set(event.version)
+            metrics.EVAL_SECONDS.labels(cfg.run, evaluator_name).observe(elapsed)
+            metrics.EVAL_SCORE.labels(cfg.run, evaluator_name, metric).set(score)
+            metrics.EVAL_VERSION.labels(cfg.run, evaluator_name).set(event.version)
             result = m.EvalResult(
                 run=cfg.run,
                 evaluator=evaluator_name,

@@ -57,11 +57,11 @@ DURABLE = "exporter"
 
 
 @contextlib.contextmanager
-def _stage(name: str):
+def _stage(run: str, name: str):
     try:
         yield
     except Exception:
-        metrics.FAILURES.labels(name).inc()
+        metrics.FAILURES.labels(run, name).inc()
         raise
 
 
@@ -109,6 +109,7 @@ class Exporter:
         )
         self.consumer = self.bus.dispatch(reader, self.handle)
         log.info("exporting %s adapters to %s", self.cfg.run, self.cfg.exporter.uri)
+        metrics.open_run(self.cfg.run)
 
     async def drain(self) -> None:
         """Let a running export finish (and ack), then take no more events."""
@@ -136,7 +137,7 @@ class Exporter:
         payload = event.object_payload()
         if payload is None:
             # An XCCL-only version has no durable copy to export; retrying would not create one.
-            metrics.FAILURES.labels("no-object-payload").inc()
+            metrics.FAILURES.labels(self.cfg.run, "no-object-payload").inc()
             log.error("v%d: no object payload (xccl only); not exported", event.version)
             return
         started = time.perf_counter()
@@ -151,7 +152,7 @@ class Exporter:
             await self.bus.dead_letter(meta.subject, "handler", error, codec.encode(event), msg_id=letter_id)
             log.error("v%d: not exported: %s", event.version, exc)
             return
-        with _stage("write"):
+        with _stage(self.cfg.run, "write"):
             try:
                 wrote = await asyncio.to_thread(self._write_once, event.version, files)
             except StoreError as exc:
@@ -168,14 +169,14 @@ class Exporter:
             sha256=files.sha256,
             exported_at=time.time(),
         )
-        with _stage("publish"):
+        with _stage(self.cfg.run, "publish"):
             published = await self._publish_once(done)
         if wrote:
-            metrics.EXPORTS.inc()
-            metrics.EXPORT_SECONDS.observe(time.perf_counter() - started)
+            metrics.EXPORTS.labels(self.cfg.run).inc()
+            metrics.EXPORT_SECONDS.labels(self.cfg.run).observe(time.perf_counter() - started)
         if event.version > self._last_version:
             self._last_version = event.version
-            metrics.LAST_VERSION.set(event.version)
+            metrics.LAST_VERSION.labels(self.cfg.run).set(event.version)
         log.info("v%d -> %s (%d bytes%s%s)", event.version, done.uri, done.bytes,
                  "" if wrote else ", already written", "" if published else ", already announced")  # fmt: skip
 
@@ -193,13 +194,13 @@ class Exporter:
         raise AssertionError("unreachable")
 
     def _fetch_and_convert(self, payload: ObjectPayload, event: AdapterReady) -> PeftFiles:
-        with _stage("fetch"):
+        with _stage(self.cfg.run, "fetch"):
             store = store_for_uri(payload.uri, self.cfg.store)
             # under xccl the event may precede its object by an upload time
             data = xccl.fetch_when_stored(
                 lambda: durable.read(store, payload), what=payload.uri, within_s=xccl.upload_wait_s(event)
             )
-        with _stage("convert"):
+        with _stage(self.cfg.run, "convert"):
             return peft_files(data, payload.layout, event.lora, self.model_shape)
 
     def _write_once(self, version: int, files: PeftFiles) -> bool:

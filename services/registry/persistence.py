@@ -467,7 +467,7 @@ class Journal:
         if rollup:
             self.entries_since_snapshot = 0
             self.snapshots += 1
-        metrics.LEDGER_WRITES.inc()
+        metrics.LEDGER_WRITES.labels(self.bus.run).inc()
 
     async def _publish_once(self, subject: str, data: bytes, msg_id: str, rollup: bool) -> int:
         try:

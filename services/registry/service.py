@@ -154,7 +154,7 @@ class RegistryService:
             self.journal.revision, self.journal.replayed, led.head, led.accepted, led.running,
             self.cfg.max_head_offpolicyness, self.cfg.consumer_batch_size,
         )  # fmt: skip
-        metrics.observe_ledger(led)
+        metrics.observe_ledger(self.run, led)
         bus, run = self.bus, self.run
         self._tasks += [
             bus.dispatch(await bus.pull(streams.consumer(run, "registry-adapters"), AdapterReady, batch=16),
@@ -209,7 +209,7 @@ class RegistryService:
         applied = self.journal.adapter_ready(event)
         if applied.changed:
             await self._commit()
-            metrics.observe_ledger(self.ledger)
+            metrics.observe_ledger(self.run, self.ledger)
             log.info("registry: head is now v%d", self.ledger.head)
         if applied.error:
             await self._refuse(meta, applied.error, event)
@@ -221,7 +221,7 @@ class RegistryService:
         applied = self.journal.report(report, self.clock())
         if applied.changed:
             await self._commit()
-            metrics.observe_ledger(self.ledger)
+            metrics.observe_ledger(self.run, self.ledger)
         if applied.error:
             await self._refuse(meta, applied.error, report)
 
@@ -255,11 +255,11 @@ class RegistryService:
         if not msg.reply:
             return
         if isinstance(reply, AdmissionGrant):
-            metrics.GRANTS.inc()  # a retried request's grant counts again: it is sent again
+            metrics.GRANTS.labels(self.run).inc()  # a retried request's grant counts again: it is sent again
             # also covers a retried request whose grant is still in flight to the store
             self.journal.send_after_commit(msg.reply, self._encode(reply))
         else:
-            metrics.DENIALS.labels(code_of(reply.reason)).inc()
+            metrics.DENIALS.labels(self.run, code_of(reply.reason)).inc()
             self._later(self.bus.send_raw(msg.reply, self._encode(reply)))
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
@@ -294,9 +294,9 @@ class RegistryService:
                 if new:
                     verdicts[decision.verdict] = verdicts.get(decision.verdict, 0) + 1
                     if decision.verdict != "accepted":
-                        metrics.REJECTIONS.labels(code_of(decision.reason)).inc()
+                        metrics.REJECTIONS.labels(self.run, code_of(decision.reason)).inc()
                     if decision.oldest_version is not None:
-                        metrics.STALENESS.observe(decision.head_version - decision.oldest_version)
+                        metrics.STALENESS.labels(self.run).observe(decision.head_version - decision.oldest_version)
             except Exception as exc:
                 log.exception("registry: deciding %s failed", d.meta.subject)
                 await d.retry(repr(exc))
@@ -306,7 +306,7 @@ class RegistryService:
             again = decision.verdict == "accepted" and (new or d.meta.num_delivered > 1)
             decided.append((d, decision, again))
         for verdict, n in verdicts.items():
-            metrics.verdict_count(verdict).inc(n)
+            metrics.verdict_count(self.run, verdict).inc(n)
         if not decided:
             return
         await self._commit()
@@ -330,10 +330,10 @@ class RegistryService:
             if id(d) in failed:
                 await d.nak(delay=1.0)
         await ack_all([d for d, _, _ in decided])
-        metrics.IN_FLIGHT.set(self.ledger.running)
+        metrics.IN_FLIGHT.labels(self.run).set(self.ledger.running)
         elapsed = time.perf_counter() - started
         for _ in decided:
-            metrics.DECISION_SECONDS.observe(elapsed)
+            metrics.DECISION_SECONDS.labels(self.run).observe(elapsed)
 
     # --- status and expiry ------------------------------------------------------------------
 
@@ -363,4 +363,4 @@ class RegistryService:
                 await self._commit()
             except Exception:
                 return
-            metrics.IN_FLIGHT.set(self.ledger.running)
+            metrics.IN_FLIGHT.labels(self.run).set(self.ledger.running)

@@ -261,10 +261,10 @@ async def test_exporter_writes_loadable_versions(tmp_path, nats_url, store_cfg):
 
         # the restarted process saw only v3
         m = proc.metrics()
-        assert metric(m, "lorabus_exporter_exports_total") == 1.0
-        assert metric(m, "lorabus_exporter_last_version") == 3.0
-        assert metric(m, "lorabus_exporter_export_seconds_count") == 1.0
-        assert metric(m, 'lorabus_exporter_failures_total{stage="convert"}') == 0.0
+        assert metric(m, f'lorabus_exporter_exports_total{{run="{run}"}}') == 1.0
+        assert metric(m, f'lorabus_exporter_last_version{{run="{run}"}}') == 3.0
+        assert metric(m, f'lorabus_exporter_export_seconds_count{{run="{run}"}}') == 1.0
+        assert metric(m, f'lorabus_exporter_failures_total{{run="{run}",stage="convert"}}') == 0.0
     finally:
         proc.stop()
         await bus.close()
@@ -332,9 +332,10 @@ async def test_bad_payloads_are_dead_lettered_and_do_not_block(tmp_path, nats_ur
                 await bus.js.get_last_msg(streams.EXPORTS(run), subjects.export_done(run, v))
 
         m = proc.metrics()
-        assert metric(m, 'lorabus_exporter_failures_total{stage="fetch"}') == 1.0  # corrupt: given up at once
-        assert metric(m, 'lorabus_exporter_failures_total{stage="convert"}') == 5.0
-        assert metric(m, "lorabus_exporter_exports_total") == 1.0
+        # corrupt: given up at once
+        assert metric(m, f'lorabus_exporter_failures_total{{run="{run}",stage="fetch"}}') == 1.0
+        assert metric(m, f'lorabus_exporter_failures_total{{run="{run}",stage="convert"}}') == 5.0
+        assert metric(m, f'lorabus_exporter_exports_total{{run="{run}"}}') == 1.0
 
         # Issue 17: exports are write-once (v2 re-announced with other weights must not
         # overwrite export/v2), only the run's trainer epoch is exported, no version jumps,
