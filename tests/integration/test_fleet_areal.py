@@ -42,3 +42,33 @@ def _fleet_cfg(path):
     from services.config.loader import load_config
 
     return load_config(path)
+
+
+async def test_a_fleet_started_from_an_areal_file_takes_runs(nats_url, tmp_path):
+    from services.common.bus import Bus
+    from services.config.schema import BusConfig
+    from tests.fixtures.service_process import ServiceProcess
+
+    tree = yaml.safe_load(open("examples/areal_tiny.yaml"))
+    tree["trial_name"] = f"f{tmp_path.name[-6:]}"
+    tree["lorabus"]["bus"] = {"url": nats_url}
+    tree["lorabus"]["metrics"] = {"host": "127.0.0.1", "port": 0}
+    tree["lorabus"]["run_dir"] = str(tmp_path / "fleet")
+    tree["lorabus"]["fleet"] = {"max_runs": 2, "lora_slots": 8}
+    config = tmp_path / "areal_fleet.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    fleet = f"tiny-{tree['trial_name']}"
+    registry = ServiceProcess("services.registry", config, tmp_path / "registry.log", stop_timeout_s=10.0)
+    registry.start()
+    bus = await Bus.connect(BusConfig(url=nats_url), run=fleet, service="tester")
+    try:
+        assert fleet in await listed(bus, fleet, registry)
+        run_file = tmp_path / "r2.yaml"
+        run_file.write_text(yaml.safe_dump({"run": "r2", "actor": {"lora_rank": 4}}))
+        done = await asyncio.to_thread(lorabus_run, "submit", str(run_file), "--config", str(config))
+        assert done.returncode == 0, done.stderr + registry.log_tail()
+        runs = await listed(bus, fleet, registry)
+        assert runs["r2"].lora_rank == 4 and runs[fleet].lora_rank == 8
+    finally:
+        registry.stop()
+        await bus.close()
