@@ -339,6 +339,10 @@ class FSDP2Engine:
                 "actor.checkpoint_dir"
             )
         options = StateDictOptions(full_state_dict=True, strict=False)
+        # peft trains (requires_grad) the active adapter only, and torch builds the optimizer
+        # state it loads into from trainable parameters: a sibling resuming while another run's
+        # adapter is active found none ("Expected device to be set")
+        self._activate()
         # one scatter per tensor under FSDP2: every rank must go in the same (the model's)
         # order, and a dict read from safetensors is not ordered the same in every process
         set_model_state_dict(self.model, {name: adapter[key] for key, name in names.items()}, options=options)
