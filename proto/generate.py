@@ -214,6 +214,7 @@ def example_messages() -> dict[str, msgspec.Struct]:
         ),
         m.RunStop(fleet="demo-trial0", run="demo-r16", reason="enough"),
         m.RunList(fleet="demo-trial0"),
+        m.RunResume(fleet="demo-trial0", run="demo-r16"),
         m.RunReply(
             fleet="demo-trial0",
             ok=True,
@@ -341,6 +342,12 @@ FAMILIES: tuple[Family, ...] = (
                 "stop granting work to a run; its versions and exports stay. The trainer and the "
                 "rollouts send it too, for a submitted run that failed on its own (reason `failed in "
                 "<service>: ...`, services/common/run_faults.py).",
+            ),
+            (
+                "resume",
+                "RunResume",
+                ("operator",),
+                "serve a stopped run again from its last checkpoint, under its own name.",
             ),
         )
     ),

@@ -521,6 +521,14 @@ class RunStop(Message, kw_only=True):
     reason: Text = ""
 
 
+class RunResume(Message, kw_only=True):
+    """`lorabus.<fleet>.fleet.run.resume`: serve a stopped run again, from its last checkpoint,
+    under its own name (its streams, ledger and versions are where it left them)."""
+
+    fleet: Name
+    run: Name
+
+
 class RunList(Message, kw_only=True):
     """`lorabus.<fleet>.fleet.run.list`: ask for the fleet's runs."""
 
@@ -546,7 +554,7 @@ class RunInfo(Struct, kw_only=True):
 
 
 class RunReply(Message, kw_only=True):
-    """The registry's answer to RunSubmit, RunStop and RunList. `problems` are the config
+    """The registry's answer to RunSubmit, RunStop, RunResume and RunList. `problems` are the config
     loader's `field: value, problem; fix` lines (or why the request was refused)."""
 
     max_bytes: ClassVar[int] = 256 * 1024
@@ -594,6 +602,7 @@ TOP_LEVEL: tuple[type, ...] = (
     FleetAdmissionRequest,
     RunSubmit,
     RunStop,
+    RunResume,
     RunList,
     RunReply,
     RunRecord,

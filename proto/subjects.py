@@ -154,10 +154,10 @@ def dead_letter_all(run: str) -> str:
     return f"{run_prefix(run)}.deadletter.*"
 
 
-# the fleet: runs submitted, listed and stopped at runtime, and admission for any of its runs.
+# the fleet: runs submitted, listed, stopped and resumed at runtime, and admission for any of its runs.
 # `<fleet>` is the fleet's name (the `run` of the config `lorabus up` started it with); these
 # subjects are core request/reply, captured by no stream, and share no pattern with a run's.
-RUN_OPS = ("submit", "list", "stop")
+RUN_OPS = ("submit", "list", "stop", "resume")
 
 
 def run_control(fleet: str, op: str) -> str:

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("services.rollout.__main__", "rollout service (embedded | vllm | sglang)"),
     "exporter": ("services.exporter.__main__", "writes every version as a PEFT directory"),
     "up": ("services.local.launcher", "start a whole local deployment"),
-    "run": ("services.clients.runs", "submit, list or stop the runs of a running fleet"),
+    "run": ("services.clients.runs", "submit, list, stop or resume the runs of a running fleet"),
     "watch": ("services.clients.watch", "print the run's events live"),
     "evaluate": ("services.clients.evaluate", "score every new version, publish the result"),
     "streams": ("services.clients.streams", "create or update the run's streams (the operator)"),

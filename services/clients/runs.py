@@ -1,4 +1,4 @@
-"""`lorabus run submit FILE | list | stop NAME --config FLEET`: the runs of a running fleet.
+"""`lorabus run submit FILE | list | stop NAME | resume NAME --config FLEET`: the runs of a running fleet.
 
 `--config` is the fleet's config (the file `lorabus up` was started with): it says where the
 bus is and which fleet to talk to, and it is what a run file is laid over. `submit` checks the
@@ -32,7 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     common.add_argument("--config", required=True, help="the fleet's config (the file `lorabus up` was started with)")
     common.add_argument("--log-level", default="WARNING")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the registry's answer")
-    p = argparse.ArgumentParser(prog=PROG, description="submit, list and stop the runs of a running fleet")
+    p = argparse.ArgumentParser(prog=PROG, description="submit, list, stop and resume the runs of a running fleet")
     sub = p.add_subparsers(dest="op", required=True)
     s = sub.add_parser("submit", parents=[common], help="add a run: FILE holds its run keys (docs/multi-run.md)")
     s.add_argument("file")
@@ -40,6 +40,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     t = sub.add_parser("stop", parents=[common], help="stop granting a run work; its versions and exports stay")
     t.add_argument("name")
     t.add_argument("--reason", default="")
+    r = sub.add_parser("resume", parents=[common], help="serve a stopped run again, from its last checkpoint")
+    r.add_argument("name")
     # key=value overrides of the fleet's config may come anywhere, as for `lorabus up`
     args, rest = p.parse_known_args(argv)
     bad = [r for r in rest if "=" not in r or r.startswith("-")]
@@ -73,6 +75,8 @@ async def ask(args: argparse.Namespace, fleet: LorabusConfig, run_tree: dict | N
             return await table.submit(run_name, run_tree, timeout=args.timeout)
         if args.op == "stop":
             return await table.stop(args.name, args.reason, timeout=args.timeout)
+        if args.op == "resume":
+            return await table.resume(args.name, timeout=args.timeout)
         return await table.list(timeout=args.timeout)
 
 
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.op == "list":
         print(render(reply))
     else:
-        verb = {"submit": "submitted to", "stop": "stopping in"}[args.op]
+        verb = {"submit": "submitted to", "stop": "stopping in", "resume": "resumed in"}[args.op]
         for r in reply.runs:
             print(f"run {r.run} {verb} fleet {reply.fleet}: {r.state}, share {r.share:g}, rank {r.lora_rank}")
     return 0

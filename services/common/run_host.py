@@ -5,7 +5,8 @@ The host opens the own run (the `run` of the config the process was started with
 process's Bus), then follows the fleet's run table (`RunTable.watch`): a run it is not serving
 yet, in a state the service `opens`, gets its config restored (`runconfig.restore`), its view of
 the connection (`Bus.for_run`, its streams ensured) and a worker; a served run whose record
-reaches a state the service `ends` is drained, closed and never opened again in this process.
+reaches a state the service `ends` is drained and closed; it is opened again only by a newer
+record that opens it (`lorabus run resume`: the registry's `stopped -> active`).
 When the table cannot be read (a bus user without rights on it), the own run is the only run,
 on the same code path. A service that ends a run itself (the trainer, at its last step) calls
 `retire`, as the table would.
@@ -19,8 +20,8 @@ on the same code path. A service that ends a run itself (the trainer, at its las
 - close: release what the run holds (an adapter on a shared model, versions on an engine).
 
 Invariant: each run has at most one worker in a process, a run is served on its own view of the
-connection only, and a retired run is never served again by the same process (its streams and
-ledger outlive it, but a run name is never reused).
+connection only, and a retired run is served again only after the table resumed it (a record
+newer than the one that retired it; its streams and ledger are where it stopped).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable, Collection
 from typing import Generic, Protocol, TypeVar
 
@@ -89,7 +91,10 @@ class RunHost(Generic[W]):
         """set once other runs may join (the rollout: when the own run has shaped the slots)"""
         self.workers: dict[str, W] = {}
         """served runs, the own run first"""
-        self.ended: set[str] = set()
+        self.ended: dict[str, float] = {}
+        """retired runs -> the table's changed_at when they were: only a newer record opens them again"""
+        self._seen: dict[str, float] = {}
+        """run -> changed_at of its newest record seen"""
         self.changed = changed or asyncio.Event()
         """set whenever a run joins or is retired (a scheduler's wake-up; its workers may set it too)"""
         self._views: dict[str, Bus] = {}
@@ -127,16 +132,21 @@ class RunHost(Generic[W]):
     async def on_record(self, record: RunRecord) -> None:
         try:
             await self._on_record(record)
-        except run_faults.RunFault as fault:  # the run's own: never opened again here, stopped by the registry
-            self.ended.add(record.run)
+        except run_faults.RunFault as fault:  # the run's own: not opened again here unless resumed
+            self.ended[record.run] = record.changed_at
             await self.report(self.bus, self.fleet, record.run, self.name, fault)
         except Exception:  # one run that cannot be served must not stop the others
             log.exception("%s: cannot follow run %s (%s)", self.name, record.run, record.state)
 
     async def _on_record(self, record: RunRecord) -> None:
         run = record.run
-        if run == self.fleet or run in self.ended:
+        if run == self.fleet:
             return
+        self._seen[run] = record.changed_at
+        if run in self.ended:
+            if record.state not in self.opens or record.changed_at <= self.ended[run]:
+                return
+            del self.ended[run]  # resumed: served again from where it stopped
         if record.state in self.ends and run in self.workers:
             await self.retire(run)
             return
@@ -169,7 +179,8 @@ class RunHost(Generic[W]):
             await worker.close()
         finally:
             del self.workers[run]
-            self.ended.add(run)
+            self.ended[run] = self._seen.get(run, math.inf)
+            self._retiring.pop(run, None)  # a resumed run retires anew
             view = self._views.pop(run, None)
             if view is not None:
                 await view.close()

@@ -2,7 +2,8 @@
 run requests, over a Bus: what nats.py's `KeyValue` is to its client.
 
 The registry is the table's one writer (`put`); every other service reads it (`records`) or
-follows it (`watch`), and a user's tool asks the registry to change it (`submit`, `stop`, `list`).
+follows it (`watch`), and a user's tool asks the registry to change it (`submit`, `stop`, `resume`,
+`list`).
 
 Invariant: a record that does not decode is never handed on: the one writer wrote it, so it is
 a bug to log, not a message to retry.
@@ -19,7 +20,7 @@ from typing import Any
 import nats.js.errors
 
 from proto import codec, subjects
-from proto.messages import RunList, RunRecord, RunReply, RunStop, RunSubmit
+from proto.messages import RunList, RunRecord, RunReply, RunResume, RunStop, RunSubmit
 from services.common import streams
 from services.common.bus import Bus
 from services.common.nats_client import decode
@@ -99,6 +100,11 @@ class RunTable:
         """Ask the registry to stop a run (`lorabus run stop`)."""
         request = RunStop(fleet=self.fleet, run=run, reason=reason)
         return await self.bus.request(subjects.run_control(self.fleet, "stop"), request, RunReply, timeout=timeout)
+
+    async def resume(self, run: str, *, timeout: float = 10.0) -> RunReply:
+        """Ask the registry to serve a stopped run again (`lorabus run resume`)."""
+        request = RunResume(fleet=self.fleet, run=run)
+        return await self.bus.request(subjects.run_control(self.fleet, "resume"), request, RunReply, timeout=timeout)
 
     async def list(self, *, timeout: float = 5.0) -> RunReply:
         """The fleet's runs (`lorabus run list`)."""

@@ -5,8 +5,9 @@ policy, exactly as a single-run registry), all over one connection: the fleet's 
 `run` of the config the registry was started with) on the process's Bus, every other run on
 `bus.for_run(run)`. Around them:
 
-- `lorabus.<fleet>.fleet.run.{submit,list,stop}`: validate (`runconfig`, `runs`), write the run
-  table (KV `lorabus_<fleet>_runs`), start the run's RegistryService, reply.
+- `lorabus.<fleet>.fleet.run.{submit,list,stop,resume}`: validate (`runconfig`, `runs`), write
+  the run table (KV `lorabus_<fleet>_runs`), start the run's RegistryService (again, on
+  resume: its ledger is where it stopped), reply.
 - `lorabus.<fleet>.fleet.admission`: pick a run by weighted fair share (`share.pick`), then
   admit through that run's journal (the one door into a run's policy), so the grant (named
   with its run) leaves only after that run's ledger has stored it, the registry's rule for
@@ -41,6 +42,7 @@ from proto.messages import (
     RunList,
     RunRecord,
     RunReply,
+    RunResume,
     RunStop,
     RunSubmit,
 )
@@ -116,6 +118,7 @@ class FleetRegistry:
             await bus.serve(subjects.run_control(fleet, "submit"), RunSubmit, self._on_submit, queue="registry"),
             await bus.serve(subjects.run_control(fleet, "stop"), RunStop, self._on_stop, queue="registry"),
             await bus.serve(subjects.run_control(fleet, "list"), RunList, self._on_list, queue="registry"),
+            await bus.serve(subjects.run_control(fleet, "resume"), RunResume, self._on_resume, queue="registry"),
             await bus.subscribe_raw(subjects.fleet_admission(fleet), self._on_admission, queue="registry"),
         ]
         self._tasks.append(asyncio.create_task(self._settle_loop(), name="fleet-settle"))
@@ -220,6 +223,29 @@ class FleetRegistry:
             if stopped is not None:
                 await self._write(stopped)
                 log.info("fleet %s: run %s stopping (%s)", self.fleet, request.run, stopped.reason)
+        return self._reply(True, names=[request.run])
+
+    async def _on_resume(self, request: RunResume) -> RunReply:
+        if (wrong := self._wrong_fleet(request.fleet)) is not None:
+            return wrong
+        async with self._writing:
+            record = self.records.get(request.run)
+            if record is None:
+                known = ", ".join(sorted(self.records)) or "none"
+                return self._reply(
+                    False, [f"run: {request.run!r} is not a run of this fleet (runs: {known}); `lorabus run list`"]
+                )
+            live = [self.configs[r] for r, rec in self.records.items() if rec.state in runs.LIVE]
+            problems = runs.resume_problems(record, len(live), self.cfg.fleet.max_runs)
+            if record.state == "stopped" and not problems:
+                problems = capacity.problems(self.cfg, self.configs[request.run], live)
+            if problems:
+                return self._reply(False, problems)
+            resumed = runs.resume(record, self.clock())
+            if resumed is not None:
+                await self._write(resumed)
+                await self._open(request.run)
+                log.info("fleet %s: run %s resumed", self.fleet, request.run)
         return self._reply(True, names=[request.run])
 
     async def _on_list(self, request: RunList) -> RunReply:

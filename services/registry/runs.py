@@ -1,13 +1,15 @@
 """A run's life in the fleet's run table: pure decisions over `RunRecord`s and ledgers.
 
-    active --stop--> stopping --no grant left--> stopped
+    active --stop--> stopping --no grant left--> stopped --resume--> active
     active --head reached total_train_steps--> finished
 
 `active` runs get fleet grants; `stopping` ones get none but their in-flight groups are still
 decided (and trained, if they complete a batch); `stopped` and `finished` runs keep their
-versions, ledger and exports for good. A run name is never reused in a fleet: its streams and
-ledger outlive it. The registry is the run table's only writer, so these functions need no
-locking; they decide, the registry writes.
+versions, ledger and exports for good. A `stopped` run may be resumed under its own name: every
+service serves it again from where it stopped (the trainer from its last checkpoint). A run
+name is never reused in a fleet by another run: its streams and ledger outlive it. The registry
+is the run table's only writer, so these functions need no locking; they decide, the registry
+writes.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def stop(record: RunRecord, reason: str, now: float) -> RunRecord | None:
     if record.state != "active":
         return None
     return structs.replace(record, state="stopping", changed_at=now, reason=reason or "stopped by request")
+
+
+def resume_problems(record: RunRecord, live: int, max_runs: int) -> list[str]:
+    """Why `record`'s run cannot be resumed now (slot room is `capacity.problems`'s)."""
+    if record.state == "stopping":
+        return [f"run: {record.run!r} is still stopping (groups in flight); resume it once `lorabus run list` "
+                "says stopped"]  # fmt: skip
+    if record.state == "finished":
+        return [f"run: {record.run!r} finished its total_train_steps; submit a new run to train further"]
+    if record.state == "stopped" and live >= max_runs:
+        return [f"fleet.max_runs: {max_runs} runs are live; stop one (`lorabus run stop NAME`) before "
+                f"resuming {record.run!r}"]  # fmt: skip
+    return []
+
+
+def resume(record: RunRecord, now: float) -> RunRecord | None:
+    """The record of a resumed run, or None when it is active already."""
+    if record.state != "stopped":
+        return None
+    return structs.replace(record, state="active", changed_at=now, reason="")
 
 
 def settle(record: RunRecord, ledger: Ledger | None, total_train_steps: int, now: float) -> RunRecord | None:

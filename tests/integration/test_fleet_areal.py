@@ -23,19 +23,19 @@ from tests.integration.test_fleet_registry import (  # noqa: F401 - bus, fleet, 
 async def test_an_areal_experiment_is_submitted_as_a_run(bus, registry, fleet, fleet_config, tmp_path):
     await listed(bus, fleet, registry)
     tree = yaml.safe_load(open("examples/areal_tiny.yaml"))
-    tree["trial_name"] = "areal1"
+    tree["trial_name"] = trial = f"a{fleet[-6:]}"  # names of this test only: streams outlive it
     tree["actor"]["lora_rank"] = 4
     tree["actor"]["optimizer"]["lr"] = 5e-4
     path = tmp_path / "areal_run.yaml"
     path.write_text(yaml.safe_dump(tree))
     done = await asyncio.to_thread(lorabus_run, "submit", str(path), "--config", str(fleet_config))
     assert done.returncode == 0, done.stderr
-    assert "run tiny-areal1 submitted to fleet" in done.stdout and "rank 4" in done.stdout
+    assert f"run tiny-{trial} submitted to fleet" in done.stdout and "rank 4" in done.stdout
     assert "is an AReaL experiment file" in done.stderr and "actor.optimizer.lr" in done.stderr
-    record = (await RunTable(bus, fleet).records())["tiny-areal1"]
+    record = (await RunTable(bus, fleet).records())[f"tiny-{trial}"]
     cfg = runconfig.restore(record.config, (await asyncio.to_thread(_fleet_cfg, fleet_config)))
     assert (cfg.actor.lora_rank, cfg.actor.optimizer.lr, cfg.total_train_steps) == (4, 5e-4, 40)
-    assert cfg.actor.path == "examples/tiny/model" and cfg.run_dir.endswith(f"{fleet}/runs/tiny-areal1")
+    assert cfg.actor.path == "examples/tiny/model" and cfg.run_dir.endswith(f"{fleet}/runs/tiny-{trial}")
 
 
 def _fleet_cfg(path):
@@ -64,11 +64,12 @@ async def test_a_fleet_started_from_an_areal_file_takes_runs(nats_url, tmp_path)
     try:
         assert fleet in await listed(bus, fleet, registry)
         run_file = tmp_path / "r2.yaml"
-        run_file.write_text(yaml.safe_dump({"run": "r2", "actor": {"lora_rank": 4}}))
+        run = f"r2{tree['trial_name']}"
+        run_file.write_text(yaml.safe_dump({"run": run, "actor": {"lora_rank": 4}}))
         done = await asyncio.to_thread(lorabus_run, "submit", str(run_file), "--config", str(config))
         assert done.returncode == 0, done.stderr + registry.log_tail()
         runs = await listed(bus, fleet, registry)
-        assert runs["r2"].lora_rank == 4 and runs[fleet].lora_rank == 8
+        assert runs[run].lora_rank == 4 and runs[fleet].lora_rank == 8
     finally:
         registry.stop()
         await bus.close()

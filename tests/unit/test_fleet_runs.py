@@ -53,3 +53,17 @@ def test_an_active_run_finishes_when_its_head_reaches_its_steps():
     assert done is not None and done.state == "finished" and done.reason == "v3 published"
     info = runs.info(done, cfg("a", lora_rank=4), ledger)
     assert (info.state, info.lora_rank, info.head_version, info.total_train_steps) == ("finished", 4, 3, 3)
+
+
+def test_only_a_stopped_run_resumes_and_only_with_room():
+    record = runs.new_record("f", cfg("a"), {}, 1.0)
+    stopped = msgspec.structs.replace(record, state="stopped", reason="failed in trainer: x", changed_at=2.0)
+    assert runs.resume_problems(stopped, live=1, max_runs=2) == []
+    resumed = runs.resume(stopped, 3.0)
+    assert resumed is not None and (resumed.state, resumed.reason, resumed.changed_at) == ("active", "", 3.0)
+    assert runs.resume(record, 3.0) is None  # active already: nothing to change
+    assert runs.resume_problems(stopped, live=2, max_runs=2)[0].startswith("fleet.max_runs: 2 runs are live")
+    stopping = msgspec.structs.replace(record, state="stopping")
+    assert "still stopping" in runs.resume_problems(stopping, live=1, max_runs=2)[0]
+    finished = msgspec.structs.replace(record, state="finished")
+    assert "submit a new run" in runs.resume_problems(finished, live=1, max_runs=2)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from proto.messages import RunRecord, RunStateName
@@ -93,12 +94,32 @@ async def test_runs_join_on_their_record_and_leave_on_an_ending_one(fleet):
     await host.on_record(record(cfg, "r2", "stopping"))  # neither opens nor ends (the default)
     assert "drain r2" not in log
     await host.on_record(record(cfg, "r2", "stopped"))
-    assert "r2" not in host.workers and host.ended == {"r2"} and workers["r2"].bus.closed
+    assert "r2" not in host.workers and set(host.ended) == {"r2"} and workers["r2"].bus.closed
     assert log[-3:] == ["drain r2", "close r2", "bus closed r2"]
     await host.on_record(record(cfg, "r2", "active"))  # a retired run is never served again here
     assert "r2" not in host.workers
     await host.on_record(record(cfg, cfg.run, "stopped"))  # the own run's record changes nothing
     assert cfg.run in host.workers
+    await host.close()
+
+
+async def test_a_resumed_run_is_served_again_and_retires_anew(fleet):
+    cfg, host, log, workers, _ = fleet
+    await host.start()
+
+    def at(state: RunStateName, t: float) -> RunRecord:
+        return msgspec.structs.replace(record(cfg, "r2", state), changed_at=t)
+
+    await host.on_record(at("active", 1.0))
+    await host.on_record(at("stopping", 2.0))
+    await host.on_record(at("stopped", 3.0))
+    assert "r2" not in host.workers
+    await host.on_record(at("active", 1.0))  # an old record (a replay): not a resume
+    assert "r2" not in host.workers
+    await host.on_record(at("active", 4.0))  # `lorabus run resume`
+    assert "r2" in host.workers and "r2" not in host.ended and log.count("start r2") == 2
+    await host.on_record(at("stopped", 5.0))
+    assert "r2" not in host.workers and log.count("close r2") == 2
     await host.close()
 
 
