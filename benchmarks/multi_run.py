@@ -2,7 +2,8 @@
 
     python benchmarks/multi_run.py                                   # CPU: tiny, N = 1 2 4, 10 steps
     python benchmarks/multi_run.py --task arith3 --phase solo --out-dir R --label h100      # GPU call 1
-    python benchmarks/multi_run.py --task arith3 --phase together --out-dir R --label h100  # GPU call 2
+    python benchmarks/multi_run.py --task arith3 --phase together --out-dir R --label h100 \
+        --solo-json R1/multi_run_h100.json                                                 # GPU call 2
     python benchmarks/multi_run.py --task arith3 --phase all ...                           # both at once
 
 Tasks (`multi_run_specs.TASKS`):
