@@ -62,19 +62,27 @@ async def last_raw(bus: Bus, stream: str, subject: str | None = None) -> StoredM
 async def read_all(bus: Bus, stream: str, msg_type: type[T] | Any, *, batch: int = 256) -> list[T]:
     """Every message of `stream` that decodes as `msg_type`, in stream order ([] when the
     stream does not exist). An ephemeral consumer without acks reads it in batches, so a
-    reader (the launcher's summary) sees what is stored, not what it happened to receive."""
+    reader (the launcher's summary) sees what is stored, not what it happened to receive. A
+    read cut off by a recovering server or cluster (a fetch answered 503 by a node that has
+    just rejoined) starts over on a fresh consumer: reading is idempotent."""
     try:
         info = await bus.jetstream(f"stream info {stream}", bus.js.stream_info, stream)
     except nats.js.errors.NotFoundError:
         return []
     if not info.state.messages:
         return []
-    last = info.state.last_seq
+    subject, last = (info.config.subjects or [">"])[0], info.state.last_seq
+    return await bus.jetstream(f"read {stream}", _read_to, bus.js, stream, subject, last, msg_type, batch)
+
+
+async def _read_to(
+    js: JetStreamContext, stream: str, subject: str, last: int, msg_type: type[T] | Any, batch: int
+) -> list[T]:
+    """One pass over `stream` up to sequence `last`, on an ephemeral consumer of its own."""
     config = ConsumerConfig(
         ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0, mem_storage=True
     )
-    subject = (info.config.subjects or [">"])[0]
-    sub = await bus.jetstream(f"read {stream}", bus.js.pull_subscribe, subject, stream=stream, config=config)
+    sub = await js.pull_subscribe(subject, stream=stream, config=config)
     out: list[T] = []
     try:
         seq = 0

@@ -3,7 +3,7 @@
 The file goes through the translation `lorabus up` applies (`services.config.areal`, the same
 table, printed the same way), then the translated config is loaded whole (the loader's rules,
 its interpolations and epochs resolved). The run is that config's run keys
-(`runconfig.RUN_KEYS`: name, LoRA shape, generation, optimiser and PPO settings, data and
+(`runkeys.RUN_KEYS`: name, LoRA shape, generation, optimiser and PPO settings, data and
 reward, steps); everything else is the fleet's, as for any run file. A fleet setting the file
 gives otherwise (its allocation, its engine, its paths) is listed as not taken, since the fleet
 runs every run on one set of processes; the base model is the one fleet setting a run cannot
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from services.config import areal, runconfig
+from services.config import areal, runkeys
 from services.config.loader import ConfigError, config_from_dict
 from services.config.schema import LorabusConfig
 
@@ -41,7 +41,7 @@ def fleet_differences(cfg: LorabusConfig, fleet: LorabusConfig) -> list[tuple[st
     """(key, the file's value, the fleet's) for each fleet setting the two configs give
     differently; run keys, per-run paths and connection sections are not fleet settings."""
     mine, theirs = areal.flatten(msgspec.to_builtins(cfg)), areal.flatten(msgspec.to_builtins(fleet))
-    skip = (*runconfig.RUN_KEYS, *runconfig.PER_RUN_PATHS, *runconfig.CONNECTION_SECTIONS, *NOT_COMPARED)
+    skip = (*runkeys.RUN_KEYS, *runkeys.PER_RUN_PATHS, *runkeys.CONNECTION_SECTIONS, *NOT_COMPARED)
     out = []
     for key in sorted(mine.keys() | theirs.keys()):
         if any(key == k or key.startswith(k + ".") for k in skip):
@@ -80,5 +80,5 @@ def run_tree(fleet: LorabusConfig, tree: dict[str, Any], *, source: str) -> dict
         print(f"fleet settings of {source} not taken (the fleet's are, for every run):", file=sys.stderr)
         for key, mine, theirs in differences:
             print(f"  {key}: {mine!r} (the fleet's: {theirs!r})", file=sys.stderr)
-    keys = [k for k in runconfig.RUN_KEYS if k != "run_dir"]  # the run's directory is the fleet's runs/<run>
-    return runconfig.only(msgspec.to_builtins(cfg), keys)
+    keys = [k for k in runkeys.RUN_KEYS if k != "run_dir"]  # the run's directory is the fleet's runs/<run>
+    return runkeys.only(msgspec.to_builtins(cfg), keys)

@@ -1,6 +1,6 @@
 """A run's config: the keys one run of a fleet may set, laid over the fleet's config.
 
-A run file is a lorabus config holding only run keys (`RUN_KEYS`: its name, LoRA shape,
+A run file is a lorabus config holding only run keys (`runkeys.RUN_KEYS`: its name, LoRA shape,
 generation, optimiser and PPO settings, off-policyness, data and reward, steps, share).
 Everything else (base model, backends, engines, replicas, bus, store) is the fleet's: every run
 of a fleet shares one base model and one set of processes. A key the run file omits is the
@@ -25,43 +25,10 @@ from typing import Any
 
 import msgspec
 
-from services.config import areal
+from services.config import areal, areal_run
 from services.config.loader import ConfigError, config_from_dict, deep_merge, parse_overrides, read_tree
+from services.config.runkeys import CONNECTION_SECTIONS, PER_RUN_PATHS, RUN_KEYS, only
 from services.config.schema import LorabusConfig
-
-RUN_KEYS: tuple[str, ...] = (
-    "experiment_name",
-    "trial_name",
-    "run",
-    "run_dir",
-    "seed",
-    "total_train_steps",
-    "gconfig",
-    "fleet.share",
-    "actor.lora_rank",
-    "actor.lora_alpha",
-    "actor.target_modules",
-    "actor.optimizer",
-    "actor.ppo",
-    "actor.seed",
-    "actor.checkpoint_every",
-    "rollout.lora_name",
-    "rollout.max_head_offpolicyness",
-    "rollout.consumer_batch_size",
-    "rollout.max_concurrent_rollouts",
-    "rollout.lora_keep_versions",
-    "rollout.lease_seconds",
-    "train_dataset",
-    "valid_dataset",
-)
-"""dotted keys a run file may set (a key covers everything below it)"""
-
-PER_RUN_PATHS: tuple[str, ...] = ("actor.checkpoint_dir", "exporter.uri")
-"""fleet-written keys that must differ per run: taken as the fleet wrote them, so that
-`${run_dir}` in them resolves to the run's own directory"""
-
-CONNECTION_SECTIONS = ("bus", "store", "metrics")
-"""what a stored run config leaves out: every service takes these from its own config"""
 
 
 def _covered(path: str, keys: Sequence[str]) -> bool:
@@ -115,25 +82,6 @@ def _without(tree: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def only(tree: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
-    """The part of `tree` under the dotted `keys`."""
-    out: dict[str, Any] = {}
-    for key in keys:
-        node: Any = tree
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-            if node is None:
-                break
-        if node is None:
-            continue
-        *parents, leaf = key.split(".")
-        target = out
-        for part in parents:
-            target = target.setdefault(part, {})
-        target[leaf] = node
-    return out
-
-
 def fleet_tree(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> dict[str, Any]:
     """The fleet config's tree as written, with its overrides (AReaL files translated): the
     base a run file is laid over."""
@@ -175,8 +123,6 @@ def load_run(
     file is translated as `lorabus up` translates it and becomes its run keys (`areal_run`)."""
     tree = read_tree(path)
     if areal.is_areal(tree):
-        from services.config import areal_run
-
         tree = areal_run.run_tree(fleet, tree, source=os.fspath(path))
     return tree, run_config(fleet, fleet_raw, tree, source=os.fspath(path))
 

@@ -351,6 +351,9 @@ async def supervise(
                     record = await read_run(bus, cfg.run)
                 except Exception as exc:  # the server is being restarted: read again next time
                     print(f"lorabus up: cannot read the run's streams yet ({type(exc).__name__})", flush=True)
+                    # a clean exit is judged on the streams, not restarted blind: a restarted
+                    # trainer that finds the run done exits again, and reads as a crash loop
+                    finished.add("trainer")
                 else:
                     if progress.others_exported() and training_done(cfg, record, progress, args.evaluate, now):
                         return Outcome.FINISHED, ""

@@ -8,6 +8,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 
+from proto import codec
+from proto import messages as m
 from services.common import nats_client
 from services.common.nats_client import BusError, retrying, transient
 
@@ -124,3 +126,67 @@ async def test_a_bound_run_out_names_the_bus_url_the_call_and_the_last_error(clo
     assert raised.value.__cause__ is ELECTION
     # 50 ms doubling to 1 s, the last sleep cut to the bound, then one last attempt at it
     assert clock.slept == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 0.45] and len(calls) == 8
+
+
+class Raw:
+    def __init__(self, seq: int) -> None:
+        from types import SimpleNamespace
+
+        self.data = codec.encode(m.RunStop(fleet="f", run=f"r{seq}"))
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=seq))
+
+
+class FlakySub:
+    """A pull consumer whose second fetch is answered 503, as one on a node that just rejoined
+    a cluster was (nats: ServiceUnavailableError, code None)."""
+
+    def __init__(self, js: FlakyJs) -> None:
+        self.js, self.next = js, 1
+
+    async def fetch(self, batch: int, timeout: float) -> list[Raw]:
+        self.js.fetches += 1
+        if self.js.fetches == 2:
+            raise nats.js.errors.ServiceUnavailableError
+        msgs = [Raw(s) for s in range(self.next, min(self.next + batch, self.js.last + 1))]
+        self.next += len(msgs)
+        return msgs
+
+    async def unsubscribe(self) -> None:
+        self.js.consumers_closed += 1
+
+
+class FlakyJs:
+    def __init__(self, last: int) -> None:
+        self.last, self.fetches, self.consumers, self.consumers_closed = last, 0, 0, 0
+
+    async def stream_info(self, stream: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            state=SimpleNamespace(messages=self.last, last_seq=self.last), config=SimpleNamespace(subjects=["a.>"])
+        )
+
+    async def pull_subscribe(self, subject: str, stream: str, config) -> FlakySub:
+        self.consumers += 1
+        return FlakySub(self)
+
+
+class ReadBus:
+    def __init__(self, js: FlakyJs) -> None:
+        self.js, self.url = js, "nats://test"
+
+    async def jetstream(self, what, call, *args, **kwargs):
+        from functools import partial
+
+        return await retrying(partial(call, *args, **kwargs), what, self.url, bound_s=5.0)
+
+
+def test_a_read_cut_off_by_a_503_starts_over_and_returns_each_message_once():
+    import asyncio
+
+    from services.common import stream_reads
+
+    js = FlakyJs(last=5)
+    got = asyncio.run(stream_reads.read_all(ReadBus(js), "RUNS", m.RunStop, batch=2))
+    assert [stop.run for stop in got] == ["r1", "r2", "r3", "r4", "r5"]
+    assert js.consumers == 2 and js.consumers_closed == 2  # the cut-off pass's consumer is let go
