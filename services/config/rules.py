@@ -191,6 +191,28 @@ def _check_entries(field: str, entries: list[str]) -> list[str]:
     return out
 
 
+def check_slab(cfg: LorabusConfig) -> list[str]:
+    """The embedded engine's continuous batching: a group's n rows and its tokens must fit."""
+    ro, g, out = cfg.rollout, cfg.gconfig, []
+    if ro.slab_rows < 0:
+        out.append(f"rollout.slab_rows: {ro.slab_rows} must be >= 0 (0: no continuous batching)")
+    if ro.prefill_chunk < 0:
+        out.append(f"rollout.prefill_chunk: {ro.prefill_chunk} must be >= 0 (0: a prompt in one forward)")
+    if ro.slab_rows <= 0 or ro.engine != "embedded":
+        return out
+    if ro.slab_rows < g.n_samples:
+        out.append(
+            f"rollout.slab_rows: {ro.slab_rows} is below gconfig.n_samples {g.n_samples}; a group's samples "
+            f"decode in one slab (set slab_rows to a multiple of {g.n_samples})"
+        )
+    if ro.slab_length <= g.max_new_tokens:
+        out.append(
+            f"rollout.slab_length: {ro.slab_length} leaves no room for a prompt beside gconfig.max_new_tokens "
+            f"{g.max_new_tokens}; raise it to the longest prompt + max_new_tokens"
+        )
+    return out
+
+
 def check_vllm_slots(cfg: LorabusConfig) -> list[str]:
     if cfg.rollout.engine != "vllm":
         return []
@@ -404,6 +426,7 @@ RULES = (
     check_unimplemented,
     check_target_modules,
     check_offpolicyness,
+    check_slab,
     check_vllm_slots,
     check_sglang_slots,
     check_run,

@@ -211,6 +211,10 @@ class RolloutConfig(Section):
     decoded on its own and waits for its longest row"""
     slab_length: int = 2048
     """with slab_rows: the most tokens (prompt + new tokens) one row holds"""
+    prefill_chunk: int = 512
+    """with slab_rows: a prompt longer than this is prefilled this many tokens at a time, with
+    decode steps of the other rows in between (a long prompt never stalls them for its whole
+    prefill); 0: every prompt in one forward"""
     merge_head: bool = True
     """embedded engine: serve the newest version merged into the base weights (the fast path;
     rounded once in the serving dtype); false: every version stays a separate LoRA product, as

@@ -3,7 +3,9 @@
 `decode` (sampling.py) runs a batch until its longest row ends; a row that stops early idles in
 it, and a request that arrives meanwhile waits for the whole batch. Here a decoder thread owns a
 `SlabCache` of `rows` rows and repeats: admit waiting groups into free rows (one prefill per
-group, its prompt's keys and values copied to the group's other rows), run one decode step of
+group, its prompt's keys and values copied to the group's other rows; a prompt longer than
+`prefill_chunk` is prefilled a chunk per turn, so the rows already decoding are not stalled for
+its whole prefill), run one decode step of
 the whole slab (fixed shapes: one CUDA graph per routing variant, as in `DecodeGraphs`), sample
 every row, and every `check_every` steps hand back the groups whose rows have all finished and
 free their rows. A group is what one request is: a prompt, its n rows (own seeds), one version.
@@ -11,7 +13,9 @@ free their rows. A group is what one request is: a prompt, its n rows (own seeds
 Invariants: a row's tokens are those `decode` gives it alone, whatever shares the slab and
 whenever it was admitted (the sampler's noise is a function of the row's seed and its own step,
 and every row attends to its own keys only); a group is answered once, with its results or with
-the error that stopped the loop; rows of a finished row are never read (its length freezes).
+the error that stopped the loop; rows of a finished row are never read (its length freezes);
+a prompt prefilled in chunks leaves the same keys and values as one prefill (each chunk's
+queries see every earlier position of the prompt and their own causal prefix).
 
 `step_context(versions)` wraps every forward, as in `decode` (the engine holds its lock and
 routes each row to its LoRA version there; what it yields names the graph variant).
@@ -57,6 +61,16 @@ class Group:
     done: Callable[[list[RowOutput] | BaseException], None]
 
 
+@dataclass
+class Prefill:
+    """A group admitted into its rows whose prompt is not all in the cache yet."""
+
+    group: Group
+    slots: list[int]
+    done: int = 0
+    """prompt tokens in the first slot's cache so far"""
+
+
 class ContinuousDecoder:
     def __init__(
         self,
@@ -68,9 +82,14 @@ class ContinuousDecoder:
         free_version: Callable[[], int],
         capture: bool,
         check_every: int = 4,
+        prefill_chunk: int = 0,
     ):
         if rows < 1 or length < 2:
             raise ValueError(f"rows: {rows}, length: {length}; a slab needs rows >= 1 and length >= 2")
+        if prefill_chunk < 0:
+            raise ValueError(
+                f"rollout.prefill_chunk: {prefill_chunk} must be >= 0 (0: a prompt is prefilled in one forward)"
+            )
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"continuous batching: {reason}")
@@ -80,7 +99,7 @@ class ContinuousDecoder:
         device = next(model.parameters()).device
         self.model, self.rows, self.length = model, rows, length
         self.step_context, self.free_version = step_context, free_version
-        self.capture, self.check_every = capture, check_every
+        self.capture, self.check_every, self.prefill_chunk = capture, check_every, prefill_chunk
         self.cache = SlabCache(model.config, rows, length, device, model.dtype)
         self._cache_arg = {_cache_kwarg(model): self.cache}
         z = torch.zeros(rows, device=device)
@@ -104,6 +123,9 @@ class ContinuousDecoder:
         self._owner: list[tuple[Group, int] | None] = [None] * rows  # (group, its row index)
         self._outputs: dict[int, list[RowOutput | None]] = {}
         self._truncating: set[int] = set()  # rows that need top-p/top-k
+        self._pending: Prefill | None = None
+        self.prefill_forwards = 0
+        """prefill forwards so far, a chunk each (for tests and metrics)"""
         self._queue: deque[Group] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -168,37 +190,64 @@ class ContinuousDecoder:
     def _free_rows(self) -> list[int]:
         return [r for r, owner in enumerate(self._owner) if owner is None]
 
+    def _pending_row(self, owner: tuple[Group, int] | None) -> bool:
+        return owner is not None and self._pending is not None and owner[0] is self._pending.group
+
+    def _decoding(self) -> bool:
+        """Whether rows other than the pending prefill's are held (so decode steps are due)."""
+        return any(owner is not None and not self._pending_row(owner) for owner in self._owner)
+
     def _admit(self) -> None:
+        """Admit waiting groups while their rows are free. A chunked prompt takes one chunk per
+        turn while other rows decode, and its chunks back to back when none do."""
         while True:
+            if self._pending is not None:
+                self._prefill_chunk(self._pending)
+                if self._pending is not None and self._decoding():
+                    return
+                continue
             with self._wake:
                 if not self._queue or len(self._queue[0].rows) > len(self._free_rows()):
                     return
                 group = self._queue.popleft()
-            self._prefill(group, self._free_rows()[: len(group.rows)])
+            slots = self._free_rows()[: len(group.rows)]
+            for j, s in enumerate(slots):  # held from now on: later groups take other rows
+                self._owner[s] = (group, j)
+            self._outputs[id(group)] = [None] * len(slots)
+            self._pending = Prefill(group, slots)
 
-    def _prefill(self, group: Group, slots: list[int]) -> None:
-        prompt = list(group.rows[0].prompt)
-        p, device = len(prompt), self.ids.device
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    def _prefill_chunk(self, pending: Prefill) -> None:
+        """The next chunk of `pending`'s prompt into its first row; once the prompt is all in,
+        the group's other rows copy it and every row samples its first token."""
+        group, slots = pending.group, pending.slots
+        prompt = group.rows[0].prompt
+        p, start, device = len(prompt), pending.done, self.ids.device
+        end = min(p, start + self.prefill_chunk) if self.prefill_chunk else p
+        ids = torch.tensor([list(prompt[start:end])], dtype=torch.long, device=device)
+        # query i stands at position start + i and sees keys 0 .. start + i
         neg = torch.finfo(self.mask.dtype).min
-        causal = torch.full((p, p), neg, dtype=self.mask.dtype, device=device).triu(1)[None, None]
-        self.cache.row_mode(slots[0])
+        mask = torch.full((end - start, end), neg, dtype=self.mask.dtype, device=device).triu(start + 1)[None, None]
+        self.cache.row_mode(slots[0], start)
         try:
             with self.step_context([group.version]):
                 out = self.model(
-                    input_ids=ids, position_ids=torch.arange(p, device=device)[None], attention_mask=causal,
+                    input_ids=ids, position_ids=torch.arange(start, end, device=device)[None], attention_mask=mask,
                     use_cache=True, logits_to_keep=1, **self._cache_arg,
                 )  # fmt: skip
         finally:
             self.cache.row_mode(None)
+        self.prefill_forwards += 1
+        pending.done = end
+        # a decode step in between writes every row at its length: here, where the next chunk starts
+        self.cache.lengths[slots[0]] = end
+        if end < p:
+            return
+        self._pending = None
         for s in slots[1:]:
             self.cache.copy_prefix(slots[0], s, p)
         index = torch.tensor(slots, dtype=torch.long, device=device)
         self._set_rows(index, group.rows)
         self.cache.lengths[index] = p
-        self._outputs[id(group)] = [None] * len(slots)
-        for j, s in enumerate(slots):
-            self._owner[s] = (group, j)
         self._sample(out.logits[:, -1].expand(len(slots), -1), index)
 
     def _set_rows(self, index: torch.Tensor, rows: Sequence[Row]) -> None:
@@ -280,7 +329,7 @@ class ContinuousDecoder:
 
     def _retire(self) -> None:
         """Hand back every group whose rows have all finished; free their rows."""
-        held = [r for r, owner in enumerate(self._owner) if owner is not None]
+        held = [r for r, owner in enumerate(self._owner) if owner is not None and not self._pending_row(owner)]
         if not held:
             return
         running = self.running.tolist()
@@ -314,6 +363,7 @@ class ContinuousDecoder:
             groups.update((id(g), g) for g in self._queue)
             self._queue.clear()
         self._owner = [None] * self.rows
+        self._pending = None
         self._outputs.clear()
         self._truncating.clear()
         self.running.zero_()

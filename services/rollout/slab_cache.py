@@ -5,8 +5,9 @@ others nor leave before them. Here every row of the slab ([rows, kv_heads, lengt
 layer, allocated once) has its own write position (`lengths`, a device tensor): a decode step
 writes each row's new key and value at its own position and attends to the slab through a mask
 built from `lengths`, so rows admitted at different times share one fixed-shape step (one CUDA
-graph per slab). A prompt is prefilled into one row (`row_mode`), and a group's other rows take
-a copy of that prefix (`copy_prefix`): n samples of one prompt cost one prefill.
+graph per slab). A prompt is prefilled into one row (`row_mode`), whole or in chunks at rising
+offsets, and a group's other rows take a copy of that prefix (`copy_prefix`): n samples of one
+prompt cost one prefill.
 
 Invariant: positions `0 .. lengths[r] - 1` of row r hold its sequence's keys and values; nothing
 past them is read (the mask hides it), so a freed row is reused without clearing.
@@ -33,15 +34,16 @@ class SlabCache:
         """tokens held per row; the next decode step writes at this position"""
         self._all_rows = torch.arange(rows, device=device)
         self._row: int | None = None
+        self._start = 0
 
     # --- what the model's layers call ---
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self._row is not None:  # prefill of one row: [1, kv_heads, p, d] from position 0
-            p = key.shape[2]
-            keys[self._row, :, :p] = key[0]
-            values[self._row, :, :p] = value[0]
-            return keys[self._row : self._row + 1, :, :p], values[self._row : self._row + 1, :, :p]
+        if self._row is not None:  # a prefill chunk of one row: [1, kv_heads, c, d] at its offset
+            end = self._start + key.shape[2]
+            keys[self._row, :, self._start : end] = key[0]
+            values[self._row, :, self._start : end] = value[0]
+            return keys[self._row : self._row + 1, :, :end], values[self._row : self._row + 1, :, :end]
         # a decode step of every row: [rows, kv_heads, 1, d] at each row's own position
         keys[self._all_rows, :, self.lengths] = key[:, :, 0]
         values[self._all_rows, :, self.lengths] = value[:, :, 0]
@@ -51,9 +53,10 @@ class SlabCache:
         return 0  # never asked for when position ids are given; present for the interface
 
     # --- what the decoder calls ---
-    def row_mode(self, row: int | None) -> None:
-        """Route the next forwards' writes to one row's prefill (None: decode every row)."""
-        self._row = row
+    def row_mode(self, row: int | None, start: int = 0) -> None:
+        """Route the next forwards' writes to one row's prefill, its chunk written from position
+        `start` on (None: decode every row)."""
+        self._row, self._start = row, start
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         for keys, values in zip(self.keys, self.values):

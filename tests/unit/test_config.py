@@ -377,6 +377,14 @@ SGLANG = ("rollout.engine=sglang",)
             ("gconfig.n_samples=1",),
             "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage zero",
         ),
+        # the embedded engine's slab
+        (("rollout.slab_rows=-1",), "rollout.slab_rows: -1 must be >= 0"),
+        (("rollout.prefill_chunk=-4",), "rollout.prefill_chunk: -4 must be >= 0"),
+        (("rollout.slab_rows=2",), "rollout.slab_rows: 2 is below gconfig.n_samples 4"),
+        (
+            ("rollout.slab_rows=8", "rollout.slab_length=16"),
+            "rollout.slab_length: 16 leaves no room for a prompt beside gconfig.max_new_tokens 16",
+        ),
         # vLLM slots
         ((*VLLM, "vllm.enable_lora=false"), "vllm.enable_lora: false"),
         (

@@ -31,11 +31,11 @@ def same(a: RowOutput, b: RowOutput) -> None:
 class Running:
     """A decoder on its thread, and the answers its groups got."""
 
-    def __init__(self, model, rows=4, length=48, step_context=None, free_version=lambda: 0, check_every=4):
+    def __init__(self, model, rows=4, length=48, step_context=None, free_version=lambda: 0, check_every=4, chunk=0):
         ctx = step_context or (lambda versions: contextlib.nullcontext(False))
         self.decoder = ContinuousDecoder(
             model, rows=rows, length=length, step_context=ctx, free_version=free_version, capture=False,
-            check_every=check_every,
+            check_every=check_every, prefill_chunk=chunk,
         )  # fmt: skip
         self.thread = threading.Thread(target=self.decoder.run, daemon=True)
         self.thread.start()
@@ -108,6 +108,56 @@ def test_a_group_admitted_mid_generation_and_rows_on_different_versions():
         want = merged_reference(pristine, adapters[version], 2.0)
         for row, out in zip(rows, w.result):
             same(out, solo(want, row))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_a_prompt_prefilled_in_chunks_decodes_as_its_solo_run(chunk: int):
+    model = tiny_qwen2(seed=6, vocab_size=61)
+    groups = [
+        group_rows(list(range(3, 14)), 2, 10, seed=1),  # 11 tokens: several chunks, a short last one
+        group_rows([7, 8, 9], 1, 6, seed=5),  # shorter than a chunk of 5: one forward
+        group_rows(list(range(20, 35)), 3, 8, seed=9, top_k=7),  # waits for rows, then chunks
+    ]
+    run = Running(model, rows=4, length=48, check_every=2, chunk=chunk)
+    try:
+        waits = [run.submit(rows) for rows in groups]
+        for w in waits:
+            assert w.wait(60)
+    finally:
+        run.close()
+    for rows, w in zip(groups, waits):
+        assert isinstance(w.result, list)
+        for row, out in zip(rows, w.result):
+            same(out, solo(model, row))
+    assert run.decoder.prefill_forwards == sum(-(-len(rows[0].prompt) // chunk) for rows in groups)
+
+
+def test_decoding_rows_go_on_between_the_chunks_of_a_long_prompt():
+    model = tiny_qwen2(seed=7, vocab_size=61)
+    calls: list[str] = []
+    both_queued = threading.Event()
+
+    def log(versions):
+        both_queued.wait(30)  # so the first group cannot finish before the second arrives
+        calls.append("prefill" if len(versions) == 1 else "decode")
+        return contextlib.nullcontext(False)
+
+    run = Running(model, rows=3, length=64, step_context=log, check_every=2, chunk=4)
+    try:
+        first = run.submit(group_rows([5, 6], 1, 30, seed=2))
+        second = run.submit(group_rows(list(range(1, 17)), 2, 4, seed=4))  # 16 tokens: 4 chunks
+        both_queued.set()
+        assert first.wait(60) and second.wait(60)
+    finally:
+        run.close()
+    chunks = [i for i, c in enumerate(calls) if c == "prefill"][1:]  # the second group's
+    assert len(chunks) == 4
+    # the first group decoded between every two chunks: never a whole prefill in a row
+    assert all("decode" in calls[a:b] for a, b in zip(chunks, chunks[1:]))
+    assert isinstance(first.result, list) and isinstance(second.result, list)
+    same(first.result[0], solo(model, group_rows([5, 6], 1, 30, seed=2)[0]))
+    for row, out in zip(group_rows(list(range(1, 17)), 2, 4, seed=4), second.result):
+        same(out, solo(model, row))
 
 
 def test_bad_groups_are_refused_at_submit_and_a_failing_step_answers_every_caller():

@@ -74,4 +74,3 @@ def test_a_pending_restart_is_scheduled_once_and_old_restarts_stop_counting() ->
 def test_exits_are_described_in_words() -> None:
     assert describe_exit(1) == "exit 1"
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
-

@@ -57,6 +57,7 @@ class EmbeddedEngine:
         cuda_graphs: bool = True,
         slab_rows: int = 0,
         slab_length: int = 2048,
+        prefill_chunk: int = 512,
         merge_head: bool = True,
     ):
         if slots < 2:
@@ -73,7 +74,7 @@ class EmbeddedEngine:
         if slab_rows:
             self.decoder = ContinuousDecoder(
                 model, rows=slab_rows, length=slab_length, step_context=self._step, free_version=self._free_version,
-                capture=cuda_graphs and on_cuda,
+                capture=cuda_graphs and on_cuda, prefill_chunk=prefill_chunk,
             )  # fmt: skip
             self._decoder_thread = threading.Thread(target=self.decoder.run, name="lorabus-decoder", daemon=True)
             self._decoder_thread.start()
@@ -106,6 +107,7 @@ class EmbeddedEngine:
             cuda_graphs=cfg.rollout.cuda_graphs,
             slab_rows=cfg.rollout.slab_rows,
             slab_length=cfg.rollout.slab_length,
+            prefill_chunk=cfg.rollout.prefill_chunk,
             merge_head=cfg.rollout.merge_head,
         )
 
