@@ -326,6 +326,11 @@ class AdapterFollower:
                 self._events.pop(ev.version, None)
                 log.exception("rollout %s: %s could not be loaded again", self.replica, ev.adapter_name)
 
+    async def head_moved(self, seen: int | None) -> None:
+        """Return once the newest loaded version is other than `seen` (at once if it is)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.book.head() != seen)
+
     async def _make_room(self) -> None:
         """Wait until a slot is free: old versions go as soon as their requests finish."""
         while len(self.book.loaded()) >= self.keep + 1:

@@ -170,6 +170,11 @@ class RolloutService:
         """The run's versions that may be granted (`AdapterFollower.loaded`)."""
         return self.adapters.loaded()
 
+    async def head_moved(self, seen: int | None) -> None:
+        """Return once the run's newest loaded version is other than `seen` (the work loop's
+        wake after a deny)."""
+        await self.adapters.head_moved(seen)
+
     def take(self, reply: AdmissionGrant, grants: list[AdmissionGrant]) -> float:
         """Add a grant to `grants`, its version pinned; returns the wait before asking again
         (0: ask on; a version not loaded here ends the batch)."""

@@ -6,6 +6,10 @@ leave while it runs). How it asks is the caller's `admit`: on the fleet's admiss
 the versions of every run (the registry picks the run), or, for a replica that cannot read the
 run table, on its own run's subject. A run that is draining is neither asked for nor granted.
 
+After a deny the loop waits the registry's `retry_after_s`, or less: a version loaded by any of
+its runs wakes it at once (`head_moved`), since that is what a synchronous run's deny waits for
+(the next version), and a fixed poll put up to `retry_after_s` of idle into every step.
+
 With `streaming` (an engine that batches continuously: rollout.continuous) each grant is served
 on its own and the loop keeps up to `batch_groups` grants in flight, asking again as soon as
 any is served instead of waiting for the whole round: a short group no longer waits for the
@@ -19,10 +23,9 @@ dropped, and its lease expires at the registry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Protocol
 
 from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply
 from services.rollout.versions import VersionBook
@@ -45,6 +48,10 @@ class Run(Protocol):
     def take(self, reply: AdmissionGrant, grants: list[AdmissionGrant]) -> float: ...
 
     async def serve(self, grants: list[AdmissionGrant]) -> float: ...
+
+    async def head_moved(self, seen: int | None) -> None:
+        """Return once the newest version loaded for the run is other than `seen`."""
+        ...
 
 
 Admit = Callable[[Mapping[str, Run]], Awaitable[AdmissionReply | None]]
@@ -86,6 +93,7 @@ async def work_loop(
     try:
         while not stop.is_set():
             live = {name: run for name, run in runs.items() if not run.draining}
+            seen = {name: run.book.head() for name, run in live.items()}  # before asking
             wait_s = 0.0
             room = batch_groups - sum(serving.values())
             if not any(run.book.head() is not None for run in live.values()):
@@ -113,8 +121,18 @@ async def work_loop(
                     del serving[task]
                 wait_s = max(waits, default=0.0) or (0.0 if streaming else wait_s)
             if wait_s:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait_s)
+                await pause(stop, [run.head_moved(seen[name]) for name, run in live.items()], wait_s)
     finally:
         if serving:  # a stop lets the batches in flight finish (their grants are held)
             await asyncio.wait(serving)
+
+
+async def pause(stop: asyncio.Event, wakes: list[Coroutine[Any, Any, None]], wait_s: float) -> None:
+    """Wait `wait_s`, or until `stop` or the first of `wakes` ends."""
+    tasks = [asyncio.ensure_future(stop.wait()), *(asyncio.ensure_future(w) for w in wakes)]
+    try:
+        await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.unit
 
 
 class Book:
-    def head(self) -> int:
-        return 1
+    def __init__(self) -> None:
+        self.newest: int | None = 1
+
+    def head(self) -> int | None:
+        return self.newest
 
 
 class FakeRun:
@@ -37,6 +40,10 @@ class FakeRun:
     def take(self, reply, grants) -> float:
         grants.append(reply)
         return 0.0
+
+    async def head_moved(self, seen) -> None:
+        while self.book.head() == seen:
+            await asyncio.sleep(0.005)
 
     async def serve(self, grants) -> float:
         self.in_flight += len(grants)
@@ -106,3 +113,27 @@ async def test_stop_lets_the_batches_in_flight_finish():
     stop.set()
     await asyncio.wait_for(loop, 5)
     assert run.in_flight == 0 and len(run.served) == 2  # both grants served, one by one
+
+
+async def test_a_deny_is_waited_out_until_a_version_is_loaded_not_for_its_whole_retry():
+    """A synchronous run's replica is denied until the next version exists; the registry says
+    ask again in 5 s, but the version loaded 0.1 s later wakes the loop at once."""
+    run = FakeRun(lambda g: 0.0)
+    asked: list[float] = []
+
+    async def admit(runs):
+        asked.append(time.monotonic())
+        if run.book.head() == 1:
+            return AdmissionDeny(request_id="d", reason="staleness: waiting for the next version", retry_after_s=5.0)
+        return AdmissionGrant(request_id="g", grant_id="g0", version=2, lease_expires_at=time.time() + 60)
+
+    stop = asyncio.Event()
+    loop = asyncio.create_task(work_loop({"r": run}, admit, own="r", replica="x", batch_groups=1, stop=stop))
+    await asyncio.sleep(0.1)
+    loaded_at = time.monotonic()
+    run.book.newest = 2
+    while not run.served:
+        await asyncio.sleep(0.005)
+    stop.set()
+    await asyncio.wait_for(loop, 5)
+    assert len(asked) >= 2 and asked[1] - loaded_at < 1.0  # not the deny's 5 s
