@@ -6,6 +6,10 @@
 Every service declares its metrics in `services/<svc>/metrics.py` (and the bus client in
 the `BUS_CLIENT` modules) on prometheus-client's default registry; importing those modules is
 all it takes to see every name, type, label and help text.
+
+Every series about one run carries a `run` label (a fleet's processes serve several runs); the
+few that are not about one run are listed in `NOT_PER_RUN` with the reason, and tests/deploy
+checks that the two agree with the code.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "metrics.md"
 # the modules below the Bus that every service imports, so every service exports their metrics
 BUS_CLIENT = ("services.common.bus", "services.common.nats_client")
+
+# the metrics (as exposed: counters with `_total`) without a `run` label, and what they are about instead
+NOT_PER_RUN = {
+    "lorabus_bus_reconnects_total": "the process: one connection carries every run it serves",
+    "lorabus_fleet_runs": "the fleet: its run table, counted by state",
+    "lorabus_fleet_denials_total": "the fleet: admission requests that no run could take",
+}
 
 # the series each metric type puts on /metrics (prometheus-client adds `_created` too,
 # which dashboards have no use for)
@@ -43,6 +54,11 @@ class Metric:
     @property
     def service(self) -> str:
         return "every service (bus client)" if self.module in BUS_CLIENT else self.module.split(".")[1]
+
+    @property
+    def shown(self) -> str:
+        """the name as /metrics and the docs show it (a counter with `_total`)"""
+        return self.name + "_total" if self.type == "counter" else self.name
 
     @property
     def series(self) -> tuple[str, ...]:
@@ -70,7 +86,7 @@ def catalog() -> list[Metric]:
             name = value._name
             if not name.startswith("lorabus_"):
                 continue
-            out[name] = Metric(name, value._type, tuple(value._labelnames), value._documentation, module_name)
+            out[name] = Metric(name, str(value._type), tuple(value._labelnames), value._documentation, module_name)
     return sorted(out.values(), key=lambda m: m.name)
 
 
@@ -88,6 +104,11 @@ def markdown(metrics: list[Metric]) -> str:
         "histograms as `_bucket`/`_sum`/`_count`. The Grafana dashboards in",
         "`deploy/grafana/dashboards/` use only these names (tests/deploy checks it).",
         "",
+        "A fleet's processes serve several runs, so every series about one run carries a `run`",
+        "label (the Grafana dashboards' `run` variable filters on it). These are not about one run:",
+        "",
+        *[f"- `{name}`: {why}" for name, why in sorted(NOT_PER_RUN.items())],
+        "",
         "Generated from the code by `python deploy/metrics_catalog.py`; do not edit by hand.",
         "",
         "| metric | type | labels | service | meaning |",
@@ -96,8 +117,7 @@ def markdown(metrics: list[Metric]) -> str:
     for m in metrics:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
         meaning = " ".join(m.help.split()).replace("|", "\\|")
-        shown = m.name + "_total" if m.type == "counter" else m.name
-        lines.append(f"| `{shown}` | {m.type} | {labels} | {m.service} | {meaning} |")
+        lines.append(f"| `{m.shown}` | {m.type} | {labels} | {m.service} | {meaning} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="fail if docs/metrics.md is out of date")
     args = p.parse_args(argv)
-    text = markdown(catalog())
+    metrics = catalog()
+    text = markdown(metrics)
     if args.check:
         if not DOC.is_file() or DOC.read_text() != text:
             print(f"{DOC} is out of date: run python deploy/metrics_catalog.py", file=sys.stderr)
             return 1
         return 0
     DOC.write_text(text)
-    print(f"wrote {DOC} ({text.count(chr(10)) - 12} metrics)")
+    print(f"wrote {DOC} ({len(metrics)} metrics)")
     return 0
 
 

@@ -4,7 +4,9 @@
     python deploy/grafana/make_dashboards.py --check   # exit 1 if they are stale
 
 The panels are data here and the JSON is derived, so every panel has the same shape and the
-tests can read the queries back. Queries use only metrics from docs/metrics.md.
+tests can read the queries back. Queries use only metrics from docs/metrics.md, and every
+selector of a per-run metric (one with a `run` label) filters by the dashboards' `run` variable
+(`by_run(...)`), so one fleet's dashboard shows the runs picked and lines are told apart by run.
 """
 
 from __future__ import annotations
@@ -13,36 +15,68 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 OUT = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "lorabus-prometheus"}
 SCHEMA_VERSION = 39
 RATE = "$__rate_interval"
+RUN = 'run=~"$run"'
+"""the matcher of the `run` variable (multi-value, `All` = `.*`)"""
+
+
+def by_run(metric: str, matchers: str = "") -> str:
+    """`metric` filtered by the run variable (and `matchers`, PromQL label matchers)."""
+    return f"{metric}{{{RUN}{', ' + matchers if matchers else ''}}}"
 
 
 def q95(metric: str, by: str = "") -> str:
-    group = f"le{', ' + by if by else ''}"
-    return f"histogram_quantile(0.95, sum by ({group}) (rate({metric}_bucket[{RATE}])))"
+    """The 95th percentile of a per-run histogram, one line per run (and per `by`)."""
+    group = f"le, run{', ' + by if by else ''}"
+    return f"histogram_quantile(0.95, sum by ({group}) (rate({by_run(metric + '_bucket')}[{RATE}])))"
 
 
 def q50(metric: str, by: str = "") -> str:
     return q95(metric, by).replace("0.95", "0.5", 1)
 
 
+def run_variable() -> dict:
+    """The `run` template variable: every run seen on a lorabus series, several at once."""
+    query = 'label_values({__name__=~"lorabus_.+"}, run)'
+    return {
+        "name": "run",
+        "label": "run",
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "refresh": 2,  # on time range change: runs are submitted while the fleet runs
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [],
+        "regex": "",
+        "sort": 1,
+        "hide": 0,
+        "skipUrlSync": False,
+    }
+
+
 # (title, panel type, unit, [(expr, legend)], width)
 OVERVIEW = [
-    ("Head version (registry)", "stat", "none", [("lorabus_registry_head_version", "head")], 6),
-    ("Trainer version", "stat", "none", [("lorabus_trainer_version", "trainer")], 6),
-    ("Last exported version", "stat", "none", [("lorabus_exporter_last_version", "exported")], 6),
-    ("Grants in flight", "stat", "none", [("lorabus_registry_in_flight", "in flight")], 6),
+    ("Head version (registry)", "stat", "none", [(by_run("lorabus_registry_head_version"), "{{run}}")], 6),
+    ("Trainer version", "stat", "none", [(by_run("lorabus_trainer_version"), "{{run}}")], 6),
+    ("Last exported version", "stat", "none", [(by_run("lorabus_exporter_last_version"), "{{run}}")], 6),
+    ("Grants in flight", "stat", "none", [(by_run("lorabus_registry_in_flight"), "{{run}}")], 6),
     (
         "Loaded version per replica",
         "timeseries",
         "none",
         [
-            ("lorabus_rollout_loaded_version", "{{replica}} (rollout)"),
-            ("lorabus_registry_replica_loaded_version", "{{replica}} (registry's view)"),
-            ("lorabus_registry_head_version", "head"),
+            (by_run("lorabus_rollout_loaded_version"), "{{run}} {{replica}} (rollout)"),
+            (by_run("lorabus_registry_replica_loaded_version"), "{{run}} {{replica}} (registry's view)"),
+            (by_run("lorabus_registry_head_version"), "{{run}} head"),
         ],
         12,
     ),
@@ -51,8 +85,8 @@ OVERVIEW = [
         "timeseries",
         "s",
         [
-            (q50("lorabus_rollout_propagation_seconds", "replica"), "p50 {{replica}}"),
-            (q95("lorabus_rollout_propagation_seconds", "replica"), "p95 {{replica}}"),
+            (q50("lorabus_rollout_propagation_seconds", "replica"), "p50 {{run}} {{replica}}"),
+            (q95("lorabus_rollout_propagation_seconds", "replica"), "p95 {{run}} {{replica}}"),
         ],
         12,
     ),
@@ -61,7 +95,7 @@ OVERVIEW = [
         "bargauge",
         "none",
         [
-            ("sum by (le) (increase(lorabus_registry_staleness_bucket[$__range]))", "<= {{le}}"),
+            ("sum by (le) (increase(%s[$__range]))" % by_run("lorabus_registry_staleness_bucket"), "<= {{le}}"),
         ],
         8,
     ),
@@ -70,7 +104,10 @@ OVERVIEW = [
         "timeseries",
         "ops",
         [
-            ("sum by (verdict) (rate(lorabus_registry_trajectories_total[%s]))" % RATE, "{{verdict}}"),
+            (
+                "sum by (run, verdict) (rate(%s[%s]))" % (by_run("lorabus_registry_trajectories_total"), RATE),
+                "{{run}} {{verdict}}",
+            ),
         ],
         8,
     ),
@@ -79,8 +116,11 @@ OVERVIEW = [
         "timeseries",
         "ops",
         [
-            ("rate(lorabus_registry_grants_total[%s])" % RATE, "granted"),
-            ("sum by (reason) (rate(lorabus_registry_denials_total[%s]))" % RATE, "denied: {{reason}}"),
+            ("sum by (run) (rate(%s[%s]))" % (by_run("lorabus_registry_grants_total"), RATE), "{{run}} granted"),
+            (
+                "sum by (run, reason) (rate(%s[%s]))" % (by_run("lorabus_registry_denials_total"), RATE),
+                "{{run}} denied: {{reason}}",
+            ),
         ],
         8,
     ),
@@ -89,27 +129,39 @@ OVERVIEW = [
         "timeseries",
         "none",
         [
-            ("lorabus_trainer_reward_mean", "trainer: mean reward of the step"),
-            ("lorabus_trainer_version", "version"),
+            (by_run("lorabus_trainer_reward_mean"), "{{run}} trainer: mean reward of the step"),
+            (by_run("lorabus_trainer_version"), "{{run}} version"),
             (
-                "sum by (replica) (rate(lorabus_rollout_reward_sum[5m])) / "
-                "sum by (replica) (rate(lorabus_rollout_reward_count[5m]))",
-                "rollout {{replica}}: mean reward",
+                "sum by (run, replica) (rate(%s[5m])) / sum by (run, replica) (rate(%s[5m]))"
+                % (by_run("lorabus_rollout_reward_sum"), by_run("lorabus_rollout_reward_count")),
+                "{{run}} rollout {{replica}}: mean reward",
             ),
         ],
         12,
     ),
-    ("Trainer loss", "timeseries", "none", [("lorabus_trainer_loss", "loss")], 12),
+    ("Trainer loss", "timeseries", "none", [(by_run("lorabus_trainer_loss"), "{{run}} loss")], 12),
     (
         "Train/inference mismatch (per-token KL, k3)",
         "timeseries",
         "none",
         [
-            ('lorabus_trainer_mismatch_kl{stat="mean", tokens="on_policy"}', "KL mean (on-policy tokens)"),
-            ('lorabus_trainer_mismatch_kl{stat="max", tokens="on_policy"}', "KL max (on-policy tokens)"),
-            ('lorabus_trainer_mismatch_kl{stat="mean", tokens="all"}', "KL mean (all tokens)"),
-            ('lorabus_trainer_mismatch_logprob_diff{stat="mean", tokens="on_policy"}', "|Δ logprob| mean (on-policy)"),
-            (q95("lorabus_rollout_canary_gap", "replica"), "canary |Δ logprob| p95 {{replica}} (at each load)"),
+            (
+                by_run("lorabus_trainer_mismatch_kl", 'stat="mean", tokens="on_policy"'),
+                "{{run}} KL mean (on-policy tokens)",
+            ),
+            (
+                by_run("lorabus_trainer_mismatch_kl", 'stat="max", tokens="on_policy"'),
+                "{{run}} KL max (on-policy tokens)",
+            ),
+            (by_run("lorabus_trainer_mismatch_kl", 'stat="mean", tokens="all"'), "{{run}} KL mean (all tokens)"),
+            (
+                by_run("lorabus_trainer_mismatch_logprob_diff", 'stat="mean", tokens="on_policy"'),
+                "{{run}} |Δ logprob| mean (on-policy)",
+            ),
+            (
+                q95("lorabus_rollout_canary_gap", "replica"),
+                "{{run}} canary |Δ logprob| p95 {{replica}} (at each load)",
+            ),
         ],
         12,
     ),
@@ -118,9 +170,18 @@ OVERVIEW = [
         "timeseries",
         "short",
         [
-            ("sum by (reason) (increase(lorabus_registry_rejections_total[5m]))", "registry rejected: {{reason}}"),
-            ("sum by (reason) (increase(lorabus_trainer_refused_groups_total[5m]))", "trainer refused: {{reason}}"),
-            ("sum by (replica) (increase(lorabus_rollout_load_failures_total[5m]))", "load failures {{replica}}"),
+            (
+                "sum by (run, reason) (increase(%s[5m]))" % by_run("lorabus_registry_rejections_total"),
+                "{{run}} registry rejected: {{reason}}",
+            ),
+            (
+                "sum by (run, reason) (increase(%s[5m]))" % by_run("lorabus_trainer_refused_groups_total"),
+                "{{run}} trainer refused: {{reason}}",
+            ),
+            (
+                "sum by (run, replica) (increase(%s[5m]))" % by_run("lorabus_rollout_load_failures_total"),
+                "{{run}} load failures {{replica}}",
+            ),
         ],
         12,
     ),
@@ -129,10 +190,32 @@ OVERVIEW = [
         "timeseries",
         "none",
         [
-            ("lorabus_eval_score", "{{evaluator}} {{metric}}"),
-            ("lorabus_eval_version", "{{evaluator}}: version scored"),
+            (by_run("lorabus_eval_score"), "{{run}} {{evaluator}} {{metric}}"),
+            (by_run("lorabus_eval_version"), "{{run}} {{evaluator}}: version scored"),
         ],
         12,
+    ),
+    # the fleet: how the runs share it (the run table's states are the fleet's, not one run's)
+    ("Fleet: runs by state", "timeseries", "none", [("lorabus_fleet_runs", "{{state}}")], 8),
+    (
+        "Fleet: groups in flight and share by run",
+        "timeseries",
+        "none",
+        [
+            (by_run("lorabus_fleet_running"), "{{run}} in flight"),
+            (by_run("lorabus_fleet_share"), "{{run}} share"),
+        ],
+        8,
+    ),
+    (
+        "Fleet: admissions by run, denials",
+        "timeseries",
+        "ops",
+        [
+            ("sum by (run) (rate(%s[%s]))" % (by_run("lorabus_fleet_grants_total"), RATE), "{{run}} granted"),
+            ("sum by (reason) (rate(lorabus_fleet_denials_total[%s]))" % RATE, "fleet denied: {{reason}}"),
+        ],
+        8,
     ),
 ]
 
@@ -142,8 +225,8 @@ THROUGHPUT = [
         "timeseries",
         "s",
         [
-            (q50("lorabus_trainer_step_seconds"), "p50"),
-            (q95("lorabus_trainer_step_seconds"), "p95"),
+            (q50("lorabus_trainer_step_seconds"), "p50 {{run}}"),
+            (q95("lorabus_trainer_step_seconds"), "p95 {{run}}"),
         ],
         12,
     ),
@@ -152,7 +235,7 @@ THROUGHPUT = [
         "timeseries",
         "none",
         [
-            ("lorabus_trainer_tokens_per_second", "tokens/s (last step)"),
+            (by_run("lorabus_trainer_tokens_per_second"), "{{run}} tokens/s (last step)"),
         ],
         12,
     ),
@@ -161,8 +244,11 @@ THROUGHPUT = [
         "timeseries",
         "none",
         [
-            ("sum by (replica) (rate(lorabus_rollout_tokens_total[%s]))" % RATE, "{{replica}}"),
-            ("sum(rate(lorabus_rollout_tokens_total[%s]))" % RATE, "all replicas"),
+            (
+                "sum by (run, replica) (rate(%s[%s]))" % (by_run("lorabus_rollout_tokens_total"), RATE),
+                "{{run}} {{replica}}",
+            ),
+            ("sum(rate(%s[%s]))" % (by_run("lorabus_rollout_tokens_total"), RATE), "all replicas, runs picked"),
         ],
         12,
     ),
@@ -171,7 +257,10 @@ THROUGHPUT = [
         "timeseries",
         "ops",
         [
-            ("sum by (replica) (rate(lorabus_rollout_trajectories_total[%s]))" % RATE, "{{replica}}"),
+            (
+                "sum by (run, replica) (rate(%s[%s]))" % (by_run("lorabus_rollout_trajectories_total"), RATE),
+                "{{run}} {{replica}}",
+            ),
         ],
         12,
     ),
@@ -180,7 +269,7 @@ THROUGHPUT = [
         "timeseries",
         "s",
         [
-            (q95("lorabus_rollout_adapter_load_seconds", "replica"), "p95 {{replica}}"),
+            (q95("lorabus_rollout_adapter_load_seconds", "replica"), "p95 {{run}} {{replica}}"),
         ],
         8,
     ),
@@ -189,18 +278,18 @@ THROUGHPUT = [
         "timeseries",
         "s",
         [
-            (q95("lorabus_trainer_publish_seconds"), "p95"),
+            (q95("lorabus_trainer_publish_seconds"), "p95 {{run}}"),
         ],
         8,
     ),
-    ("Export time", "timeseries", "s", [(q95("lorabus_exporter_export_seconds"), "p95")], 8),
+    ("Export time", "timeseries", "s", [(q95("lorabus_exporter_export_seconds"), "p95 {{run}}")], 8),
     (
         "Canary time (part of time to servable)",
         "timeseries",
         "s",
         [
-            (q95("lorabus_trainer_canary_seconds"), "p95 trainer"),
-            (q95("lorabus_rollout_canary_seconds", "replica"), "p95 {{replica}}"),
+            (q95("lorabus_trainer_canary_seconds"), "p95 {{run}} trainer"),
+            (q95("lorabus_rollout_canary_seconds", "replica"), "p95 {{run}} {{replica}}"),
         ],
         8,
     ),
@@ -209,7 +298,7 @@ THROUGHPUT = [
         "timeseries",
         "s",
         [
-            (q95("lorabus_registry_decision_seconds"), "p95"),
+            (q95("lorabus_registry_decision_seconds"), "p95 {{run}}"),
         ],
         8,
     ),
@@ -218,7 +307,10 @@ THROUGHPUT = [
         "timeseries",
         "ops",
         [
-            ("sum by (service, direction) (rate(lorabus_bus_messages_total[%s]))" % RATE, "{{service}} {{direction}}"),
+            (
+                "sum by (run, service, direction) (rate(%s[%s]))" % (by_run("lorabus_bus_messages_total"), RATE),
+                "{{run}} {{service}} {{direction}}",
+            ),
         ],
         8,
     ),
@@ -228,12 +320,19 @@ THROUGHPUT = [
         "short",
         [
             (
-                "sum by (service, reason) (increase(lorabus_bus_dead_letters_total[5m]))",
-                "dead letters {{service}}: {{reason}}",
+                "sum by (run, service, reason) (increase(%s[5m]))" % by_run("lorabus_bus_dead_letters_total"),
+                "{{run}} dead letters {{service}}: {{reason}}",
             ),
+            # a connection's, whichever runs it carries
             ("sum by (service) (increase(lorabus_bus_reconnects_total[5m]))", "reconnects {{service}}"),
-            ("sum by (replica) (increase(lorabus_rollout_load_failures_total[5m]))", "load failures {{replica}}"),
-            ("sum by (stage) (increase(lorabus_exporter_failures_total[5m]))", "export failures {{stage}}"),
+            (
+                "sum by (run, replica) (increase(%s[5m]))" % by_run("lorabus_rollout_load_failures_total"),
+                "{{run}} load failures {{replica}}",
+            ),
+            (
+                "sum by (run, stage) (increase(%s[5m]))" % by_run("lorabus_exporter_failures_total"),
+                "{{run}} export failures {{stage}}",
+            ),
         ],
         8,
     ),
@@ -247,7 +346,7 @@ DASHBOARDS = {
 
 def panel(pid: int, x: int, y: int, title: str, kind: str, unit: str, targets, width: int) -> dict:
     height = 4 if kind == "stat" else 8
-    out = {
+    out: dict[str, Any] = {
         "id": pid,
         "type": kind,
         "title": title,
@@ -287,7 +386,7 @@ def dashboard(uid: str, title: str, panels) -> dict:
         "editable": True,
         "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": []},
+        "templating": {"list": [run_variable()]},
         "annotations": {"list": []},
         "panels": built,
     }

@@ -85,15 +85,17 @@ CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
 
+# by run: a fleet's process serves each run through a Bus of its own (`for_run`), so a run's
+# traffic and dead letters are told apart; reconnections (nats_client) belong to the connection
 MESSAGES = Counter(
     "lorabus_bus_messages_total",
     "Messages this process published, and deliveries it received (redeliveries count again)",
-    ["service", "direction"],
+    ["run", "service", "direction"],
 )
 DEAD_LETTERS = Counter(
     "lorabus_bus_dead_letters_total",
     "Messages sent to the dead-letter stream, by reason",
-    ["service", "reason"],
+    ["run", "service", "reason"],
 )
 
 _DELIVER = {
@@ -118,8 +120,8 @@ class Bus:
         self._consumers: set[asyncio.Task] = set()
         self._subs: list[Subscription] = []
         # labelled once: `labels()` takes a lock and builds a key, per message on hot paths
-        self.published = MESSAGES.labels(self.service, "published")
-        self.consumed = MESSAGES.labels(self.service, "consumed")
+        self.published = MESSAGES.labels(self.run, self.service, "published")
+        self.consumed = MESSAGES.labels(self.run, self.service, "consumed")
         self._view = False
         """a view of another Bus's connection (`for_run`): closing it leaves the connection open"""
         self.inbox = Inbox(nc, self.subscribe_direct)
@@ -313,7 +315,7 @@ class Bus:
             received_at=time.time(),
         )
         seq = await self.publish(subjects.dead_letter(self.run, self.service), letter, msg_id=msg_id)
-        DEAD_LETTERS.labels(self.service, reason).inc()
+        DEAD_LETTERS.labels(self.run, self.service, reason).inc()
         log.warning("bus: dead-lettered a message on %s (%s): %s", subject, reason, error[:200])
         return seq
 

@@ -77,7 +77,7 @@ class AdapterFollower:
         self.book = VersionBook(keep)
         # read at scrape time from the book, which drops a version only after the engine's
         # unload returned: what a soak watches to see old versions really leave
-        metrics.LOADED_VERSIONS.labels(replica).set_function(lambda: len(self.book.loaded()))
+        metrics.LOADED_VERSIONS.labels(self.run_id, replica).set_function(lambda: len(self.book.loaded()))
         self.load_attempts, self.retry_base_s = load_attempts, retry_base_s
         self.newest_seen = -1
         """the newest version followed (only events that passed `_refusal` count)"""
@@ -225,7 +225,7 @@ class AdapterFollower:
                 done = await loaders.load(self._loaders, ev, attempt=attempt, verify_first=verify_first)
                 canary_s = await self._canary(ev)
             except Exception as exc:
-                metrics.LOAD_FAILURES.labels(self.replica).inc()
+                metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
                 # a canary that fails fails again on the same weights: given up like a corrupt object
                 gone = isinstance(exc, ObjectNotFound | ObjectCorrupt | canary.CanaryFailed)
                 retry = attempt < self.load_attempts and not gone and not isinstance(exc, OutsideStore)
@@ -254,10 +254,10 @@ class AdapterFollower:
                 self.book.mark_loaded(ev.version)
                 self.changed.notify_all()
             log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, done.via, now - t0)
-            metrics.ADAPTER_LOAD_SECONDS.labels(self.replica).observe(now - t0)
-            metrics.PROPAGATION_SECONDS.labels(self.replica).observe(max(0.0, now - ev.created_at))
+            metrics.ADAPTER_LOAD_SECONDS.labels(self.run_id, self.replica).observe(now - t0)
+            metrics.PROPAGATION_SECONDS.labels(self.run_id, self.replica).observe(max(0.0, now - ev.created_at))
             if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
-                metrics.LOADED_VERSION.labels(self.replica).set(head)
+                metrics.LOADED_VERSION.labels(self.run_id, self.replica).set(head)
             await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded",
                                       canary_seconds=canary_s)  # fmt: skip
             return True
@@ -272,8 +272,8 @@ class AdapterFollower:
         t0 = time.perf_counter()
         measured = await canary.score(self.engine, ev.version, ev.canary, self.cfg.rollout.dtype)
         seconds = time.perf_counter() - t0
-        metrics.CANARY_SECONDS.labels(self.replica).observe(seconds)
-        metrics.CANARY_GAP.labels(self.replica).observe(min(measured.value, 1e6))
+        metrics.CANARY_SECONDS.labels(self.run_id, self.replica).observe(seconds)
+        metrics.CANARY_GAP.labels(self.run_id, self.replica).observe(min(measured.value, 1e6))
         if measured.passed:
             return seconds
         await self.engine.unload_version(ev.version)
@@ -293,14 +293,14 @@ class AdapterFollower:
             self._withdrawn.add(ev.version)
             self._verifying.pop(ev.version, None)
             log.error("rollout %s: %s withdrawn: %s", self.replica, ev.adapter_name, exc)
-            metrics.LOAD_FAILURES.labels(self.replica).inc()
+            metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
             await self._report_failed(
                 ev.version, exc, attempt=1, will_retry=True, tag="w", context="withdrawn after loading: "
             )
             await self._withdraw(ev, served)
             return
         self._verifying.pop(ev.version, None)
-        staged.times.observe(self.replica)
+        staged.times.observe(self.run_id, self.replica)
         log.info("rollout %s: %s servable in %s", self.replica, ev.adapter_name, staged.times.describe())
 
     async def _withdraw(self, ev: AdapterReady, served: list[float]) -> None:

@@ -73,11 +73,11 @@ class LoadTimes:
         """Event received to version servable: every stage but the background verification."""
         return self.fetch + self.parse + self.h2d + self.copy + self.merge
 
-    def observe(self, replica: str) -> None:
+    def observe(self, run: str, replica: str) -> None:
         for stage in ("fetch", "parse", "h2d", "copy", "merge", "verify"):
             value = getattr(self, stage)
             if value is not None:
-                metrics.LOAD_STAGE_SECONDS.labels(replica, stage).observe(value)
+                metrics.LOAD_STAGE_SECONDS.labels(run, replica, stage).observe(value)
 
     def describe(self) -> str:
         ms = {k: f"{v * 1e3:.1f}" for k, v in vars(self).items() if v is not None}

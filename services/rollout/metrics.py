@@ -1,57 +1,63 @@
-"""Prometheus metrics of a rollout replica (label `replica`)."""
+"""Prometheus metrics of a rollout replica, one series per (run, replica): a fleet replica serves
+every live run of its fleet in one process (docs/multi-run.md), and each series here is about one
+run's adapters, grants or completions, so without `run` two runs' values would overwrite or mix.
+
+Label order is always (`run`, `replica`, ...), as the registry's `lorabus_registry_*` series."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-LOADED_VERSION = Gauge("lorabus_rollout_loaded_version", "Newest adapter version loaded (the head served)", ["replica"])
+LOADED_VERSION = Gauge(
+    "lorabus_rollout_loaded_version", "Newest adapter version loaded (the head served)", ["run", "replica"]
+)
 ADAPTER_LOAD_SECONDS = Histogram(
     "lorabus_rollout_adapter_load_seconds",
     "Fetch + verify + load of one adapter version",
-    ["replica"],
+    ["run", "replica"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 LOAD_STAGE_SECONDS = Histogram(
     "lorabus_rollout_adapter_load_stage_seconds",
     "One stage of an embedded replica's adapter load: fetch, parse, h2d, copy, merge (in sequence: "
     "event received to servable), verify (sha256, beside them)",
-    ["replica", "stage"],
+    ["run", "replica", "stage"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
 )
 PROPAGATION_SECONDS = Histogram(
     "lorabus_rollout_propagation_seconds",
     "AdapterReady.created_at to loaded here",
-    ["replica"],
+    ["run", "replica"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 LOADED_VERSIONS = Gauge(
     "lorabus_rollout_loaded_versions",
     "Adapter versions the engine holds now (the keep window, plus old ones still pinned by requests)",
-    ["replica"],
+    ["run", "replica"],
 )
-TOKENS = Counter("lorabus_rollout_tokens_total", "Completion tokens generated", ["replica"])
+TOKENS = Counter("lorabus_rollout_tokens_total", "Completion tokens generated", ["run", "replica"])
 TOKENS_PER_SECOND = Gauge(
-    "lorabus_rollout_tokens_per_second", "Completion tokens/s of the last engine batch", ["replica"]
+    "lorabus_rollout_tokens_per_second", "Completion tokens/s of the last engine batch", ["run", "replica"]
 )
-TRAJECTORIES = Counter("lorabus_rollout_trajectories_total", "Trajectories (groups) published", ["replica"])
+TRAJECTORIES = Counter("lorabus_rollout_trajectories_total", "Trajectories (groups) published", ["run", "replica"])
 REWARD = Histogram(
     "lorabus_rollout_reward",
     "Reward of each completion",
-    ["replica"],
+    ["run", "replica"],
     buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5),
 )
-LOAD_FAILURES = Counter("lorabus_rollout_load_failures_total", "Failed adapter load attempts", ["replica"])
-IN_FLIGHT = Gauge("lorabus_rollout_in_flight", "Granted groups being generated", ["replica"])
+LOAD_FAILURES = Counter("lorabus_rollout_load_failures_total", "Failed adapter load attempts", ["run", "replica"])
+IN_FLIGHT = Gauge("lorabus_rollout_in_flight", "Granted groups being generated", ["run", "replica"])
 CANARY_GAP = Histogram(
     "lorabus_rollout_canary_gap",
     "Largest |Δ logprob| between this replica's greedy decode of a version's canary and the trainer's "
     "(checked after each load, before serving; beyond the dtype's tolerance the version is withdrawn)",
-    ["replica"],
+    ["run", "replica"],
     buckets=(1e-5, 1e-4, 1e-3, 2e-3, 0.01, 0.05, 0.15, 0.5, 1, 5),
 )
 CANARY_SECONDS = Histogram(
     "lorabus_rollout_canary_seconds",
     "Time one load's canary took (part of the version's time to servable)",
-    ["replica"],
+    ["run", "replica"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )

@@ -221,7 +221,7 @@ class RolloutService:
         """Generate, check, score and publish one batch of grants; returns the trajectories
         published (none when the batch overlapped a version whose bytes failed their check)."""
         started, since = time.time(), time.monotonic()
-        metrics.IN_FLIGHT.labels(self.replica).set(len(grants))
+        metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(len(grants))
         work = self._requests(grants)
         outs = await self._generate_by_version(work)
         work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
@@ -229,16 +229,16 @@ class RolloutService:
             # a version served meanwhile failed its sha256 check: nothing of this batch may be
             # accepted; the grants' leases expire at the registry
             log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
-            metrics.IN_FLIGHT.labels(self.replica).set(0)
+            metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(0)
             return []
         finished = time.time()
-        metrics.IN_FLIGHT.labels(self.replica).set(0)
+        metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(0)
         trajectories, tokens = self._trajectories(work, outs, started, finished)
         for traj in trajectories:
             await self.bus.publish(subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id)
-            metrics.TRAJECTORIES.labels(self.replica).inc()
-        metrics.TOKENS.labels(self.replica).inc(tokens)
-        metrics.TOKENS_PER_SECOND.labels(self.replica).set(tokens / max(finished - started, 1e-9))
+            metrics.TRAJECTORIES.labels(self.run_id, self.replica).inc()
+        metrics.TOKENS.labels(self.run_id, self.replica).inc(tokens)
+        metrics.TOKENS_PER_SECOND.labels(self.run_id, self.replica).set(tokens / max(finished - started, 1e-9))
         return trajectories
 
     def _requests(self, grants: list[AdmissionGrant]) -> list[tuple[AdmissionGrant, Prompt, GenRequest]]:
@@ -303,7 +303,7 @@ class RolloutService:
             completions = []
             for r in results:
                 reward = self._reward(prompt, self.decode_text(r.token_ids))
-                metrics.REWARD.labels(self.replica).observe(reward)
+                metrics.REWARD.labels(self.run_id, self.replica).observe(reward)
                 tokens += len(r.token_ids)
                 completions.append(
                     Completion(

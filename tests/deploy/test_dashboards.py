@@ -157,6 +157,48 @@ def test_every_query_uses_only_exported_metrics_and_their_labels():
         assert grouping_labels(expr) <= allowed, f"{dashboard} / {title}: groups by unknown label"
 
 
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric name, its label matchers as written) for every lorabus series an expression reads."""
+    text = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)  # grouping lists are no selectors
+    return [(m.group(1), m.group(2) or "") for m in re.finditer(r"\b(lorabus_[a-z0-9_]+)(\{[^}]*\})?", text)]
+
+
+def test_every_metric_of_every_service_is_per_run_but_the_listed_few():
+    for metric in metrics_catalog.catalog():
+        if metric.shown in metrics_catalog.NOT_PER_RUN:
+            assert "run" not in metric.labels, f"{metric.shown} has a run label; take it off NOT_PER_RUN"
+        else:
+            assert metric.labels[:1] == ("run",), f"{metric.shown} {metric.labels}: a series about one run needs `run`"
+    assert set(metrics_catalog.NOT_PER_RUN) <= {m.shown for m in metrics_catalog.catalog()}
+
+
+def test_every_dashboard_has_a_run_variable():
+    for path in DASHBOARDS:
+        variables = {v["name"]: v for v in json.loads(path.read_text())["templating"]["list"]}
+        run = variables.get("run")
+        assert run, f"{path.name}: no `run` template variable"
+        assert run["type"] == "query" and run["multi"] and run["includeAll"] and run["allValue"] == ".*"
+        assert "run)" in run["definition"] and run["datasource"] == make_dashboards.DATASOURCE
+
+
+def test_every_per_run_query_filters_by_the_run_variable():
+    per_run = {s for m in metrics_catalog.catalog() if "run" in m.labels for s in m.series}
+    checked = 0
+    for dashboard, title, expr in expressions():
+        for name, matchers in selectors(expr):
+            if name in per_run:
+                checked += 1
+                assert 'run=~"$run"' in matchers, f"{dashboard} / {title}: {name} is not filtered by $run in {expr!r}"
+            else:  # a process's or the fleet's series has no run to filter on: the filter would empty it
+                assert "run" not in matchers, f"{dashboard} / {title}: {name} has no run label"
+    assert checked > 30
+
+
+def test_selectors_parser():
+    expr = 'sum by (run, le) (rate(lorabus_x_bucket{run=~"$run", a="b"}[5m])) / on(x) lorabus_y'
+    assert selectors(expr) == [("lorabus_x_bucket", '{run=~"$run", a="b"}'), ("lorabus_y", "")]
+
+
 def test_metric_name_parser():
     expr = 'histogram_quantile(0.95, sum by (le, replica) (rate(lorabus_x_bucket{a="b c"}[5m]))) / on(x) lorabus_y'
     assert metric_names_in(expr) == {"lorabus_x_bucket", "lorabus_y"}

@@ -199,7 +199,7 @@ async def test_durable_resumes_without_redelivering_acked(bus, run):
 
 async def test_failing_handler_is_retried_then_dead_lettered(bus, run):
     service = "flaky"
-    before = counter("lorabus_bus_dead_letters_total", service=service, reason="handler")
+    before = counter("lorabus_bus_dead_letters_total", run=run, service=service, reason="handler")
     flaky = await Bus.connect(BusConfig(url=bus.nc.connected_url.geturl()), run=run, service=service)
     try:
         got = Collector(fail_steps={0})
@@ -215,7 +215,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(bus, run):
         assert letter.reason == "handler" and "fails on purpose" in letter.error
         assert letter.subject == subjects.trainer_step(run) and letter.service == service
         assert codec.decode(letter.raw, TrainerStep).step == 0
-        assert counter("lorabus_bus_dead_letters_total", service=service, reason="handler") == before + 1
+        assert counter("lorabus_bus_dead_letters_total", run=run, service=service, reason="handler") == before + 1
         await asyncio.sleep(0.3)
         assert got.steps().count(0) == 3, "a dead-lettered message is terminated, not redelivered"
     finally:

@@ -122,7 +122,7 @@ async def test_canary_and_mismatch_ride_real_events_and_a_bad_group_is_refused(
         assert all(ld.canary_seconds is not None and 0 < ld.canary_seconds <= ld.load_seconds for ld in loads)
         if mode == "xccl":  # the canary rides the broadcast's event too
             assert any(ld.via == "xccl" for ld in loads), [ld.via for ld in loads]
-        gaps = rollout_metrics.CANARY_GAP.labels("pc")
+        gaps = rollout_metrics.CANARY_GAP.labels(run, "pc")
         assert gaps._sum.get() <= TOLERANCE["float32"] * len(loads)
 
         steps = {s.step: s for s in await bus.read_all(streams.TRAINER(run), TrainerStep)}

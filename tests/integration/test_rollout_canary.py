@@ -81,7 +81,7 @@ async def test_a_load_that_does_not_answer_as_the_trainer_is_withdrawn(start_run
     try:
         await publish(1)
         await wait_until(lambda: rec.of(AdapterLoaded, name, version=1), what="the healthy v1 loaded")
-        gaps = metrics.CANARY_GAP.labels(name)
+        gaps = metrics.CANARY_GAP.labels(run.run, name)
         assert gaps._sum.get() <= TOLERANCE["float32"], "the healthy v1's canary gap"
         await publish(2)
         await wait_until(lambda: rec.of(AdapterFailed, name, version=2), what=f"v2 ({FAULTS[fault]}) refused")

@@ -1,7 +1,8 @@
 """A reward function that raises stops its run only (real nats-server, real embedded engines):
 two runs on one replica's work loop, as a fleet replica serves them; the run whose reward
 raises publishes nothing, is reported once after `run_faults.STRIKES` failed batches in a row
-and is asked for no more, while the other run's trajectories keep coming."""
+and is asked for no more, while the other run's trajectories keep coming; the replica's metrics
+keep one series per run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import copy
 import itertools
 import time
 import uuid
+
+from prometheus_client import REGISTRY
 
 from proto.messages import AdmissionGrant
 from services.common import run_faults
@@ -66,6 +69,15 @@ async def test_a_raising_reward_stops_its_run_and_the_other_goes_on(start_run, b
         await asyncio.sleep(1.5)  # a report more would come within a strike's wait (1 s)
         assert len(faults) == 1 and bad.rec.trajectories == []
         assert all(t.run == good.run for t in good.rec.trajectories)
+
+        # one replica, two runs: a series per run, the bad run's never counting the good one's work
+        def published(run: str) -> float | None:
+            return REGISTRY.get_sample_value("lorabus_rollout_trajectories_total", {"run": run, "replica": "r1"})
+
+        # equal between two batches (the recorder may see a trajectory before its count goes up)
+        await wait_until(lambda: published(good.run) == len(good.rec.trajectories), 30, "the good run's series")
+        assert not published(bad.run)
+        assert REGISTRY.get_sample_value("lorabus_rollout_in_flight", {"run": bad.run, "replica": "r1"}) == 0
     finally:
         stop.set()
         await asyncio.wait_for(loop, 30)
