@@ -19,6 +19,11 @@ Second, megatron-bridge decides "TE present" by importing TE class names from me
 None for the grouped linears), so `peft.utils.HAVE_TE` comes out True and `LoRA` crashes with
 `isinstance(m, None)` on the first local linear. `import_bridge` sets those flags to the truth.
 
+Third, on Python 3.11 (outside megatron-bridge's declared >=3.12, which the CPU tests and `lorabus
+up` on a 3.11 venv use) `typing.override` is given typing_extensions' before the import:
+megatron-core 0.19's `megatron.training.models` (reached by `import megatron.bridge`) imports it
+from `typing`, and nothing else in either package needs 3.12.
+
 How: the placeholder cannot simply sit in `sys.modules` while megatron-bridge imports (megatron-core
 modules imported on the way would then see "TE installed" and break). Instead megatron-core's
 modules that lora_layers needs, and lora_layers' own megatron-bridge imports, are imported first,
@@ -32,6 +37,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import typing
 
 from services.trainer.engines.megatron.deps import require
 
@@ -114,10 +120,19 @@ def _flags_say_no_te() -> None:
             setattr(mod, flag, False)
 
 
+def _typing_override() -> None:
+    """`typing.override` on Python < 3.12, from typing_extensions (a no-op decorator either way)."""
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+
 def import_bridge() -> types.ModuleType:
     """`megatron.bridge`, imported as described above; idempotent."""
     if "megatron.bridge" in sys.modules:  # imported whole (a failed import is removed below)
         return sys.modules["megatron.bridge"]
+    _typing_override()
     require("megatron.core")
     if have_transformer_engine():
         return require("megatron.bridge")
