@@ -16,6 +16,7 @@ import re
 from proto.subjects import SubjectError, token
 from services.common import lora_targets
 from services.common.lora_targets import ALL_LINEAR, VLLM_LORA_RANKS
+from services.config.megatron_layout import layout_problems
 from services.config.schema import ActorConfig, LorabusConfig
 
 __all__ = ["RULES", "validate"]
@@ -84,7 +85,9 @@ def check_engine_matrix(cfg: LorabusConfig) -> list[str]:
     return []
 
 
-def check_megatron(cfg: LorabusConfig) -> list[str]:
+def check_megatron(cfg: LorabusConfig, world: int | None = None) -> list[str]:
+    """`world`: the trainer's real rank count where it is known (the engine), else
+    actor.nproc_per_node."""
     a = cfg.actor
     if a.backend != "megatron" or not a.use_lora:
         return []
@@ -107,20 +110,12 @@ def check_megatron(cfg: LorabusConfig) -> list[str]:
             "fused kernel accumulates weight gradients into each base weight's main_grad, which "
             "frozen base weights do not have (set it to false)"
         )
-    # Refused here rather than at trainer start, so that `lorabus up` fails before it starts
-    # anything (the engine repeats the check for configs built in code).
-    if m.pipeline_model_parallel_size != 1:
-        out.append(
-            f"actor.megatron.pipeline_model_parallel_size: {m.pipeline_model_parallel_size} is not "
-            "supported: the lorabus Megatron engine's step does not run Megatron's pipeline "
-            "schedule (use 1, and tensor_model_parallel_size or more trainer ranks instead)"
-        )
-    if m.expert_model_parallel_size != 1:
-        out.append(
-            f"actor.megatron.expert_model_parallel_size: {m.expert_model_parallel_size} is not "
-            "supported: expert adapter gradients would need Megatron's expert-data-parallel "
-            "group, which the lorabus engine does not reduce over (use 1)"
-        )
+    # Checked here rather than at trainer start, so that `lorabus up` fails before it starts
+    # anything (the engine repeats it with its real world size)
+    if world is None:
+        out += layout_problems(m, a.nproc_per_node)
+    else:
+        out += layout_problems(m, world, "the trainer's world size (torchrun --nproc_per_node)")
     return out
 
 
@@ -408,6 +403,11 @@ def check_fleet(cfg: LorabusConfig) -> list[str]:
         out.append(
             f"fleet.lora_slots: {f.lora_slots} is below rollout.keep_versions + 1 = "
             f"{cfg.rollout.keep_versions + 1}, what this run alone needs (or unset it)"
+        )
+    if f.max_adapter_memory_gib is not None and not f.max_adapter_memory_gib > 0:
+        out.append(
+            f"fleet.max_adapter_memory_gib: {f.max_adapter_memory_gib} must be > 0 (GiB of trainer memory "
+            "for the live runs' adapters and optimizer state; unset: unbounded)"
         )
     if f.max_lora_rank is not None and f.max_lora_rank < cfg.actor.lora_rank:
         out.append(

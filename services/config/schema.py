@@ -341,6 +341,11 @@ class FleetConfig(Section):
     """the largest rank a run of this fleet may have on an embedded rollout engine (its slots
     have this rank; a run of lower rank is zero-padded, which changes no output); unset: this
     config's actor.lora_rank. vLLM and SGLang servers: vllm/sglang.max_lora_rank"""
+    max_adapter_memory_gib: float | None = None
+    """trainer memory the live runs' adapters may hold together, in GiB: per run its fp32 LoRA
+    parameters (rank x (in + out) per targeted linear layer x layers, sized from the base
+    model's config.json), their gradients and the optimizer's moments (two for adam/adamw); a
+    submit or resume beyond it is refused. Unset: unbounded"""
 
 
 class LorabusConfig(Section):

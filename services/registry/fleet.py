@@ -46,7 +46,7 @@ from proto.messages import (
     RunStop,
     RunSubmit,
 )
-from services.common import capacity, share
+from services.common import adapter_memory, base_config, capacity, share
 from services.common.bus import Bus, decode
 from services.common.run_table import RunTable
 from services.config import runconfig
@@ -97,6 +97,8 @@ class FleetRegistry:
         self._tasks: list[asyncio.Task] = []
         self._subs: list[Any] = []
         self._encode = msgspec.json.Encoder().encode
+        self._base_shape: adapter_memory.BaseShape | None = None
+        """the base model's layers, read once when a memory budget first needs them"""
 
     # --- start and stop -----------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class FleetRegistry:
                 problems += runconfig.conflicts(cfg, [self.configs[r] for r in self.records])
                 live = [self.configs[r] for r, rec in self.records.items() if rec.state in runs.LIVE]
                 problems += capacity.problems(self.cfg, cfg, live)
+                problems += self._memory_problems(cfg, live)
             if problems:
                 return self._reply(False, problems)
             record = runs.new_record(self.fleet, cfg, runconfig.stored(cfg), self.clock())
@@ -208,6 +211,18 @@ class FleetRegistry:
         log.info("fleet %s: run %s submitted (share %g, rank %d)", self.fleet, cfg.run, cfg.fleet.share,
                  cfg.actor.lora_rank)  # fmt: skip
         return self._reply(True, names=[cfg.run])
+
+    def _memory_problems(self, cfg: LorabusConfig, live: list[LorabusConfig]) -> list[str]:
+        """Why the trainer's adapter budget (fleet.max_adapter_memory_gib) cannot take `cfg`'s run
+        beside `live`; the base model's config.json is read the first time a budget is set."""
+        if self.cfg.fleet.max_adapter_memory_gib is None:
+            return []
+        if self._base_shape is None:
+            try:
+                self._base_shape = adapter_memory.base_shape(base_config.read(self.cfg.actor.path))
+            except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
+                return [str(exc)]
+        return adapter_memory.problems(self.cfg, cfg, live, self._base_shape)
 
     async def _on_stop(self, request: RunStop) -> RunReply:
         if (wrong := self._wrong_fleet(request.fleet)) is not None:
@@ -239,6 +254,7 @@ class FleetRegistry:
             problems = runs.resume_problems(record, len(live), self.cfg.fleet.max_runs)
             if record.state == "stopped" and not problems:
                 problems = capacity.problems(self.cfg, self.configs[request.run], live)
+                problems += self._memory_problems(self.configs[request.run], live)
             if problems:
                 return self._reply(False, problems)
             resumed = runs.resume(record, self.clock())
