@@ -150,25 +150,32 @@ def test_megatron_vllm_example_shape(gsm8k, chat_tok):
     assert (a.ppo.behav_imp_weight_cap, a.ppo.behav_imp_weight_mode) == (5.0, "mask")
 
 
-def test_moe_example_refuses_pipeline_stages_at_config_time(gsm8k, chat_tok):
-    with pytest.raises(ConfigError) as info:
-        load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml")
-    assert info.value.problems == [
-        "actor.megatron.pipeline_model_parallel_size: 6 is not supported: the lorabus Megatron "
-        "engine's step does not run Megatron's pipeline schedule (use 1, and "
-        "tensor_model_parallel_size or more trainer ranks instead) (from AReaL's actor.backend)"
-    ]
-    # everything else of the file survives: with the stage count overridden it loads
-    cfg = load_config(
-        FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml",
-        ["actor.megatron.pipeline_model_parallel_size=1", f"tokenizer_path={chat_tok}"],
-    )
-    a, o = cfg.actor, cfg.actor.optimizer
-    assert (a.nproc_per_node, a.lora_rank, a.lora_alpha, a.path) == (6, 32, 32, "Qwen/Qwen3-30B-A3B-Base")
+def test_moe_example_loads_as_written(gsm8k, chat_tok):
+    # megatron:(attn:d1p6t1c1|ffn:d1p6t1e1): six pipeline stages, one rank each, experts unsplit
+    cfg = load_config(FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml", [f"tokenizer_path={chat_tok}"])
+    a, m, o = cfg.actor, cfg.actor.megatron, cfg.actor.optimizer
+    assert (a.backend, a.nproc_per_node) == ("megatron", 6)
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (1, 6, 1)
+    assert (a.lora_rank, a.lora_alpha, a.path) == (32, 32, "Qwen/Qwen3-30B-A3B-Base")
     assert (o.lr, o.lr_scheduler_type, o.warmup_steps, o.warmup_steps_proportion) == (3e-6, "cosine", None, 0.001)
     assert cfg.total_train_steps == 10 * (TRAIN_ROWS // 16)
     assert (cfg.rollout.replicas, cfg.rollout.consumer_batch_size) == (1, 16)
     assert cfg.vllm.extra_args[0] == "--tensor-parallel-size=2"
+
+
+def test_megatron_layouts_the_engine_cannot_run_are_refused(gsm8k, chat_tok):
+    path = FIXTURES / "gsm8k_grpo_megatron_lora_moe.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["actor.backend=megatron:(attn:d1p6t1c1|ffn:d1p6t2e1)"])
+    assert any("expert tensor parallelism t2" in p for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["actor.backend=megatron:(attn:d1p4t1c1|ffn:d1p4t1e3)"])
+    assert any("attn d*t*p*c = 4 ranks but ffn d*t*p*e = 12" in p for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["actor.nproc_per_node=4", f"tokenizer_path={chat_tok}"])
+    assert info.value.problems[0].startswith(
+        "actor.nproc_per_node: 4 is not a multiple of tensor x pipeline size 1 x 6 = 6"
+    )
 
 
 def test_startup_table_is_printed_once(gsm8k, chat_tok, monkeypatch, capsys):

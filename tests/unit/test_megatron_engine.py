@@ -259,6 +259,7 @@ class TinyMegatronLM(nn.Module):
         self.embedding = nn.Embedding(vocab, hidden)
         self.decoder = nn.Module()
         layer = nn.Module()
+        layer.layer_number = 1  # megatron-core's 1-based global layer number
         layer.mlp = nn.Module()
         layer.mlp.linear_fc1 = TupleLinear(hidden, 2 * hidden, bias=False)
         layer.mlp.linear_fc2 = TupleLinear(hidden, hidden, bias=False)
@@ -386,6 +387,13 @@ def _fake_megatron_modules() -> dict[str, types.ModuleType]:
         "get_data_parallel_rank": 0,
         "get_data_parallel_world_size": 1,
         "get_model_parallel_group": None,
+        "get_tensor_model_parallel_rank": 0,
+        "get_pipeline_model_parallel_group": None,
+        "get_pipeline_model_parallel_world_size": 1,
+        "is_pipeline_last_stage": True,
+        "get_pipeline_model_parallel_last_rank": 0,
+        "get_expert_model_parallel_world_size": 1,
+        "get_expert_model_parallel_rank": 0,
     }
     parallel_state = types.SimpleNamespace(**{k: (lambda v=v: v) for k, v in one_rank.items()})
     tensor_parallel = types.SimpleNamespace(vocab_parallel_cross_entropy=None)
@@ -394,6 +402,7 @@ def _fake_megatron_modules() -> dict[str, types.ModuleType]:
         for name in (
             "megatron",
             "megatron.core",
+            "megatron.core.pipeline_parallel",
             "megatron.bridge",
             "megatron.bridge.peft",
             "megatron.bridge.peft.lora",
@@ -403,6 +412,7 @@ def _fake_megatron_modules() -> dict[str, types.ModuleType]:
     }
     mods["megatron.core"].parallel_state = parallel_state
     mods["megatron.core"].tensor_parallel = tensor_parallel
+    mods["megatron.core.pipeline_parallel"].get_forward_backward_func = lambda: None
     mods["megatron.bridge"].AutoBridge = FakeAutoBridge
     mods["megatron.bridge.peft.lora"].LoRA = FakeBridgeLoRA
     mods["megatron.bridge.models.gpt_provider"].local_layer_spec = lambda config: None

@@ -3,7 +3,9 @@ and what they become: the trainer's backend, ranks and Megatron sizes, the rollo
 replicas and each server's tensor/pipeline size.
 
 Every parallelism lorabus's engines lack (context, expert tensor, FSDP with t/p/e) is a problem
-naming the string, never a size dropped.
+naming the string, never a size dropped. Megatron: ranks = D x T x P of the string (the attention
+side of the hybrid MoE syntax, whose ffn side must describe as many ranks); which T x P x E grids
+the engine runs is `services.config.megatron_layout`'s to say.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ def _train_alloc(x: Translator, text: Any) -> None:
             )
         if fpp != pp:
             x.t.problems.append(f"{key}: {text!r} has attn p{pp} but ffn p{fpp}; they must be equal")
+        attn_world, ffn_world = dp * tp * pp * cp, a.ffn.get("d", 1) * etp * fpp * ep
+        if attn_world != ffn_world:
+            # both sides describe the same ranks (AReaL's hybrid MoE grid)
+            x.t.problems.append(
+                f"{key}: {text!r} has attn d*t*p*c = {attn_world} ranks but ffn d*t*p*e = {ffn_world}; "
+                "they must be equal (the ffn's d is the expert-data-parallel size)"
+            )
     if cp != 1:
         x.t.problems.append(f"{key}: {text!r} has context parallelism c{cp}; lorabus's engines have none (use c1)")
     if a.backend == "fsdp":

@@ -26,9 +26,13 @@ the `megatron-bridge` layout.
 This file needs megatron-core and megatron-bridge; it raises `MegatronNotInstalled` naming the
 `lorabus[megatron]` extra when they are missing. Transformer Engine is optional: without it the
 model is built from megatron-core's local layer spec (`configure_provider`, `bridge_import`).
-It runs on CUDA; on CPU (gloo) for tests only.
-Pipeline parallelism (needs Megatron's forward-backward schedule) and expert parallelism
-(expert adapter gradients reduce over the expert-data group) are refused at start.
+It runs on CUDA; on CPU (gloo) for tests only (`cpu.py` routes megatron-core's CUDA calls).
+
+Pipeline parallelism: each rank builds its stage (megatron-core's parallel_state, the
+provider's `pipeline_model_parallel_size`) and the step runs megatron-core's pipeline
+schedule (`pipeline.py`); logprobs and the loss come from the last stage. The published
+adapter is every stage's (and expert rank's) tensors renamed to the full model's layer and
+expert numbers and gathered (`layout.py`), so the converter sees the full-depth adapter.
 """
 
 from __future__ import annotations
@@ -48,19 +52,23 @@ from services.common import lora_targets
 from services.common.adapter_io import DTYPES
 from services.common.megatron_to_hf import ModelShape
 from services.common.models import resolve_device
+from services.config.megatron_layout import model_problems
 from services.config.rules import check_megatron
 from services.config.schema import LorabusConfig
 from services.trainer.engines.base import StepStats, lora_spec, make_optimizer
 from services.trainer.engines.megatron import checkpoint as shards
+from services.trainer.engines.megatron import pipeline as mpipe
 from services.trainer.engines.megatron import step as mstep
 from services.trainer.engines.megatron.bridge_import import have_transformer_engine, import_bridge
+from services.trainer.engines.megatron.cpu import cuda_factories_on_cpu, route_cuda_to_cpu
 from services.trainer.engines.megatron.deps import require
+from services.trainer.engines.megatron.layout import assemble, globalize, layer_offset
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.engines.megatron.state import (
     adapter_named_parameters,
     megatron_targets,
-    merge_tp,
     to_hf,
+    tp_split,
 )
 from services.trainer.schedule import make_scheduler
 
@@ -70,6 +78,7 @@ from megatron.bridge import AutoBridge  # noqa: E402
 from megatron.bridge.models.gpt_provider import local_layer_spec  # noqa: E402
 from megatron.bridge.peft.lora import LoRA  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +91,7 @@ def _free_port() -> int:
 
 def init_megatron(cfg: LorabusConfig) -> torch.device:
     """Join (or, outside torchrun, create a one-rank) process group and Megatron's parallel state:
-    NCCL on CUDA; gloo on CPU, which is for tests (megatron-core's RoPE calls
-    `torch.cuda.current_device()` in every forward, which a CPU test must route to "cpu")."""
+    NCCL on CUDA; gloo on CPU, which is for tests (megatron-core's CUDA calls routed, `cpu.py`)."""
     device = resolve_device(cfg.actor.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -93,26 +101,18 @@ def init_megatron(cfg: LorabusConfig) -> torch.device:
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif device.type != "cpu":
+    elif device.type == "cpu":
+        route_cuda_to_cpu()
+    else:
         raise ValueError(f"actor.device: {cfg.actor.device!r}, the Megatron engine runs on cuda (or cpu for tests)")
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     m = cfg.actor.megatron
-    if m.pipeline_model_parallel_size != 1:
-        raise ValueError(
-            "actor.megatron.pipeline_model_parallel_size: only 1 is supported by the lorabus "
-            "Megatron engine (its step does not run Megatron's pipeline schedule)"
-        )
-    if m.expert_model_parallel_size != 1:
-        raise ValueError(
-            "actor.megatron.expert_model_parallel_size: only 1 is supported by the lorabus "
-            "Megatron engine (expert adapter gradients would need the expert-data group)"
-        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=m.tensor_model_parallel_size,
-            pipeline_model_parallel_size=1,
-            expert_model_parallel_size=1,
+            pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+            expert_model_parallel_size=m.expert_model_parallel_size,
         )
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.actor.seed)
@@ -126,10 +126,22 @@ def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, de
     """Parallel sizes, dtypes and, without Transformer Engine, megatron-core's local layer spec
     with the fusions that need TE or CUDA extensions off (`LoRA` then wraps plain
     Column/RowParallelLinear layers: the TE op fuser is never asked for)."""
-    provider.tensor_model_parallel_size = cfg.actor.megatron.tensor_model_parallel_size
-    provider.pipeline_model_parallel_size = 1
-    provider.expert_model_parallel_size = 1
+    m = cfg.actor.megatron
+    provider.tensor_model_parallel_size = m.tensor_model_parallel_size
+    provider.pipeline_model_parallel_size = m.pipeline_model_parallel_size
+    provider.expert_model_parallel_size = m.expert_model_parallel_size
     provider.gradient_accumulation_fusion = False
+    if m.pipeline_model_parallel_size > 1:
+        # micro-batches differ in rows and length: stages exchange shapes before tensors; each
+        # micro-batch's loss is already its share of the batch (no division by the schedule)
+        provider.variable_seq_lengths = True
+        provider.calculate_per_token_loss = True
+        # plain isend/irecv pairs: what gloo runs natively (batched p2p adds a CUDA sync)
+        provider.batch_p2p_comm = device.type == "cuda"
+        if not getattr(provider, "num_moe_experts", None):
+            # megatron-core refuses variable lengths with its default allgather dispatcher even
+            # for a dense model, which has no dispatcher at all
+            provider.moe_token_dispatcher_type = "alltoall"
     if cfg.actor.disable_dropout:
         provider.hidden_dropout = 0.0
         provider.attention_dropout = 0.0
@@ -167,7 +179,7 @@ class MegatronEngine:
                 "base: the Megatron engine builds its model from actor.path with "
                 "megatron-bridge; an in-memory HF model cannot be passed"
             )
-        problems = check_megatron(cfg)
+        problems = check_megatron(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg, self.actor, self.pad_id = cfg, cfg.actor, pad_id
@@ -182,6 +194,12 @@ class MegatronEngine:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.last_stage_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         dtype = DTYPES[self.actor.dtype]  # the base's and the published adapter's
 
         torch.manual_seed(self.actor.seed)  # identical LoRA A init on every DP replica
@@ -189,6 +207,10 @@ class MegatronEngine:
         hf_config = bridge.hf_pretrained.config
         self.shape = ModelShape.from_hf_config(hf_config)
         self.vocab_size = int(hf_config.vocab_size)
+        experts = getattr(hf_config, "num_experts", None)
+        problems = model_problems(cfg.actor.megatron, int(hf_config.num_hidden_layers), experts)
+        if problems:
+            raise ValueError("; ".join(problems))
         provider = bridge.to_megatron_provider(load_weights=True)
         configure_provider(provider, cfg, dtype, self.device)
         provider.finalize()
@@ -205,10 +227,13 @@ class MegatronEngine:
         if hasattr(self.lora, "set_params_to_save"):
             self.lora.set_params_to_save(chunks)
         if len(chunks) != 1:
-            raise RuntimeError(f"expected one model chunk without pipeline parallelism, got {len(chunks)}")
+            raise RuntimeError(f"expected one model chunk (no virtual pipeline stages), got {len(chunks)}")
         self.model = chunks[0]
         self.model.train()
         named = adapter_named_parameters(self.model.named_parameters())
+        # this rank's layers and experts in the full model's numbering (layout.py)
+        self.layer_offset = layer_offset([layer.layer_number for layer in _decoder(self.model).layers])
+        self.expert_offset = self.ep_rank * (experts or 0) // self.ep_size
         self.optimizer = MasterAdapterOptimizer(
             named,
             lambda params: make_optimizer(params, cfg),
@@ -220,8 +245,10 @@ class MegatronEngine:
         self._lora = lora_spec(self.actor, lora_targets.to_hf(self.targets))
         self._serving = dtype
         log.info(
-            "megatron engine: tp %d dp %d, %d adapter tensors on %s",
+            "megatron engine: tp %d pp %d ep %d dp %d, %d adapter tensors on %s",
             self.tp_size,
+            self.pp_size,
+            self.ep_size,
             self.dp_size,
             len(named),
             ", ".join(self.targets),
@@ -230,11 +257,27 @@ class MegatronEngine:
     # --- the step ------------------------------------------------------------------------
 
     def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
-        stats = mstep.train_step(
-            self.model,
-            self.optimizer,
-            groups,
-            head_version,
+        if self.pp_size > 1:
+            stats = mpipe.train_step(
+                self.model,
+                self.optimizer,
+                groups,
+                head_version,
+                schedule=get_forward_backward_func(),
+                schedule_context=cuda_factories_on_cpu,
+                is_last_stage=self.is_last_stage,
+                last_stage_rank=self.last_stage_rank,
+                pp_group=self.pp_group,
+                **self._step_args(),
+            )
+        else:
+            stats = mstep.train_step(self.model, self.optimizer, groups, head_version, **self._step_args())
+        self.scheduler.step()
+        self.step += 1
+        return stats
+
+    def _step_args(self) -> dict[str, Any]:
+        return dict(
             ppo=self.actor.ppo,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
@@ -248,20 +291,36 @@ class MegatronEngine:
             lr=float(self.scheduler.get_last_lr()[0]),
             cross_entropy=tensor_parallel.vocab_parallel_cross_entropy,
         )
-        self.scheduler.step()
-        self.step += 1
-        return stats
 
     # --- adapter and checkpoint state ----------------------------------------------------
 
     def bridge_adapter_state(self) -> dict[str, torch.Tensor]:
-        """The whole adapter in bridge naming, fp32, on CPU (a collective over the TP group)."""
-        local = self.optimizer.master_state()
-        if self.tp_size == 1:
+        """The whole adapter in bridge naming and the full model's layer and expert numbers,
+        fp32, on CPU; a collective over every rank (each holds its stage's, expert rank's and
+        TP slice's tensors: `layout.assemble`)."""
+        local = globalize(self.optimizer.master_state(), self.layer_offset, self.expert_offset)
+        if self.world_size == 1:
             return local
-        gathered: list = [None] * self.tp_size
-        dist.all_gather_object(gathered, local, group=self.tp_group)
-        return merge_tp(gathered)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (tp_rank, local))
+        return assemble(gathered, self.tp_size)
+
+    def load_bridge_adapter(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the adapter from a whole one in bridge naming (full-model numbers, as
+        `bridge_adapter_state` gives): each rank takes its stage's, experts' and TP slice's
+        tensors, into the fp32 masters and the model."""
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        opt = self.optimizer
+        names = list(globalize(dict.fromkeys(opt.names, torch.empty(0)), self.layer_offset, self.expert_offset))
+        with torch.no_grad():
+            for name, master, param in zip(names, opt.masters, opt.params):
+                if name not in state:
+                    raise ValueError(f"state: has no {name}; pass the whole adapter of this model and targets")
+                part = tp_split(name, state[name], self.tp_size)[tp_rank]
+                master.copy_(part.to(master.device, master.dtype))
+                if param is not master:
+                    param.copy_(master.to(param.dtype))
 
     def adapter_state(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The whole adapter as PEFT-standard tensors in the serving dtype (`lora_spec().dtype`),
@@ -273,7 +332,14 @@ class MegatronEngine:
         return self._lora
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "rank": self.rank, "tp": self.tp_size, "pp": 1, "dp": self.dp_size}
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "tp": self.tp_size,
+            "pp": self.pp_size,
+            "ep": self.ep_size,
+            "dp": self.dp_size,
+        }
 
     def optimizer_state(self) -> dict[str, Any]:
         """Writes this rank's shard and returns the reference the service checkpoint stores."""
@@ -306,3 +372,11 @@ class MegatronEngine:
         self.step = step
         for _ in range(step):
             self.scheduler.step()
+
+
+def _decoder(model: nn.Module) -> Any:
+    """The GPTModel's TransformerBlock under the Float16Module wrapper, if any."""
+    inner: Any = model
+    while not hasattr(inner, "decoder") and hasattr(inner, "module"):
+        inner = inner.module
+    return inner.decoder

@@ -42,6 +42,28 @@ def causal_mask(length: int, device: torch.device | str) -> Tensor:
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
 
 
+def model_inputs(mb: batching.MicroBatch, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids, position_ids, attention_mask) as `GPTModel.forward` takes them."""
+    input_ids = mb.input_ids.to(device)
+    b, length = input_ids.shape
+    position_ids = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)
+    return input_ids, position_ids, causal_mask(length, device)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    mb: batching.MicroBatch,
+    device: torch.device | str,
+    temperature: float,
+    cross_entropy: CrossEntropy = local_cross_entropy,
+) -> Tensor:
+    """log pi(target) on the micro-batch's target columns from the model's logits [b, s, V]."""
+    length, width = mb.input_ids.shape[1], mb.targets.shape[1]
+    # the logit at position t predicts token t + 1
+    logits = logits[:, length - width - 1 : length - 1].float() / temperature
+    return -cross_entropy(logits, mb.targets.to(device))
+
+
 def target_logprobs(
     model: nn.Module,
     mb: batching.MicroBatch,
@@ -50,14 +72,41 @@ def target_logprobs(
     cross_entropy: CrossEntropy = local_cross_entropy,
 ) -> Tensor:
     """log pi(target) on the micro-batch's target columns, sampling temperature applied."""
-    input_ids = mb.input_ids.to(device)
-    b, length = input_ids.shape
-    position_ids = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)
-    logits = model(input_ids, position_ids, causal_mask(length, device))
-    width = mb.targets.shape[1]
-    # the logit at position t predicts token t + 1
-    logits = logits[:, length - width - 1 : length - 1].float() / temperature
-    return -cross_entropy(logits, mb.targets.to(device))
+    logits = model(*model_inputs(mb, device))
+    return logprobs_from_logits(logits, mb, device, temperature, cross_entropy)
+
+
+def plan_step(
+    groups: list[Trajectory], ppo: PPOConfig, dp_rank: int, dp_size: int, max_tokens: int, pad_id: int
+) -> list[list[batching.MicroBatch]]:
+    """This data-parallel rank's collated micro-batches, one list per optimiser update."""
+    samples = batching.to_samples(groups, ppo)
+    if not samples:
+        raise ValueError("train_step: every completion in the batch is empty")
+    minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss)
+    return [
+        [batching.collate(mb, pad_id) for mb in batching.plan_micro_batches(minibatch, dp_rank, dp_size, max_tokens)]
+        for minibatch in minibatches
+    ]
+
+
+def micro_batch_loss(
+    lp: Tensor, prox: Tensor, mb: batching.MicroBatch, head_version: int, ppo: PPOConfig, device: torch.device | str
+) -> tuple[Tensor, LossStats]:
+    """The decoupled PPO loss of one micro-batch: its share of the whole batch's loss."""
+    return decoupled_ppo_loss(
+        lp,
+        prox,
+        mb.behave_logprobs.to(device),
+        mb.advantages.to(device),
+        mb.loss_weights.to(device),
+        eps_clip=ppo.eps_clip,
+        eps_clip_higher=ppo.eps_clip_higher,
+        imp_weight_cap=ppo.behav_imp_weight_cap,
+        imp_weight_mode=ppo.behav_imp_weight_mode,
+        use_decoupled_loss=ppo.use_decoupled_loss,
+        staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
+    )
 
 
 def train_step(
@@ -81,14 +130,7 @@ def train_step(
 ) -> StepStats:
     """Proximal logprobs with no grad, then `ppo.ppo_n_minibatches` optimiser updates."""
     t0 = time.perf_counter()
-    samples = batching.to_samples(groups, ppo)
-    if not samples:
-        raise ValueError("train_step: every completion in the batch is empty")
-    minibatches = batching.split_minibatches(samples, ppo.ppo_n_minibatches, token_level=ppo.token_level_loss)
-    plans = [
-        [batching.collate(mb, pad_id) for mb in batching.plan_micro_batches(minibatch, dp_rank, dp_size, max_tokens)]
-        for minibatch in minibatches
-    ]
+    plans = plan_step(groups, ppo, dp_rank, dp_size, max_tokens, pad_id)
     with torch.no_grad():
         prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan] for plan in plans]
 
@@ -97,19 +139,7 @@ def train_step(
         optimizer.zero_grad()
         for mb, mb_prox in zip(plan, plan_prox):
             lp = target_logprobs(model, mb, device, temperature, cross_entropy)
-            loss, mb_stats = decoupled_ppo_loss(
-                lp,
-                mb_prox,
-                mb.behave_logprobs.to(device),
-                mb.advantages.to(device),
-                mb.loss_weights.to(device),
-                eps_clip=ppo.eps_clip,
-                eps_clip_higher=ppo.eps_clip_higher,
-                imp_weight_cap=ppo.behav_imp_weight_cap,
-                imp_weight_mode=ppo.behav_imp_weight_mode,
-                use_decoupled_loss=ppo.use_decoupled_loss,
-                staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
-            )
+            loss, mb_stats = micro_batch_loss(lp, mb_prox, mb, head_version, ppo, device)
             loss.backward()
             loss_total += loss.item()
             stats = stats + mb_stats
