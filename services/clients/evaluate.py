@@ -2,7 +2,12 @@
 
 It is not part of the training loop: it only reads `export.v<N>.done` events, loads the PEFT
 directory with plain `peft.PeftModel.from_pretrained` on the base model, runs a scoring hook and
-publishes an `EvalResult`. The `evaluator` config section says where the base model runs
+publishes an `EvalResult`. Like the exporter it serves every run of its fleet (a `RunHost`
+following the run table, in every state, so a stopped run's last exports are scored too): one
+base model for the process, and per run an `EvalWorker` with the run's config (its
+`valid_dataset`, reward and export location), its own durable on the run's EXPORTS stream and its
+results and metrics under the run. A bus user that cannot read the run table scores its own run
+alone, as before fleets. The `evaluator` config section says where the base model runs
 (device, dtype), how many held-out prompts and how many per batch, and which versions to score
 (`services.clients.eval_policy`: every one, every Nth, or the newest when it falls behind; the
 last version always). The default hook is greedy held-out accuracy on `valid_dataset` with the
@@ -16,6 +21,7 @@ import asyncio
 import importlib
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -25,6 +31,7 @@ import torch
 from proto import messages as m
 from proto import subjects
 from services.common import entry
+from services.common.bus import Bus
 from services.config.schema import LorabusConfig
 
 log = logging.getLogger("lorabus.evaluate")
@@ -79,40 +86,59 @@ def heldout_reward(model, tokenizer, prompts, cfg: LorabusConfig) -> tuple[str, 
     return "heldout_reward", sum(rewards) / max(len(rewards), 1)
 
 
-class Evaluator:
-    """Holds the base model once; each version is a fresh PeftModel over it."""
+class SharedBase:
+    """The base model and tokenizer of a fleet, loaded once per process. Scoring wraps this one
+    model in a PeftModel and unwraps it again, so versions are scored one at a time (`lock`),
+    whichever run they belong to."""
 
-    def __init__(self, cfg: LorabusConfig, hook) -> None:
-        from services.common.data import load_prompts
+    def __init__(self, cfg: LorabusConfig) -> None:
         from services.common.models import load_base_model, load_tokenizer
+
+        e = cfg.evaluator
+        self.tokenizer = load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
+        self.dtype = cfg.rollout.dtype if e.dtype == "auto" else e.dtype
+        self.model = load_base_model(cfg.actor.path, self.dtype, e.device)
+        self.model.eval()
+        self.lock = threading.Lock()
+
+
+class Evaluator:
+    """One run's scorer: its held-out prompts and config over the shared base; each version is
+    a fresh PeftModel over it. `for_run` makes another run's over the same base."""
+
+    def __init__(self, cfg: LorabusConfig, hook, shared: SharedBase | None = None) -> None:
+        from services.common.data import load_prompts
 
         self.cfg = cfg
         self.hook = hook
+        self.shared = shared if shared is not None else SharedBase(cfg)
         e = cfg.evaluator
-        self.tokenizer = load_tokenizer(cfg.actor.tokenizer_path or cfg.actor.path)
-        dtype = cfg.rollout.dtype if e.dtype == "auto" else e.dtype
-        self.base = load_base_model(cfg.actor.path, dtype, e.device)
-        self.base.eval()
         self.prompts = load_prompts(cfg.valid_dataset)[: e.max_prompts]
         log.info(
-            "base model on %s in %s; %d held-out prompts, batches of %d; scoring %s",
-            self.base.device,
-            dtype,
+            "run %s: base model on %s in %s; %d held-out prompts, batches of %d; scoring %s",
+            cfg.run,
+            self.shared.model.device,
+            self.shared.dtype,
             len(self.prompts),
             e.batch_size,
             e.versions if e.versions != "every_nth" else f"every {e.nth}th version",
         )
 
+    def for_run(self, cfg: LorabusConfig) -> Evaluator:
+        """Another run of the fleet (the same base: `actor.path` is a fleet setting)."""
+        return Evaluator(cfg, self.hook, self.shared)
+
     def score(self, directory: Path) -> tuple[str, float]:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(self.base, str(directory))
-        model.eval()
-        try:
-            return self.hook(model, self.tokenizer, self.prompts, self.cfg)
-        finally:
-            # unload() hands back the base without the LoRA layers so the next version starts clean
-            self.base = model.unload()
+        with self.shared.lock:
+            model = PeftModel.from_pretrained(self.shared.model, str(directory))
+            model.eval()
+            try:
+                return self.hook(model, self.shared.tokenizer, self.prompts, self.cfg)
+            finally:
+                # unload() hands back the base without the LoRA layers so the next version starts clean
+                self.shared.model = model.unload()
 
 
 def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path:
@@ -135,76 +161,114 @@ def local_dir(uri: str, cfg: LorabusConfig, version: int, scratch: Path) -> Path
     return target
 
 
+class EvalWorker:
+    """One run's versions scored (a `RunWorker` of the evaluator's `RunHost`): its durable
+    `eval-<name>` on the run's EXPORTS stream, results on the run's eval subject."""
+
+    def __init__(self, cfg: LorabusConfig, bus: Bus, evaluator: Evaluator, name: str) -> None:
+        self.cfg, self.bus, self.evaluator, self.name = cfg, bus, evaluator, name
+        self.scratch = Path(cfg.run_dir) / name
+
+    async def start(self) -> None:
+        from services.common import streams
+
+        await self.bus.consume(
+            streams.EXPORTS(self.cfg.run),
+            f"eval-{self.name}",
+            m.ExportDone,
+            self.on_export,
+            batch=1,
+            # kept alive while scoring: a killed evaluator's version comes back this soon
+            ack_wait_s=streams.ACK_WAIT_S,
+        )
+
+    async def drain(self) -> None:
+        """Nothing to wait for: the host retires runs only when the process stops, and a version
+        whose score was not published is not acked, so it comes back to the next evaluator."""
+
+    async def close(self) -> None:
+        """Nothing of its own to release: the base is the process's, the consumer the view's."""
+
+    def own_export(self, event: m.ExportDone) -> bool:
+        from services.exporter.peft_dir import version_uri
+
+        cfg = self.cfg
+        return event.run == cfg.run and event.uri.rstrip("/") == version_uri(cfg.exporter.uri, event.version)
+
+    async def newest_exported(self, version: int) -> int:
+        from services.common import streams
+
+        if self.cfg.evaluator.versions != "newest":
+            return version  # the other policies do not look ahead
+        last: m.ExportDone | None = await self.bus.last(streams.EXPORTS(self.cfg.run), m.ExportDone)
+        if last is None or not self.own_export(last):  # a stranger's "export" decides nothing
+            return version
+        return max(version, last.version)
+
+    async def on_export(self, event: m.ExportDone, _meta) -> None:
+        from services.clients import eval_policy, metrics
+        from services.common.bus import Refused
+
+        cfg, name = self.cfg, self.name
+        if not self.own_export(event):
+            raise Refused(f"export v{event.version}: {event.uri} is not the run's export of it")
+        newest = await self.newest_exported(event.version)
+        if not eval_policy.should_score(cfg.evaluator, event.version, newest, cfg.total_train_steps):
+            log.info("run %s: v%d skipped (evaluator.versions %s; newest exported v%d)",
+                     cfg.run, event.version, cfg.evaluator.versions, newest)  # fmt: skip
+            return
+        directory = local_dir(event.uri, cfg, event.version, self.scratch)
+        started = time.monotonic()
+        metric, score = await asyncio.to_thread(self.evaluator.score, directory)
+        elapsed = time.monotonic() - started
+        log.info("run %s: v%d %s=%.4f (%.1f s)", cfg.run, event.version, metric, score, elapsed)
+        metrics.EVAL_SECONDS.labels(cfg.run, name).observe(elapsed)
+        metrics.EVAL_SCORE.labels(cfg.run, name, metric).set(score)
+        metrics.EVAL_VERSION.labels(cfg.run, name).set(event.version)
+        result = m.EvalResult(
+            run=cfg.run,
+            evaluator=name,
+            version=event.version,
+            metric=metric,
+            score=float(score),
+            n=len(self.evaluator.prompts),
+            evaluated_at=time.time(),
+        )
+        await self.bus.publish(subjects.eval_result(cfg.run, name), result, msg_id=f"eval-{name}-v{event.version}")
+
+
+async def keep_serving(bus: Bus, fleet: str, run: str, service: str, fault: BaseException) -> bool:
+    """A run the evaluator cannot score (its held-out data, its reward) is logged, never stopped:
+    scoring is not part of training, and the evaluator user may not stop runs."""
+    log.error("%s: run %s of fleet %s is not scored: %s", service, run, fleet, fault)
+    return False
+
+
 async def run(cfg: LorabusConfig, hook_spec: str, evaluator_name: str) -> int:
-    from services.clients import eval_policy, metrics
-    from services.common import streams
     from services.common.metrics import start_metrics_server
-    from services.exporter.peft_dir import version_uri
+    from services.common.run_host import ALL_STATES, RunHost
 
     hook = load_hook(hook_spec)
     evaluator = await asyncio.to_thread(Evaluator, cfg, hook)
     port = start_metrics_server(cfg.metrics)
     log.info("metrics on :%d/metrics", port)
-    scratch = Path(cfg.run_dir) / evaluator_name
     stop = entry.stop_event()
     async with entry.connected(cfg, evaluator_name) as bus:
 
-        async def newest_exported(version: int) -> int:
-            if cfg.evaluator.versions != "newest":
-                return version  # the other policies do not look ahead
-            last: m.ExportDone | None = await bus.last(streams.EXPORTS(cfg.run), m.ExportDone)
-            if last is None or not own_export(last):  # a stranger's "export" decides nothing
-                return version
-            return max(version, last.version)
+        async def make(run_cfg: LorabusConfig, run_bus: Bus) -> EvalWorker:
+            # another run's held-out prompts are read off the event loop, as the own run's were
+            scorer = evaluator if run_cfg.run == cfg.run else await asyncio.to_thread(evaluator.for_run, run_cfg)
+            return EvalWorker(run_cfg, run_bus, scorer, evaluator_name)
 
-        def own_export(event: m.ExportDone) -> bool:
-            return event.run == cfg.run and event.uri.rstrip("/") == version_uri(cfg.exporter.uri, event.version)
-
-        async def on_export(event: m.ExportDone, _meta) -> None:
-            from services.common.bus import Refused
-
-            if not own_export(event):
-                raise Refused(f"export v{event.version}: {event.uri} is not the run's export of it")
-            newest = await newest_exported(event.version)
-            if not eval_policy.should_score(cfg.evaluator, event.version, newest, cfg.total_train_steps):
-                log.info(
-                    "v%d skipped (evaluator.versions %s; newest exported v%d)",
-                    event.version,
-                    cfg.evaluator.versions,
-                    newest,
-                )
-                return
-            directory = local_dir(event.uri, cfg, event.version, scratch)
-            started = time.monotonic()
-            metric, score = await asyncio.to_thread(evaluator.score, directory)
-            elapsed = time.monotonic() - started
-            log.info("v%d %s=%.4f (%.1f s)", event.version, metric, score, elapsed)
-            metrics.EVAL_SECONDS.labels(cfg.run, evaluator_name).observe(elapsed)
-            metrics.EVAL_SCORE.labels(cfg.run, evaluator_name, metric).set(score)
-            metrics.EVAL_VERSION.labels(cfg.run, evaluator_name).set(event.version)
-            result = m.EvalResult(
-                run=cfg.run,
-                evaluator=evaluator_name,
-                version=event.version,
-                metric=metric,
-                score=float(score),
-                n=len(evaluator.prompts),
-                evaluated_at=time.time(),
-            )
-            await bus.publish(
-                subjects.eval_result(cfg.run, evaluator_name), result, msg_id=f"eval-{evaluator_name}-v{event.version}"
-            )
-
-        await bus.consume(
-            streams.EXPORTS(cfg.run),
-            f"eval-{evaluator_name}",
-            m.ExportDone,
-            on_export,
-            batch=1,
-            # kept alive while scoring: a killed evaluator's version comes back this soon
-            ack_wait_s=streams.ACK_WAIT_S,
+        # every state opens (a stopped or finished run's exports are still scored), none ends
+        host = RunHost(
+            cfg, bus, make, name=f"evaluator {evaluator_name}", opens=ALL_STATES, ends=(), report=keep_serving
         )
-        await stop.wait()
+        await host.start()
+        try:
+            await stop.wait()
+        finally:
+            await host.close()
     return 0
 
 

@@ -220,9 +220,9 @@ async def test_trainer_publishes_adapter_event_to_jetstream(server, passwords, r
         await trainer.close()
 
 
-async def test_trainer_and_exporter_follow_the_run_table(server, passwords, run, registry):
+async def test_trainer_exporter_and_evaluator_follow_the_run_table(server, passwords, run, registry):
     await streams_ready(server, passwords, run, registry)
-    for user in ("trainer", "exporter"):
+    for user in ("trainer", "exporter", "evaluator"):
         bus = await connect(server, passwords, user, run, user)
         try:
             records: list[m.RunRecord] = []
