@@ -41,7 +41,7 @@ from proto import subjects
 from services.common.run_table import RunTable
 from services.config.loader import load_config
 from services.config.schema import LorabusConfig
-from services.local import inference_servers, processes
+from services.local import inference_servers, processes, trainer_site
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.outcome import Outcome, exit_status, resume_hint
 from services.local.ports import free_port
@@ -460,13 +460,17 @@ async def deploy(
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     try:
         plans = inference_servers.plan_servers(cfg, run_dir, python, args.server_site) if python is not None else []
-    except inference_servers.CannotStartServers as exc:
+        site = trainer_site.trainer_site(cfg, args.trainer_site)
+    except (inference_servers.CannotStartServers, trainer_site.BadTrainerSite) as exc:
         print(f"lorabus up: {exc}", file=sys.stderr)
         return 2
     # servers first: stopped last
     children = server_children(plans, run_dir) + child_commands(
         cfg, args.config, overrides, run_dir, args.evaluate, plans
     )
+    if site is not None:
+        print(f"lorabus up: the trainer imports megatron-core/megatron-bridge from {site}")
+        trainer_site.give_trainer(children, site)
     dep = Deployment(children, env, run_dir, nats)
     assign_metrics_ports([c for c in children if not c.server], run_dir)
     print(f"lorabus up: run {cfg.run} in {run_dir} (bus {cfg.bus.url})")
@@ -501,6 +505,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--sglang-python", help="rollout.engine sglang without server_urls: a python with SGLang")
     p.add_argument("--server-site", help="a pip --target site of vLLM/SGLang, on the servers' PYTHONPATH only")
+    p.add_argument(
+        "--trainer-site",
+        help="a pip --target site with megatron-core/megatron-bridge, on the trainer's PYTHONPATH only "
+        f"(actor.backend megatron; default {trainer_site.DEFAULT_MEGATRON_SITE} if the launcher lacks them)",
+    )
     p.add_argument("--server-timeout", type=float, default=300.0, help="seconds the servers may take to become healthy")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return p.parse_args(argv)
