@@ -19,7 +19,10 @@ a version is withdrawn at once (left out of `loaded()`, so no grant pins it agai
 unpinned and loaded again by the verify-first path.
 
 Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
-versions still admissible, so a grant's version is served again rather than dropped.
+versions still admissible, so a grant's version is served again rather than dropped. A version
+loaded again is checked against its canary as on its first load: a restarted server may come
+back answering a name with other weights (the base, another copy); one that fails is withdrawn
+and dropped from the replica, which goes on with the versions that passed.
 
 The work side (`service.RolloutService`) pins versions in `book`, waits on `changed`, and
 calls `restore()` when a generation finds its version gone.
@@ -421,7 +424,7 @@ class AdapterFollower:
             return []
         # _collecting: no unload of a version while we decide whether to bring it back
         async with self._restoring, self._collecting:
-            admissible = set(self.book.loaded())
+            admissible = set(self.loaded())
             if self._loading is not None:
                 admissible.add(self._loading)
             restored: list[int] = []
@@ -435,6 +438,8 @@ class AdapterFollower:
             for version in self.book.loaded():
                 ev = self._events.get(version)
                 if version in serving or version in restored or version == self._loading or ev is None:
+                    continue
+                if version in self._withdrawn:  # on its way out (a failed check): not brought back
                     continue
                 try:
                     data = await asyncio.to_thread(self.fetch, ev)
@@ -451,11 +456,38 @@ class AdapterFollower:
                     )
                     continue
                 restored.append(version)
+            checked = []
             for version in restored:
                 self._restore_failures.pop(version, None)
+                ev = self._events.get(version)
+                try:
+                    canary_s = await self._canary(ev) if ev is not None else None
+                except canary.CanaryFailed as exc:
+                    self._withdrawn.add(version)  # no grant pins it from here on
+                    log.error("rollout %s: v%d re-loaded, then withdrawn: %s", self.replica, version, exc)
+                    metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
+                    await self._report_failed(version, exc, attempt=1, will_retry=False, tag="rc",
+                                              context="re-loaded after the server forgot it: ")  # fmt: skip
+                    task = asyncio.create_task(self._drop(version))
+                    self._settling.add(task)
+                    task.add_done_callback(self._settling.discard)
+                    continue
+                checked.append(version)
                 log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
-                await self._report_loaded(version, "object", load_seconds=0.0, loaded_at=time.time(), kind="reloaded")
-            return restored
+                await self._report_loaded(version, "object", load_seconds=0.0, loaded_at=time.time(), kind="reloaded",
+                                          canary_seconds=canary_s)  # fmt: skip
+            return checked
+
+    async def _drop(self, version: int) -> None:
+        """Take a withdrawn version off the book once no request pins it (the engine has
+        already let it go)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.book.pins(version))
+            if version in self.book.loaded():
+                self.book.mark_unloaded(version)
+            self._withdrawn.discard(version)
+            self._sha256.pop(version, None)
+            self.changed.notify_all()
 
     async def watch_engine_loop(self, stop: asyncio.Event) -> None:
         if getattr(self.engine, "reload_missing", None) is None:

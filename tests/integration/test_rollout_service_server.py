@@ -22,11 +22,12 @@ from proto.messages import (
     AdapterReady,
     AdmissionGrant,
     AdmissionRequest,
+    Canary,
     ObjectPayload,
     RolloutReport,
     Trajectory,
 )
-from services.common import models
+from services.common import adapter_io, models
 from services.common.bus import Bus
 from services.common.data import Prompt
 from services.common.store import LocalStore
@@ -43,6 +44,7 @@ from services.rollout.__main__ import fetcher
 from services.rollout.engines.http import AdapterDirs, Http
 from services.rollout.engines.sglang import SglangEngine
 from services.rollout.service import RolloutService
+from services.trainer import canary as trainer_canary
 from tests.fixtures.sglang_server import ServerArgs, SglangProtocolServer
 from tests.fixtures.vllm import TINY_MODEL, make_adapter
 from tests.fixtures.waiting import wait_until
@@ -105,7 +107,17 @@ class Run:
         await self.bus.subscribe(subjects.trajectory_all(self.id), Trajectory, on_trajectory)
         await self.bus.serve(subjects.admission(self.id), AdmissionRequest, admission)
 
-    async def publish(self, version: int) -> None:
+    def canary(self, version: int) -> Canary:
+        """The trainer's canary of `version`: transformers + peft on its weights."""
+        from peft import PeftModel
+
+        d = AdapterDirs(LORA, self.tmp / "canary").local(version)
+        adapter_io.write_peft_dir(d, *self.adapters[version])
+        model = PeftModel.from_pretrained(models.load_base_model(TINY_MODEL), str(d)).eval()
+        prompt_ids = trainer_canary.prompts(model.config.vocab_size, seed=self.cfg.seed, n=4, length=6)
+        return trainer_canary.reference(model, prompt_ids, "float32")
+
+    async def publish(self, version: int, with_canary: bool = False) -> None:
         data, spec = self.adapters[version]
         ref = self.store.put_bytes(f"{self.id}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
@@ -117,6 +129,7 @@ class Run:
             created_at=time.time(),
             lora=spec,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
+            canary=self.canary(version) if with_canary else None,
         )
         await self.bus.publish(subjects.adapter_ready(self.id, version), ev, msg_id=f"{self.id}-v{version}")
 
@@ -219,3 +232,48 @@ async def test_server_down_then_restarted(nats_url, tmp_path, watch):
             await server.stop()
         await run.bus.close()
     run.check_attribution(run.trajectories)
+
+
+async def test_a_version_the_restarted_server_answers_with_other_weights_is_withdrawn(nats_url, tmp_path):
+    """Issue 28: the canary after a server restart. Both versions pass their canary on the first
+    load; the server is restarted and comes back answering v1's name with the base model (a LoRA
+    request dropped after the restart). The re-load of v0 passes its canary again; v1's fails:
+    it is reported with the figures, never served again on this replica, which goes on with v0."""
+    run = Run(nats_url, tmp_path, heartbeat_s=0.3)
+    run.adapters = {v: make_adapter(rank=8, seed=40 + v, scale=3.0) for v in range(2)}
+    await run.start()
+    port = free_port()
+    engine, service = run.service(f"http://127.0.0.1:{port}")
+    server = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
+    await server.start(port=port)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await run.publish(0, with_canary=True)
+        await until(lambda: run.of(AdapterLoaded, version=0), what="v0 loaded, its canary passed")
+        await run.publish(1, with_canary=True)
+        await until(lambda: run.of(AdapterLoaded, version=1), what="v1 loaded, its canary passed")
+        assert all(r.canary_seconds is not None for r in run.of(AdapterLoaded))
+        await server.stop()
+        server = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
+        answer_as = server._adapter
+        v1 = AdapterDirs(LORA, "").name(1)
+        server._adapter = lambda name: answer_as(None if name == v1 else name)  # type: ignore[method-assign]
+        await server.start(port=port)
+        await until(lambda: len(run.of(AdapterLoaded, version=0)) == 2, what="v0 re-loaded, its canary passed")
+        await until(
+            lambda: any("canary gap" in r.reason for r in run.of(AdapterFailed, version=1)), what="v1 withdrawn"
+        )
+        failed = [r for r in run.of(AdapterFailed, version=1) if "canary gap" in r.reason][0]
+        assert not failed.will_retry and "re-loaded after the server forgot it" in failed.reason
+        assert len(run.of(AdapterLoaded, version=1)) == 1  # never reported servable again
+        await until(lambda: service.adapters.loaded() == [0], what="v1 off the replica's book")
+        before = len(run.trajectories)
+        await until(lambda: len(run.trajectories) >= before + 4, what="trajectories after the restart")
+        assert {t.oldest_version() for t in run.trajectories[before:]} == {0}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await engine.close()
+        await server.stop()
+        await run.bus.close()
