@@ -41,11 +41,6 @@ def layout_problems(m: MegatronConfig, world: int, world_field: str = "actor.npr
             f"x pipeline = {ep * tp * pp} must divide them (experts are split over data-parallel "
             f"replicas); use an expert size dividing {world // (tp * pp)}"
         )
-    if ep > 1:
-        out.append(
-            f"actor.megatron.expert_model_parallel_size: {ep} is not supported yet: expert adapter "
-            "gradients need the expert-data-parallel reduction (use 1; pipeline stages split a MoE model)"
-        )
     if ep > 1 and tp > 1:
         out.append(
             f"actor.megatron.expert_model_parallel_size: {ep} with tensor_model_parallel_size {tp}: "

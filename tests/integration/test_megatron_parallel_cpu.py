@@ -1,6 +1,9 @@
-"""Pipeline (and expert) parallelism in the Megatron engine on CPU with two gloo ranks: the same
-GRPO steps from the same base and adapter give, to fp32 tolerance, the loss and the gathered
-adapter of a one-rank run.
+"""Pipeline and expert parallelism in the Megatron engine on CPU with two gloo ranks: the same
+GRPO steps from the same base and adapter give, to fp32 tolerance, the loss, the gradient norm
+and the gathered adapter of a one-rank run: a dense Qwen3 in two pipeline stages (megatron-core's
+1F1B schedule, variable-length micro-batches), a Qwen3 MoE with its 4 experts split over two
+expert-parallel ranks (the allgather dispatcher, micro-batches padded to one shape), and the MoE
+in two pipeline stages.
 
 Each run is a child process with the megatron-bridge site `make megatron-env` builds first on
 PYTHONPATH (the venv's transformers is newer than megatron-bridge imports with), as
@@ -168,21 +171,65 @@ def _compare(one: dict, split: dict) -> None:
             torch.testing.assert_close(split[key][name], want, atol=2e-5, rtol=1e-4, msg=name)
 
 
-@needs_site
-@pytest.mark.timeout(300)
-def test_pipeline_two_stages_match_one_rank(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """arch -> (work directory, the one-rank run's results); each arch's run made once."""
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def get(arch: str) -> tuple[Path, dict]:
+        if arch not in runs:
+            work = tmp_path_factory.mktemp(f"megatron-{arch}")
+            runs[arch] = (work, _one_rank(arch, work))
+        return runs[arch]
+
+    return get
+
+
+def _two_ranks(layout: str, arch: str, work: Path) -> dict:
     from tests.fixtures.torchrun import run_torchrun
 
-    one = _one_rank("dense", tmp_path)
-    run_torchrun(__file__, ["pp2", "dense", tmp_path], timeout=240, pythonpath=_site_path())
-    pp = torch.load(tmp_path / "pp2.pt")
+    run_torchrun(__file__, [layout, arch, work], timeout=240, pythonpath=_site_path())
+    return torch.load(work / f"{layout}.pt")
+
+
+def _layers(names) -> set[str]:
+    return {n.split(".")[2] for n in names}
+
+
+@needs_site
+@pytest.mark.timeout(300)
+def test_pipeline_two_stages_match_one_rank(one_rank):
+    work, one = one_rank("dense")
+    pp = _two_ranks("pp2", "dense", work)
     # rank 0 holds the first two of four layers; the published adapter has all four
-    assert {n.split(".")[2] for n in pp["rank0_names"]} == {"0", "1"}
-    assert {n.split(".")[2] for n in pp["bridge"]} == {"0", "1", "2", "3"}
+    assert _layers(pp["rank0_names"]) == {"0", "1"} and _layers(pp["bridge"]) == {"0", "1", "2", "3"}
     assert len(pp["peft"]) == 4 * 7 * 2  # q/k/v/o/gate/up/down, A and B, per layer
     _compare(one, pp)
-    start = torch.load(tmp_path / "start.pt")
+    start = torch.load(work / "start.pt")
     assert any(not torch.equal(start[n], t) for n, t in one["bridge"].items())  # the steps moved it
+
+
+def _experts(names) -> set[str]:
+    return {n.split("local_experts.")[1].split(".")[0] for n in names if "local_experts." in n}
+
+
+@needs_site
+@pytest.mark.timeout(300)
+def test_expert_parallel_two_ranks_match_one_rank(one_rank):
+    work, one = one_rank("moe")
+    ep = _two_ranks("ep2", "moe", work)
+    # rank 0 holds experts 0-1 of 4 (every layer); the published adapter has all four
+    assert _experts(ep["rank0_names"]) == {"0", "1"} and _experts(ep["bridge"]) == {"0", "1", "2", "3"}
+    _compare(one, ep)
+
+
+@needs_site
+@pytest.mark.timeout(300)
+def test_pipeline_two_stages_of_a_moe_model_match_one_rank(one_rank):
+    work, one = one_rank("moe")
+    pp = _two_ranks("pp2", "moe", work)
+    assert _layers(pp["rank0_names"]) == {"0", "1"} and _experts(pp["rank0_names"]) == {"0", "1", "2", "3"}
+    _compare(one, pp)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,18 @@ def mc(tp: int = 1, pp: int = 1, ep: int = 1) -> MegatronConfig:
 def test_layouts_megatron_core_and_the_engine_run_are_accepted():
     assert layout_problems(mc(pp=6), 6) == []
     assert layout_problems(mc(tp=2, pp=2), 8) == []  # d2 t2 p2
+    assert layout_problems(mc(ep=2), 2) == []  # experts split over two data-parallel replicas
+    assert layout_problems(mc(pp=2, ep=2), 4) == []
 
 
 def test_layouts_that_cannot_run_name_the_field_and_the_fix():
     (p,) = layout_problems(mc(pp=6), 4)
     assert p.startswith("actor.nproc_per_node: 4 is not a multiple of tensor x pipeline size 1 x 6 = 6;")
-    p = layout_problems(mc(pp=2, ep=3), 4)[0]
+    (p,) = layout_problems(mc(pp=2, ep=3), 4)
     assert p.startswith("actor.megatron.expert_model_parallel_size: 3 does not fit 4 ranks")
     assert "use an expert size dividing 2" in p
-    assert "expert adapters under tensor parallelism are not supported" in layout_problems(mc(tp=2, ep=2), 4)[-1]
+    (p,) = layout_problems(mc(tp=2, ep=2), 4)
+    assert "expert adapters under tensor parallelism are not supported" in p
     (p,) = layout_problems(mc(pp=0), 1)
     assert p == "actor.megatron.pipeline_model_parallel_size: 0 must be >= 1"
     (p,) = model_problems(mc(pp=3), layers=4, experts=None)

@@ -122,23 +122,40 @@ def init_megatron(cfg: LorabusConfig) -> torch.device:
     return device
 
 
+def fixed_shapes(cfg: LorabusConfig, device: torch.device, moe: bool) -> bool:
+    """Whether the step pads every micro-batch to one shape (`step.fixed_shape_plans`): on CPU
+    a MoE model has the allgather dispatcher, which needs it under pipeline or expert
+    parallelism."""
+    m = cfg.actor.megatron
+    split = m.pipeline_model_parallel_size > 1 or m.expert_model_parallel_size > 1
+    return device.type == "cpu" and moe and split
+
+
 def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Parallel sizes, dtypes and, without Transformer Engine, megatron-core's local layer spec
     with the fusions that need TE or CUDA extensions off (`LoRA` then wraps plain
     Column/RowParallelLinear layers: the TE op fuser is never asked for)."""
     m = cfg.actor.megatron
+    moe = bool(getattr(provider, "num_moe_experts", None))
     provider.tensor_model_parallel_size = m.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = m.pipeline_model_parallel_size
     provider.expert_model_parallel_size = m.expert_model_parallel_size
     provider.gradient_accumulation_fusion = False
+    if moe:
+        # the GRPO loss alone, as the FSDP2 engine optimises (HF's Qwen3-MoE adds its router
+        # loss only with output_router_logits): the router is frozen under LoRA, so the
+        # balancing loss could only push the adapters, and it would make the loss depend on
+        # how tokens are grouped into micro-batches
+        provider.moe_aux_loss_coeff = 0.0
     if m.pipeline_model_parallel_size > 1:
-        # micro-batches differ in rows and length: stages exchange shapes before tensors; each
-        # micro-batch's loss is already its share of the batch (no division by the schedule)
-        provider.variable_seq_lengths = True
+        # micro-batches differ in rows and length: stages exchange shapes before tensors
+        # (unless padded to one shape); each micro-batch's loss is already its share of the
+        # batch (no division by the schedule)
+        provider.variable_seq_lengths = not fixed_shapes(cfg, device, moe)
         provider.calculate_per_token_loss = True
         # plain isend/irecv pairs: what gloo runs natively (batched p2p adds a CUDA sync)
         provider.batch_p2p_comm = device.type == "cuda"
-        if not getattr(provider, "num_moe_experts", None):
+        if not moe:
             # megatron-core refuses variable lengths with its default allgather dispatcher even
             # for a dense model, which has no dispatcher at all
             provider.moe_token_dispatcher_type = "alltoall"
@@ -163,7 +180,7 @@ def configure_provider(provider: Any, cfg: LorabusConfig, dtype: torch.dtype, de
         provider.moe_permute_fusion = False
     if device.type == "cpu" and getattr(provider, "num_moe_experts", None):
         # the alltoall dispatcher makes a CUDA stream when built; allgather is the same routing
-        # at EP 1 without one (CPU is for tests)
+        # without one, given equal token counts on every expert rank (CPU is for tests)
         provider.moe_token_dispatcher_type = "allgather"
     for name in ("hidden_dropout", "attention_dropout"):
         setattr(provider, name, 0.0)  # the step's proximal and trained logprobs must agree
@@ -239,7 +256,10 @@ class MegatronEngine:
             lambda params: make_optimizer(params, cfg),
             dp_group=self.dp_group,
             mp_group=parallel_state.get_model_parallel_group(),
+            expert_dp_group=parallel_state.get_expert_data_parallel_group() if experts else None,
+            expert_mp_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group() if experts else None,
         )
+        self.fixed_shape = fixed_shapes(cfg, self.device, bool(experts))
         self.scheduler = make_scheduler(self.optimizer.optimizer, self.actor.optimizer, cfg.total_train_steps)
         self.step = 0
         self._lora = lora_spec(self.actor, lora_targets.to_hf(self.targets))
@@ -290,6 +310,7 @@ class MegatronEngine:
             step_index=self.step,
             lr=float(self.scheduler.get_last_lr()[0]),
             cross_entropy=tensor_parallel.vocab_parallel_cross_entropy,
+            fixed_shape=self.fixed_shape,
         )
 
     # --- adapter and checkpoint state ----------------------------------------------------

@@ -12,6 +12,13 @@ Collectives are passed in, so the class is plain torch and runs on one CPU proce
 `dp_group` sums gradients over data-parallel replicas (loss weights are already shares of
 the whole batch, so a sum, not a mean, gives the batch gradient); `mp_group` completes the
 gradient norm over tensor/pipeline-parallel slices.
+
+Expert adapters (`.experts.` in the name) under expert parallelism: each expert lives on one
+expert-parallel rank and the token dispatcher brings it every data-parallel rank's tokens, so
+its gradient is already summed over those; it is summed only over `expert_dp_group` (ranks
+holding the same experts for other data), and its share of the norm is completed over
+`expert_mp_group` (expert x tensor x pipeline ranks: each holds different experts).
+Without expert groups, expert adapters are treated as dense ones (expert parallel size 1).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class MasterAdapterOptimizer:
         *,
         dp_group: dist.ProcessGroup | None = None,
         mp_group: dist.ProcessGroup | None = None,
+        expert_dp_group: dist.ProcessGroup | None = None,
+        expert_mp_group: dist.ProcessGroup | None = None,
     ):
         if not named_params:
             raise ValueError("named_params: the adapter has no parameters to optimise")
@@ -46,6 +55,10 @@ class MasterAdapterOptimizer:
         ]
         self.optimizer = make_optimizer(self.masters)
         self.dp_group, self.mp_group = dp_group, mp_group
+        split = expert_mp_group is not None
+        self.expert_dp_group = expert_dp_group if split else dp_group
+        self.expert = [split and ".experts." in n for n in self.names]
+        self.expert_mp_group = expert_mp_group
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -54,21 +67,25 @@ class MasterAdapterOptimizer:
             m.grad = None
 
     def _sync_grads(self) -> None:
-        for p, m in zip(self.params, self.masters):
+        for p, m, expert in zip(self.params, self.masters, self.expert):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            group = self.expert_dp_group if expert else self.dp_group
+            if group is not None and dist.get_world_size(group) > 1:
                 grad = grad.float()
-                dist.all_reduce(grad, group=self.dp_group)
+                dist.all_reduce(grad, group=group)
             m.grad = grad.float() if m is not p else grad
 
     def grad_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64, device=self.masters[0].device)
-        for m in self.masters:
+        device = self.masters[0].device
+        sums = {e: torch.zeros((), dtype=torch.float64, device=device) for e in (False, True)}
+        for m, expert in zip(self.masters, self.expert):
             if m.grad is not None:
-                total += m.grad.double().pow(2).sum()
-        if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
-            dist.all_reduce(total, group=self.mp_group)
-        return math.sqrt(float(total))
+                sums[expert] += m.grad.double().pow(2).sum()
+        for expert, group in ((False, self.mp_group), (True, self.expert_mp_group)):
+            # every rank joins both reductions, holding expert adapters or not
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sums[expert], group=group)
+        return math.sqrt(float(sums[False] + sums[True]))
 
     def step(self, max_norm: float) -> float:
         """Sync gradients, clip to `max_norm` (<= 0: no clipping), step, copy masters into the

@@ -9,7 +9,8 @@ How: every rank holds the whole batch and plans the same micro-batches (ranks of
 share a data-parallel rank). The schedule (`get_forward_backward_func()`, megatron-core's 1F1B)
 calls `forward_step` on every stage; the first stage embeds the tokens, later stages take the
 previous stage's hidden states, sent with torch.distributed isend/irecv, shapes exchanged
-first (`variable_seq_lengths`: micro-batches differ in length and rows). Only the last stage
+first (`variable_seq_lengths`: micro-batches differ in length and rows), or all of one padded
+shape (`fixed_shape`, where the MoE dispatcher needs it: `step.fixed_shape_plans`). Only the last stage
 has logits, so only it computes logprobs and the loss; `loss_func` returns (loss, tokens,
 extras) and the model config has `calculate_per_token_loss`, so the schedule neither divides
 the loss by the micro-batch count nor by tokens: each micro-batch's loss already is its share
@@ -40,6 +41,7 @@ from services.trainer.engines.base import StepStats, step_stats, summed_over_ran
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.engines.megatron.step import (
     CrossEntropy,
+    fixed_shape_plans,
     local_cross_entropy,
     logprobs_from_logits,
     micro_batch_loss,
@@ -105,12 +107,15 @@ def train_step(
     lr: float = 0.0,
     cross_entropy: CrossEntropy = local_cross_entropy,
     schedule_context: Callable[[], AbstractContextManager] = nullcontext,
+    fixed_shape: bool = False,
 ) -> StepStats:
     """`step.train_step` with the layers split over the pipeline group's stages; collective
     over the whole model-parallel and data-parallel grid. `last_stage_rank`: the global rank
     of this pipeline's last stage."""
     t0 = time.perf_counter()
     plans = plan_step(groups, ppo, dp_rank, dp_size, max_tokens, pad_id)
+    if fixed_shape:  # the model config's variable_seq_lengths is off: one p2p shape for all
+        plans = fixed_shape_plans(plans, pad_id, device)
 
     def logprobs(_: int, mb: batching.MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor]:
         lp = logprobs_from_logits(logits, mb, device, temperature, cross_entropy)

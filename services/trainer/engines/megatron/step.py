@@ -9,6 +9,13 @@ advantages and the loss are the FSDP2 engine's (`services.trainer.batching`,
 Data parallelism: every rank holds the whole batch and takes its round-robin share of each
 minibatch (`plan_micro_batches` with the data-parallel rank and size); ranks of one
 tensor-parallel group pass the same DP rank and so run the same micro-batches.
+
+Fixed shapes (`fixed_shape`): megatron-core's allgather token dispatcher (the MoE dispatcher
+that runs without CUDA) gathers equal token counts from every expert-parallel rank and is
+refused with variable-length pipeline micro-batches, so there every micro-batch of the step is
+right-padded to one (rows, length) agreed over all ranks. Padding changes no real token's
+logprob (causal attention; rows, and MoE routing without capacity limits, are per token) and
+adds nothing to the loss (zero loss weight).
 """
 
 from __future__ import annotations
@@ -90,6 +97,46 @@ def plan_step(
     ]
 
 
+def pad_micro_batch(mb: batching.MicroBatch, rows: int, length: int, pad_id: int) -> batching.MicroBatch:
+    """`mb` right-padded to [rows, length]: pad tokens, zero loss weight, targets widened."""
+    b, n = mb.input_ids.shape
+    first_target = n - mb.targets.shape[1]
+    if rows < b or length < n:
+        raise ValueError(f"pad_micro_batch: [{rows}, {length}] is smaller than the micro-batch [{b}, {n}]")
+    input_ids = torch.full((rows, length), pad_id, dtype=mb.input_ids.dtype)
+    input_ids[:b, :n] = mb.input_ids
+    attention_mask = torch.zeros((rows, length), dtype=mb.attention_mask.dtype)
+    attention_mask[:b, :n] = mb.attention_mask
+
+    def per_token(t: Tensor) -> Tensor:
+        out = torch.zeros((rows, length - first_target), dtype=t.dtype)
+        out[:b, : t.shape[1]] = t
+        return out
+
+    return batching.MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        targets=input_ids[:, first_target:],
+        loss_weights=per_token(mb.loss_weights),
+        behave_logprobs=per_token(mb.behave_logprobs),
+        versions=per_token(mb.versions),
+        advantages=per_token(mb.advantages),
+        groups=torch.cat([mb.groups, mb.groups[:1].expand(rows - b)]),
+    )
+
+
+def fixed_shape_plans(
+    plans: list[list[batching.MicroBatch]], pad_id: int, device: torch.device | str
+) -> list[list[batching.MicroBatch]]:
+    """Every micro-batch padded to the largest rows and length of any on any rank (a MAX
+    all-reduce over the default group; one rank: its own largest)."""
+    shape = torch.tensor([max(mb.input_ids.shape[i] for plan in plans for mb in plan) for i in (0, 1)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+    rows, length = (int(v) for v in shape.tolist())
+    return [[pad_micro_batch(mb, rows, length, pad_id) for mb in plan] for plan in plans]
+
+
 def micro_batch_loss(
     lp: Tensor, prox: Tensor, mb: batching.MicroBatch, head_version: int, ppo: PPOConfig, device: torch.device | str
 ) -> tuple[Tensor, LossStats]:
@@ -127,10 +174,13 @@ def train_step(
     step_index: int = 0,
     lr: float = 0.0,
     cross_entropy: CrossEntropy = local_cross_entropy,
+    fixed_shape: bool = False,
 ) -> StepStats:
     """Proximal logprobs with no grad, then `ppo.ppo_n_minibatches` optimiser updates."""
     t0 = time.perf_counter()
     plans = plan_step(groups, ppo, dp_rank, dp_size, max_tokens, pad_id)
+    if fixed_shape:
+        plans = fixed_shape_plans(plans, pad_id, device)
     with torch.no_grad():
         prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan] for plan in plans]
 
