@@ -7,8 +7,6 @@ tests/integration/test_fsdp2_torchrun.py OUT` writes rank 0's adapter after the 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from services.config.schema import (  # noqa: E402
 )
 from services.trainer.engines.base import leave_distributed  # noqa: E402
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
+from tests.fixtures.torchrun import run_torchrun  # noqa: E402
 
 STEPS = 2
 
@@ -114,25 +113,7 @@ def test_single_process_step_trains_only_the_adapter():
 
 def test_two_gloo_ranks_match_single_process(tmp_path):
     out = tmp_path / "adapter.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=0",
-            "--rdzv_backend=c10d",
-            "--rdzv_endpoint=127.0.0.1:0",
-            __file__,
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(__file__, [out], timeout=240)
     sharded = torch.load(out)
 
     engine = FSDP2Engine(config(), tiny_base())

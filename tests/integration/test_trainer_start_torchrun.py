@@ -10,7 +10,6 @@ tests/integration/test_trainer_start_torchrun.py MODEL_DIR OUT`.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from services.config.schema import ActorConfig, LorabusConfig, OptimizerConfig  
 from services.trainer.engines.base import leave_distributed  # noqa: E402
 from services.trainer.engines.fsdp2 import FSDP2Engine  # noqa: E402
 from tests.fixtures.tiny import tiny_qwen2  # noqa: E402
+from tests.fixtures.torchrun import run_torchrun  # noqa: E402
 from tests.unit.test_trainer_precision import batch  # noqa: E402
 
 
@@ -45,25 +45,7 @@ def test_rank0_broadcast_start_gives_the_single_process_weights(tmp_path):
     model_dir = tmp_path / "model"
     tiny_qwen2(seed=4).save_pretrained(model_dir)
     out = tmp_path / "state.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--rdzv_backend=c10d",
-            "--rdzv_endpoint=127.0.0.1:0",
-            __file__,
-            str(model_dir),
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(__file__, [model_dir, out], timeout=300)
     sharded = torch.load(out)
 
     single = FSDP2Engine(config(str(model_dir)))

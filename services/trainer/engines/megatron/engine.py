@@ -30,9 +30,11 @@ It runs on CUDA; on CPU (gloo) for tests only (`cpu.py` routes megatron-core's C
 
 Pipeline parallelism: each rank builds its stage (megatron-core's parallel_state, the
 provider's `pipeline_model_parallel_size`) and the step runs megatron-core's pipeline
-schedule (`pipeline.py`); logprobs and the loss come from the last stage. The published
-adapter is every stage's (and expert rank's) tensors renamed to the full model's layer and
-expert numbers and gathered (`layout.py`), so the converter sees the full-depth adapter.
+schedule (`pipeline.py`); logprobs and the loss come from the last stage. Expert parallelism:
+each rank builds its share of every MoE layer's experts; expert adapter gradients reduce over
+the expert-data-parallel group (`optim.py`). The published adapter is every stage's and expert
+rank's tensors renamed to the full model's layer and expert numbers and gathered
+(`layout.py`), so the converter sees the full-depth adapter with every expert.
 """
 
 from __future__ import annotations
@@ -353,14 +355,11 @@ class MegatronEngine:
         return self._lora
 
     def _layout(self) -> dict[str, int]:
-        return {
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "tp": self.tp_size,
-            "pp": self.pp_size,
-            "ep": self.ep_size,
-            "dp": self.dp_size,
-        }
+        layout = {"world_size": self.world_size, "rank": self.rank, "tp": self.tp_size, "pp": self.pp_size}
+        layout["dp"] = self.dp_size
+        if self.ep_size > 1:  # absent at 1, so shards written before expert parallelism still load
+            layout["ep"] = self.ep_size
+        return layout
 
     def optimizer_state(self) -> dict[str, Any]:
         """Writes this rank's shard and returns the reference the service checkpoint stores."""
