@@ -110,6 +110,14 @@ def check_megatron(cfg: LorabusConfig, world: int | None = None) -> list[str]:
             "fused kernel accumulates weight gradients into each base weight's main_grad, which "
             "frozen base weights do not have (set it to false)"
         )
+    if a.max_train_infer_kl is not None:
+        # the Megatron step measures the mismatch (reported with every step) but leaves no group
+        # out; a threshold it would never apply is refused, not ignored
+        out.append(
+            f"actor.max_train_infer_kl: {a.max_train_infer_kl} is not applied by the Megatron engine, "
+            "which reports the train/inference mismatch but refuses no group (unset it, or use "
+            "actor.backend: fsdp2 to refuse groups beyond it)"
+        )
     # Checked here rather than at trainer start, so that `lorabus up` fails before it starts
     # anything (the engine repeats it with its real world size)
     if world is None:

@@ -335,6 +335,11 @@ SGLANG = ("rollout.engine=sglang",)
             "actor.megatron.use_distributed_optimizer: true is not supported with LoRA",
         ),
         (
+            (*MEGATRON, "actor.max_train_infer_kl=0.1"),
+            "actor.max_train_infer_kl: 0.1 is not applied by the Megatron engine, which reports the "
+            "train/inference mismatch but refuses no group (unset it, or use actor.backend: fsdp2",
+        ),
+        (
             (*MEGATRON, "actor.megatron.gradient_accumulation_fusion=true"),
             "actor.megatron.gradient_accumulation_fusion: true is not supported with LoRA",
         ),

@@ -326,6 +326,36 @@ def test_train_step_takes_a_real_gradient_step_on_adapter_only():
     assert any(float(p.abs().max()) > 0 for n, p in named if "linear_out" in n)
 
 
+def test_train_step_reports_the_train_inference_mismatch():
+    """Every trained token counted once, k3 of the model's own logprobs before the update
+    against the behaviour's, as the FSDP2 engine reports it (services/trainer/mismatch.py)."""
+    from services.trainer.engines.megatron.step import causal_mask
+
+    torch.manual_seed(0)
+    model = TinyMegatronLM()
+    attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
+    opt = MasterAdapterOptimizer(adapter_named_parameters(model.named_parameters()), _adam)
+    groups, k3 = _groups(), []
+    with torch.no_grad():
+        for g in groups:
+            for c in g.completions:
+                ids = torch.tensor([g.prompt_token_ids + c.token_ids])
+                logits = model(ids, torch.arange(ids.shape[1])[None], causal_mask(ids.shape[1], "cpu"))
+                lp = torch.log_softmax(logits[0, len(g.prompt_token_ids) - 1 : -1].double(), -1)
+                r = lp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0] - torch.tensor(c.logprobs).double()
+                k3 += (torch.expm1(r) - r).tolist()
+    stats = train_step(model, opt, groups, head_version=1, ppo=PPOConfig(), max_tokens=16)
+    m = stats.mismatch
+    assert m is not None and m.on_policy is not None and m.refused_groups == 0
+    assert m.all_tokens.tokens == m.on_policy.tokens == len(k3) == stats.tokens
+    assert m.all_tokens.kl_mean == pytest.approx(sum(k3) / len(k3), rel=1e-6)
+    assert m.all_tokens.kl_max == pytest.approx(max(k3), rel=1e-6)
+    assert len(stats.group_kl) == len(groups) and all(kl > 0 for kl in stats.group_kl)
+    # tokens of an older version are no longer on-policy
+    later = train_step(model, opt, groups, head_version=2, ppo=PPOConfig(), max_tokens=16).mismatch
+    assert later is not None and later.on_policy is None and later.all_tokens.tokens == len(k3)
+
+
 def test_benchmark_cpu_check_passes(tmp_path):
     assert bench.main(["--cpu-check", "--out", str(tmp_path)]) == 0
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from proto.messages import Trajectory
 from services.config.schema import PPOConfig
-from services.trainer import batching
+from services.trainer import batching, mismatch
 from services.trainer.engines.base import StepStats, step_stats, summed_over_ranks
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
 from services.trainer.loss import LossStats, decoupled_ppo_loss
@@ -183,6 +183,15 @@ def train_step(
         plans = fixed_shape_plans(plans, pad_id, device)
     with torch.no_grad():
         prox = [[target_logprobs(model, mb, device, temperature, cross_entropy) for mb in plan] for plan in plans]
+    # the train/inference mismatch, as the FSDP2 engine reports it: the proximal logprobs are
+    # this model's own before the update; a DP rank holds its share of the tokens (TP ranks of
+    # one group hold the same), so the tally is summed over the data-parallel group only
+    tally = mismatch.Tally.empty(len(groups))
+    for plan, plan_prox in zip(plans, prox):
+        for mb, mb_prox in zip(plan, plan_prox):
+            tally.add(mb, mb_prox, head_version)
+    if dp_group is not None and dp_size > 1:
+        tally.all_reduce(group=dp_group, device=optimizer.masters[0].device)
 
     stats, loss_total, grad_norm = LossStats(), 0.0, 0.0
     for plan, plan_prox in zip(plans, prox):
@@ -197,7 +206,7 @@ def train_step(
 
     if dp_group is not None and dp_size > 1:
         stats, loss_total = summed_over_ranks(stats, loss_total, group=dp_group, device=optimizer.masters[0].device)
-    return step_stats(
+    result = step_stats(
         groups,
         step=step_index,
         updates=len(plans),
@@ -207,3 +216,5 @@ def train_step(
         lr=lr,
         started=t0,
     )
+    result.mismatch, result.group_kl = tally.report(), tally.group_kl().tolist()
+    return result
