@@ -24,8 +24,8 @@ experts are a SequentialMLP: one LoRA per expert).
 
 CPU mode, for tests on a machine without CUDA, applies two shims that only this entry point
 installs: `typing.override` on Python 3.11 (megatron-core 0.19's `megatron.training`, imported
-by megatron-bridge, needs Python 3.12 for it) and `torch.cuda.current_device()` -> "cpu"
-(megatron-core's RoPE moves its frequencies there in every forward).
+by megatron-bridge, needs Python 3.12 for it), and the engine's own CPU routing of
+megatron-core's CUDA calls (`services/trainer/engines/megatron/cpu.py`).
 
 Every stage records its result or error in DIR/megatron_bridge_step[_LABEL].json.
 """
@@ -64,10 +64,9 @@ def cpu_shims() -> list[str]:
 
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
         applied.append("typing.override (Python < 3.12)")
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-        applied.append("torch.cuda.current_device -> 'cpu'")
-    return applied
+    from services.trainer.engines.megatron.cpu import route_cuda_to_cpu
+
+    return applied + route_cuda_to_cpu()  # listed in the report; the engine on CPU routes them as well
 
 
 def write_hf_checkpoint(directory: Path, args) -> dict:
