@@ -165,6 +165,7 @@ class AdapterFollower:
         return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
 
     async def close(self) -> None:
+        metrics.close_run(self.run_id, self.replica)
         for task in list(self._settling):
             task.cancel()
         if self.xccl is not None:

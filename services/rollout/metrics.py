@@ -61,3 +61,15 @@ CANARY_SECONDS = Histogram(
     ["run", "replica"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
+
+PRESENT_STATE = (LOADED_VERSION, LOADED_VERSIONS, IN_FLIGHT, TOKENS_PER_SECOND)
+"""gauges of what a replica holds or does for a run now; counters and histograms are its history"""
+
+
+def close_run(run: str, replica: str) -> None:
+    """A run this replica no longer serves: its present-state gauges leave /metrics (a stopped
+    run must not show versions it no longer holds, and the loaded-versions gauge's callback
+    would keep the closed run's follower alive); its counters and histograms stay, so rates and
+    totals over its lifetime still read. Serving the run again opens them anew."""
+    for gauge in PRESENT_STATE:
+        gauge.remove(run, replica)

@@ -70,3 +70,6 @@ async def test_a_replica_serving_two_runs_exposes_a_series_per_run():
     assert gauge("two-runs", run="ra") == 3 and gauge("two-runs", run="rb") == 1
     await first.collect()  # one run's versions leaving says nothing of the other's
     assert gauge("two-runs", run="ra") == 2 and gauge("two-runs", run="rb") == 1
+
+    await first.close()  # the replica no longer serves ra: its present-state series leave
+    assert gauge("two-runs", run="ra") is None and gauge("two-runs", run="rb") == 1
