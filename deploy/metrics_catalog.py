@@ -30,6 +30,7 @@ NOT_PER_RUN = {
     "lorabus_bus_reconnects_total": "the process: one connection carries every run it serves",
     "lorabus_fleet_runs": "the fleet: its run table, counted by state",
     "lorabus_fleet_denials_total": "the fleet: admission requests that no run could take",
+    "lorabus_fleet_adapter_memory_budget_bytes": "the fleet: the trainer memory all live runs' adapters may hold",
 }
 
 # the series each metric type puts on /metrics (prometheus-client adds `_created` too,

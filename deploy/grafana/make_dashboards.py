@@ -208,6 +208,17 @@ OVERVIEW = [
         8,
     ),
     (
+        "Fleet: trainer adapter memory by run (quota)",
+        "timeseries",
+        "bytes",
+        [
+            (by_run("lorabus_fleet_adapter_memory_bytes"), "{{run}}"),
+            ("sum(%s)" % by_run("lorabus_fleet_adapter_memory_bytes"), "runs picked, together"),
+            ("lorabus_fleet_adapter_memory_budget_bytes", "fleet.max_adapter_memory_gib"),
+        ],
+        12,
+    ),
+    (
         "Fleet: admissions by run, denials",
         "timeseries",
         "ops",

@@ -148,6 +148,7 @@ class FleetRegistry:
         service.failed.add_done_callback(self._service_failed)
         self.services[run] = service
         metrics.FLEET_SHARE.labels(run).set(self.records[run].share)
+        self._observe_memory(run)
 
     async def _close(self, run: str) -> None:
         service = self.services.pop(run, None)
@@ -157,6 +158,8 @@ class FleetRegistry:
         if view is not None:
             await view.close()
         metrics.FLEET_SHARE.labels(run).set(0)
+        if self.cfg.fleet.max_adapter_memory_gib is not None:
+            metrics.FLEET_ADAPTER_MEMORY.labels(run).set(0)
 
     def _service_failed(self, failed: asyncio.Future) -> None:
         exc = None if failed.cancelled() else failed.exception()
@@ -212,17 +215,37 @@ class FleetRegistry:
                  cfg.actor.lora_rank)  # fmt: skip
         return self._reply(True, names=[cfg.run])
 
+    def _shape(self) -> adapter_memory.BaseShape:
+        """The base model's layers, for the memory budget; its config.json is read once, on first
+        need (raises BaseConfigError or AdapterMemoryError, the field named)."""
+        if self._base_shape is None:
+            self._base_shape = adapter_memory.base_shape(base_config.read(self.cfg.actor.path))
+        return self._base_shape
+
     def _memory_problems(self, cfg: LorabusConfig, live: list[LorabusConfig]) -> list[str]:
         """Why the trainer's adapter budget (fleet.max_adapter_memory_gib) cannot take `cfg`'s run
-        beside `live`; the base model's config.json is read the first time a budget is set."""
+        beside `live`; empty without a budget."""
         if self.cfg.fleet.max_adapter_memory_gib is None:
             return []
-        if self._base_shape is None:
-            try:
-                self._base_shape = adapter_memory.base_shape(base_config.read(self.cfg.actor.path))
-            except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
-                return [str(exc)]
-        return adapter_memory.problems(self.cfg, cfg, live, self._base_shape)
+        try:
+            shape = self._shape()
+        except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
+            return [str(exc)]
+        return adapter_memory.problems(self.cfg, cfg, live, shape)
+
+    def _observe_memory(self, run: str) -> None:
+        """The run's adapter bytes on /metrics, under a budget only (without one the base config
+        is never read: a registry needs no model files unless it enforces memory)."""
+        budget = self.cfg.fleet.max_adapter_memory_gib
+        if budget is None:
+            return
+        metrics.FLEET_ADAPTER_MEMORY_BUDGET.set(int(budget * adapter_memory.GIB))
+        try:
+            metrics.FLEET_ADAPTER_MEMORY.labels(run).set(
+                adapter_memory.run_memory(self.configs[run], self._shape()).total
+            )
+        except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
+            log.warning("fleet %s: run %s's adapter memory is not known: %s", self.fleet, run, exc)
 
     async def _on_stop(self, request: RunStop) -> RunReply:
         if (wrong := self._wrong_fleet(request.fleet)) is not None:

@@ -53,6 +53,16 @@ FLEET_RUNNING = Gauge("lorabus_fleet_running", "Groups in flight (grants issued,
 FLEET_HEAD_VERSION = Gauge("lorabus_fleet_head_version", "Latest adapter version published, by run", ["run"])
 FLEET_ACCEPTED = Gauge("lorabus_fleet_accepted", "Trajectories accepted so far, by run", ["run"])
 FLEET_SHARE = Gauge("lorabus_fleet_share", "A run's weight in the fair share (0 once it stops)", ["run"])
+FLEET_ADAPTER_MEMORY = Gauge(
+    "lorabus_fleet_adapter_memory_bytes",
+    "Trainer memory a live run's adapter holds by the quota's arithmetic: fp32 LoRA parameters, gradients and "
+    "optimizer moments (0 once it stops; set only under fleet.max_adapter_memory_gib)",
+    ["run"],
+)
+FLEET_ADAPTER_MEMORY_BUDGET = Gauge(
+    "lorabus_fleet_adapter_memory_budget_bytes",
+    "fleet.max_adapter_memory_gib in bytes: what the live runs' adapters may hold together (absent: unbounded)",
+)
 
 
 @functools.cache

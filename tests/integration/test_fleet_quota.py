@@ -2,18 +2,21 @@
 nats-server): `fleet.max_adapter_memory_gib` sized to take the fleet's own run and one small run;
 a larger run is refused by `lorabus run submit` with the run, its bytes, the live total and the
 budget; once the small run stops its room is free again, and resuming it while another holds
-that room is refused the same way."""
+that room is refused the same way. The registry's /metrics shows what the quota counted per run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import urllib.request
 import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import adapter_memory
 from services.common.run_table import RunTable
@@ -64,6 +67,22 @@ fleet: {{lora_slots: 16, max_lora_rank: 32, max_adapter_memory_gib: {BUDGET_GIB!
     return config
 
 
+def memory_gauges(registry) -> dict[str, float]:
+    """The registry's lorabus_fleet_adapter_memory_bytes by run, and its budget under ''."""
+    found = re.search(r"metrics on :(\d+)", registry.log_text())
+    assert found, registry.log_tail()
+    port = found.group(1)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == "lorabus_fleet_adapter_memory_bytes":
+                out[sample.labels["run"]] = sample.value
+            elif sample.name == "lorabus_fleet_adapter_memory_budget_bytes":
+                out[""] = sample.value
+    return out
+
+
 def run_file(tmp_path: Path, run: str, rank: int) -> Path:
     path = tmp_path / f"{run}.yaml"
     path.write_text(yaml.safe_dump({"run": run, "gconfig": {"lora_name": run}, "actor": {"lora_rank": rank}}))
@@ -92,6 +111,8 @@ async def test_a_run_beyond_the_memory_budget_is_refused_at_submit_and_resume(
     assert f"the live runs ({fleet}, small) hold {adapter_memory.human(OWN + SMALL)}" in refusal
     assert "; stop a run, lower its actor.lora_rank" in refusal
     assert "big" not in await listed(bus, fleet, registry)
+    gauges = await asyncio.to_thread(memory_gauges, registry)  # what the quota counted, on /metrics
+    assert gauges == {"": int(BUDGET_GIB * adapter_memory.GIB), fleet: OWN, "small": SMALL}
 
     # a stopped run holds no trainer memory: its room takes another run of its size
     table = RunTable(bus, fleet)
@@ -104,3 +125,5 @@ async def test_a_run_beyond_the_memory_budget_is_refused_at_submit_and_resume(
     assert resumed.problems[0].startswith("fleet.max_adapter_memory_gib: ") and "run 'small'" in resumed.problems[0]
     runs = await listed(bus, fleet, registry)
     assert (runs["small"].state, runs["other"].state) == ("stopped", "active")
+    gauges = await asyncio.to_thread(memory_gauges, registry)
+    assert (gauges["small"], gauges["other"]) == (0, SMALL)
