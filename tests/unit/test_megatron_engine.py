@@ -440,12 +440,12 @@ def _fake_megatron_modules() -> dict[str, types.ModuleType]:
             "megatron.bridge.models.gpt_provider",
         )
     }
-    mods["megatron.core"].parallel_state = parallel_state
-    mods["megatron.core"].tensor_parallel = tensor_parallel
-    mods["megatron.core.pipeline_parallel"].get_forward_backward_func = lambda: None
-    mods["megatron.bridge"].AutoBridge = FakeAutoBridge
-    mods["megatron.bridge.peft.lora"].LoRA = FakeBridgeLoRA
-    mods["megatron.bridge.models.gpt_provider"].local_layer_spec = lambda config: None
+    mods["megatron.core"].parallel_state = parallel_state  # type: ignore[attr-defined]
+    mods["megatron.core"].tensor_parallel = tensor_parallel  # type: ignore[attr-defined]
+    mods["megatron.core.pipeline_parallel"].get_forward_backward_func = lambda: None  # type: ignore[attr-defined]
+    mods["megatron.bridge"].AutoBridge = FakeAutoBridge  # type: ignore[attr-defined]
+    mods["megatron.bridge.peft.lora"].LoRA = FakeBridgeLoRA  # type: ignore[attr-defined]
+    mods["megatron.bridge.models.gpt_provider"].local_layer_spec = lambda config: None  # type: ignore[attr-defined]
     return mods
 
 

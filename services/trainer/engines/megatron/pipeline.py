@@ -93,7 +93,7 @@ def train_step(
     schedule: Schedule,
     is_last_stage: bool,
     last_stage_rank: int,
-    pp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
     ppo: PPOConfig,
     dp_rank: int = 0,
     dp_size: int = 1,
@@ -143,9 +143,10 @@ def train_step(
         grad_norm = optimizer.step(grad_clip)
 
     # the last stage alone saw the loss; the trainer reports rank 0's
-    shared: list[Any] = [(stats, loss_total) if is_last_stage else None]
-    dist.broadcast_object_list(shared, src=last_stage_rank, group=pp_group)
-    stats, loss_total = shared[0]
+    if dist.is_initialized() and dist.get_world_size(pp_group) > 1:
+        shared: list[Any] = [(stats, loss_total) if is_last_stage else None]
+        dist.broadcast_object_list(shared, src=last_stage_rank, group=pp_group)
+        stats, loss_total = shared[0]
     if dp_group is not None and dp_size > 1:
         stats, loss_total = summed_over_ranks(stats, loss_total, group=dp_group, device=optimizer.masters[0].device)
     return step_stats(
