@@ -67,3 +67,25 @@ def test_megatron_vllm_example_loads_and_plans_offline(offline_hub, tmp_path, mo
             "--enforce-eager",
         ):
             assert flag in argv, (flag, argv)
+
+
+MOE_EXAMPLE = "tests/fixtures/areal/gsm8k_grpo_megatron_lora_moe.yaml"
+
+
+def test_megatron_moe_example_loads_and_plans_as_written(offline_hub, tmp_path, monkeypatch, capsys):
+    """AReaL's MoE example as written: `megatron:(attn:d1p6t1c1|ffn:d1p6t1e1)` is six pipeline
+    stages under torchrun, one rank each, experts unsplit; one vLLM server over two GPUs."""
+    gsm8k.hf_model(offline_hub, "Qwen/Qwen3-30B-A3B-Base")  # its tokenizer, offline
+    monkeypatch.delenv(areal.REPORTED_ENV, raising=False)
+    cfg = load_config(MOE_EXAMPLE, ["train_dataset.batch_size=2"])
+    table = capsys.readouterr().err
+    assert (
+        "actor.backend = 'megatron', actor.nproc_per_node = 6, actor.megatron tensor/pipeline/expert sizes 1/6/1"
+        in table
+    )
+    m = cfg.actor.megatron
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (1, 6, 1)
+    assert launcher.trainer_launcher(cfg)[-3:] == ["--standalone", "--nproc_per_node=6", "-m"]
+    plans = inference_servers.plan_servers(cfg, tmp_path / "run", "python3")
+    assert [p.name for p in plans] == ["vllm-0"]
+    assert "--tensor-parallel-size=2" in plans[0].argv
