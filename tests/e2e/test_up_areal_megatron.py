@@ -133,7 +133,6 @@ def test_areal_megatron_vllm_example_runs_as_it_is(tmp_path, offline_hub):
         "rollout.max_head_offpolicyness=0",
         "actor.optimizer.lr=0.05",
         "train_dataset.reward_fn=tests.fixtures.gsm8k:varied_reward",
-        timeout_s=300.0,
         flags=["--trainer-site", str(SITE)],
     )
     log = (run_dir / "up.log").read_text()

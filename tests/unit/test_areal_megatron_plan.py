@@ -2,10 +2,11 @@
 and plans it, offline: `openai/gsm8k` and `Qwen/Qwen3-0.6B` (its tokenizer, a tiny one with a
 chat template) from a Hugging Face cache made here, the hub never asked.
 
-The run itself needs megatron-core + megatron-bridge for the trainer and a vLLM build for the
-servers, which this machine's test tiers do not install (the FSDP2 + SGLang example runs whole
-in tests/e2e/test_up_areal.py); this checks everything `lorabus up` decides before it starts
-them: the data read and epochs counted, the processes and the servers' flags.
+This checks everything `lorabus up` decides before it starts anything, for the file's own
+layout (`megatron:d4p1t1`, `vllm:d4p1t1`): the data read and epochs counted, the processes and
+the servers' flags. The run itself, on the smallest layout of the same kind, is
+tests/e2e/test_up_areal_megatron.py (megatron-bridge from `make megatron-env`'s site, the vLLM
+CPU server from `make vllm-env`).
 """
 
 from __future__ import annotations
