@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from proto import messages as m
 from proto import subjects
 from services.common.run_table import RunTable
+from services.config import runconfig
 from services.config.loader import load_config
 from services.config.schema import LorabusConfig
 from services.local import inference_servers, processes, trainer_site
@@ -47,7 +48,7 @@ from services.local.outcome import Outcome, exit_status, resume_hint
 from services.local.ports import free_port
 from services.local.processes import Child
 from services.local.server_watch import ServerWatch, WatchPolicy, kill_group
-from services.local.summary import Progress, print_summary, read_run, summary, training_done
+from services.local.summary import HELDOUT, Progress, print_summary, read_run, summary, training_done
 from services.local.supervision import Restarts, describe_exit
 from services.rollout import server_cmd
 
@@ -181,7 +182,11 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
     async def on_run(record: m.RunRecord) -> None:
         if record.run == run or record.run in progress.others:
             return
-        other = progress.others[record.run] = {"head": -1, "exported": -1}
+        other = progress.others[record.run] = {"head": -1, "exported": -1, "scored": -1}
+        try:  # its last version, which the evaluator scores under every policy
+            progress.other_finals[record.run] = runconfig.restore(record.config, cfg).total_train_steps
+        except Exception as exc:  # a record this launcher cannot read: its newest export counts as last
+            print(f"lorabus up: run {record.run}'s config does not load here ({exc})", flush=True)
 
         async def on_other_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
             other["head"] = max(other["head"], msg.version)
@@ -189,8 +194,13 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
         async def on_other_export(msg: m.ExportDone, _meta: MsgMeta) -> None:
             other["exported"] = max(other["exported"], msg.version)
 
+        async def on_other_eval(msg: m.EvalResult, _meta: MsgMeta) -> None:
+            if msg.run == record.run:  # a stranger's "score" is not the run's
+                other["scored"] = max(other["scored"], msg.version)
+
         await bus.subscribe(subjects.adapter_ready_all(record.run), m.AdapterReady, on_other_ready)
         await bus.subscribe(subjects.export_done_all(record.run), m.ExportDone, on_other_export)
+        await bus.subscribe(subjects.eval_result(record.run, HELDOUT), m.EvalResult, on_other_eval)
 
     try:
         await RunTable(bus, run).watch(on_run)

@@ -21,7 +21,7 @@ from services.local import consistency
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
-    from services.config.schema import LorabusConfig
+    from services.config.schema import EvaluatorConfig, LorabusConfig
 
 
 @dataclass
@@ -37,11 +37,25 @@ class Progress:
     eval_wait: EvalWait | None = None
     """set once the last version is exported while scores are missing"""
     others: dict[str, dict[str, int]] = field(default_factory=dict)
-    """runs submitted to the fleet: run -> newest version announced (head) and exported"""
+    """runs submitted to the fleet: run -> newest version announced (head), exported and scored
+    by the held-out evaluator (-1: none yet)"""
+    other_finals: dict[str, int] = field(default_factory=dict)
+    """a submitted run -> its last version (its total_train_steps), which every policy scores"""
 
     def others_exported(self) -> bool:
         """Every submitted run's newest version is exported (its last, once the trainer is gone)."""
         return all(o["exported"] >= o["head"] for o in self.others.values())
+
+    def others_unscored(self, e: EvaluatorConfig) -> list[str]:
+        """Submitted runs whose newest exported version the evaluator owes a score (`run vN`).
+        Its durable takes a run's exports in order, so that score comes after the earlier ones."""
+        out = []
+        for run, o in sorted(self.others.items()):
+            newest = o["exported"]
+            final = self.other_finals.get(run, newest)
+            if newest >= 0 and o.get("scored", -1) < newest and eval_policy.wanted(e, newest, final):
+                out.append(f"{run} v{newest}")
+        return out
 
     def line(self) -> str:
         last = self.last_step
@@ -66,22 +80,27 @@ class EvalWait:
     """time.monotonic() when the wait began"""
     max_wait_s: float
     missing: list[int]
+    """the own run's versions still to score"""
     waited_s: float = 0.0
     """how long it waited, once it is over"""
+    others: list[str] = field(default_factory=list)
+    """submitted runs' newest versions still to score, as `run vN`"""
+
+    def names(self) -> list[str]:
+        return [f"v{v}" for v in self.missing] + self.others
 
     def over(self, now: float) -> bool:
-        return not self.missing or now - self.since >= self.max_wait_s
+        return not self.names() or now - self.since >= self.max_wait_s
 
     def line(self, now: float) -> str:
-        if not self.missing:
+        names = self.names()
+        if not names:
             return "evaluation done"
         if self.waited_s:
-            return (
-                f"stopped waiting for the evaluator after {self.waited_s:.0f}s: {len(self.missing)} version(s) unscored"
-            )
-        shown = ", ".join(f"v{v}" for v in self.missing[:5]) + (", ..." if len(self.missing) > 5 else "")
+            return f"stopped waiting for the evaluator after {self.waited_s:.0f}s: {len(names)} version(s) unscored"
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         return (
-            f"training done, waiting for the evaluator: {len(self.missing)} version(s) to score "
+            f"training done, waiting for the evaluator: {len(names)} version(s) to score "
             f"({shown}); {now - self.since:.0f}s of at most {self.max_wait_s:.0f}s"
         )
 
@@ -126,20 +145,22 @@ def training_done(cfg: LorabusConfig, record: RunRecord, progress: Progress, eva
     if cfg.total_train_steps not in record.exported:
         return False
     missing = record.unscored(cfg, evaluate)
+    # the fleet's evaluator scores the submitted runs too: their last scores are waited for alike
+    others = progress.others_unscored(cfg.evaluator) if evaluate else []
     if progress.eval_wait is None:
-        if not missing:
+        if not missing and not others:
             return True
-        progress.eval_wait = EvalWait(now, cfg.evaluator.max_wait_s, missing)
+        progress.eval_wait = EvalWait(now, cfg.evaluator.max_wait_s, missing, others=others)
         print(f"lorabus up: {progress.eval_wait.line(now)}", flush=True)
     wait = progress.eval_wait
-    wait.missing = missing
+    wait.missing, wait.others = missing, others
     if not wait.over(now):
         return False
     wait.waited_s = now - wait.since
-    if missing:
+    if names := wait.names():
         print(
             f"lorabus up: stopped waiting for the evaluator after {wait.waited_s:.0f}s "
-            f"(evaluator.max_wait_s); {len(missing)} version(s) unscored: {', '.join(f'v{v}' for v in missing)}",
+            f"(evaluator.max_wait_s); {len(names)} version(s) unscored: {', '.join(names)}",
             flush=True,
         )
     return True
@@ -205,6 +226,7 @@ def summary(
         "loaded": dict(sorted(record.loaded.items())),
         "adapter_versions_given_up": record.failed_loads,
         "eval_unscored": eval_wait.missing if eval_wait else [],
+        "eval_unscored_other_runs": eval_wait.others if eval_wait else [],
         "eval_waited_s": round(eval_wait.waited_s, 1) if eval_wait else 0.0,
         "train_infer_mismatch": consistency.mismatch(steps),
         "canary": consistency.canary_cost(steps, record.loads),
@@ -230,6 +252,8 @@ def print_summary(result: dict) -> None:
         )
     elif result["eval_waited_s"]:
         print(f"evaluator: the last scores came {result['eval_waited_s']} s after training ended")
+    if others := result.get("eval_unscored_other_runs"):
+        print(f"evaluator: submitted runs still to score when the wait ended: {', '.join(others)}")
     print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
     versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
     for v in versions:

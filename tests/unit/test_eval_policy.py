@@ -1,4 +1,5 @@
-"""Which versions the evaluator scores, and how long `lorabus up` waits for the missing ones."""
+"""Which versions the evaluator scores, and how long `lorabus up` waits for the missing ones (its
+own run's, and the newest export of every run submitted to its fleet)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,33 @@ def test_a_run_is_finished_only_when_its_last_version_is_exported_and_scored():
     assert not RunRecord(exported={0: "", 1: ""}).finished(cfg, evaluate=False)
     record = RunRecord(exported={v: "" for v in range(4)}, evals={0: 0.4})
     assert record.finished(cfg, evaluate=False) and not record.finished(cfg, evaluate=True)
+
+
+def test_a_submitted_runs_last_score_is_waited_for_alike(capsys):
+    cfg = cfg_with(max_wait_s=30.0)
+    progress, record = Progress(), RunRecord(exported={v: "" for v in range(4)}, evals={v: 0.5 for v in range(4)})
+    idle = {"head": -1, "exported": -1, "scored": -1}  # submitted, nothing exported yet: nothing owed
+    progress.others = {"r4": {"head": 5, "exported": 5, "scored": 3}, "idle": idle}
+    progress.other_finals = {"r4": 5}
+    assert not training_done(cfg, record, progress, evaluate=True, now=100.0)
+    assert "waiting for the evaluator: 1 version(s) to score (r4 v5)" in capsys.readouterr().out
+    progress.others["r4"]["scored"] = 5
+    assert training_done(cfg, record, progress, evaluate=True, now=101.0)
+    assert progress.eval_wait is not None and progress.eval_wait.others == []
+
+
+def test_a_submitted_runs_wait_is_bounded_too_and_its_unscored_version_named(capsys):
+    cfg = cfg_with(max_wait_s=30.0)
+    progress, record = Progress(), RunRecord(exported={v: "" for v in range(4)}, evals={v: 0.5 for v in range(4)})
+    progress.others = {"r4": {"head": 5, "exported": 5, "scored": -1}}
+    assert not training_done(cfg, record, progress, evaluate=True, now=100.0)
+    assert training_done(cfg, record, progress, evaluate=True, now=130.0)
+    assert "30s (evaluator.max_wait_s); 1 version(s) unscored: r4 v5" in capsys.readouterr().out
+    assert training_done(cfg_with(), record, Progress(others=dict(progress.others)), evaluate=False, now=0.0)
+
+
+def test_a_version_the_policy_skips_is_not_waited_for():
+    # every 4th: a run stopped at v5 gets no score for it (v5 is not its last, v10 would be)
+    progress = Progress(others={"r4": {"head": 5, "exported": 5, "scored": 4}}, other_finals={"r4": 10})
+    assert progress.others_unscored(EvaluatorConfig(versions="every_nth", nth=4)) == []
+    assert progress.others_unscored(EvaluatorConfig(versions="every")) == ["r4 v5"]
