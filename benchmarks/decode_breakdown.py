@@ -64,6 +64,7 @@ VARIANTS = {
     "own": "the model's own attention (transformers' sdpa) and norms",
     "grouped": "services.rollout.decode_attention for the one-token step",
     "grouped_norm": "grouped, and services.rollout.fused_norm in place of the RMSNorms",
+    "fused_rope": "grouped_norm, and services.rollout.rope_kernel for the rotary embedding",
 }
 
 
@@ -118,7 +119,8 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
         model,
         capture=device.type == "cuda",
         grouped_attention=variant != "own",
-        fused_norms=variant == "grouped_norm",
+        fused_norms=variant in ("grouped_norm", "fused_rope"),
+        fused_rope=variant == "fused_rope",
     )
     versions = [slots.head] * batch
 
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
     ap.add_argument(
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-        help="decode paths side by side, run in this order (grouped_norm changes the model for good)",
+        help="decode paths side by side, run in this order (grouped_norm and fused_rope change the model for good)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")

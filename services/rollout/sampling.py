@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention, fused_norm, sample_kernel
+from services.rollout import decode_attention, fused_norm, rope_kernel, sample_kernel
 
 log = logging.getLogger(__name__)
 
@@ -168,13 +168,14 @@ class DecodeGraphs:
         length_multiple: int = 64,
         grouped_attention: bool = True,
         fused_norms: bool = True,
+        fused_rope: bool = True,
     ):
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"static decoding: {reason}")
         if capture and not torch.cuda.is_available():
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
-        prepare(model, grouped_attention=grouped_attention, fused_norms=fused_norms)
+        prepare(model, grouped_attention=grouped_attention, fused_norms=fused_norms, fused_rope=fused_rope)
         self.model = model
         self.capture = capture
         self.max_states = max_states
@@ -195,13 +196,18 @@ class DecodeGraphs:
         del self._idle[: max(0, len(self._idle) - self.max_states)]
 
 
-def prepare(model: PreTrainedModel, *, grouped_attention: bool = True, fused_norms: bool = True) -> None:
+def prepare(
+    model: PreTrainedModel, *, grouped_attention: bool = True, fused_norms: bool = True, fused_rope: bool = True
+) -> None:
     """Make `model` ready for the static decode paths (this module's and `continuous`'s):
-    `decode_attention` for the one-token step, `fused_norm` in place of its RMSNorms."""
+    `decode_attention` for the one-token step, `fused_norm` in place of its RMSNorms,
+    `rope_kernel` for its rotary embedding where Triton runs."""
     if grouped_attention:
         decode_attention.use(model)
     if fused_norms:
         fused_norm.fuse(model)
+    if fused_rope:
+        rope_kernel.use(model)
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:
