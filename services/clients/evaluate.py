@@ -13,6 +13,9 @@ alone, as before fleets. The `evaluator` config section says where the base mode
 last version always). The default hook is greedy held-out accuracy on `valid_dataset` with the
 configured reward function; `evaluator.score` or `--score pkg.mod:fn` plugs in another
 (`fn(model, tokenizer, prompts, cfg) -> (metric_name, score)`).
+
+Invariant: a score is computed with its run's own config and published under that run only,
+one version at a time over the one base model.
 """
 
 from __future__ import annotations

@@ -403,6 +403,11 @@ async def report(
         return
     result = summary(cfg, record, run_dir, elapsed, progress.eval_wait if progress else None)
     result["other_runs"] = dict(sorted(progress.others.items())) if progress else {}
+    for other, seen in result["other_runs"].items():
+        try:  # each submitted run's held-out curve, read back from its own streams as the own run's
+            seen["eval_by_version"] = dict(sorted((await read_run(bus, other)).evals.items()))
+        except Exception as exc:
+            print(f"lorabus up: run {other}'s scores cannot be read ({type(exc).__name__})", file=sys.stderr)
     result["restarts"] = restarts
     result["accepted_unconsumed"] = await accepted_unconsumed(bus, cfg.run)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))

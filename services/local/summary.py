@@ -254,6 +254,10 @@ def print_summary(result: dict) -> None:
         print(f"evaluator: the last scores came {result['eval_waited_s']} s after training ended")
     if others := result.get("eval_unscored_other_runs"):
         print(f"evaluator: submitted runs still to score when the wait ended: {', '.join(others)}")
+    for other, seen in result.get("other_runs", {}).items():
+        scores = " ".join(f"v{v} {score:.3f}" for v, score in seen.get("eval_by_version", {}).items())
+        shown = f", held-out {scores}" if scores else ""
+        print(f"run {other} (submitted): head v{seen['head']}, exported v{seen['exported']}{shown}")
     print(f"{'version':>8} {'train reward':>13} {'eval score':>11}  export")
     versions = sorted(set(result["reward_by_version"]) | set(result["exported"]))
     for v in versions:
