@@ -229,6 +229,7 @@ def example_messages() -> dict[str, msgspec.Struct]:
                     head_version=3,
                     running=2,
                     accepted=30,
+                    adapter_memory_bytes=70_778_880,
                 )
             ],
         ),

@@ -551,6 +551,10 @@ class RunInfo(Struct, kw_only=True):
     reason: Text = ""
     """why it stopped or finished: the stop request's reason (`failed in <service>: ...` when a
     service stopped it for a fault of its own, `services.common.run_faults`)"""
+    adapter_memory_bytes: NonNegInt | None = None
+    """trainer memory its adapter holds by the fleet quota's arithmetic (fp32 LoRA parameters,
+    gradients, optimizer moments: `services.common.adapter_memory`); null when the fleet sets no
+    fleet.max_adapter_memory_gib"""
 
 
 class RunReply(Message, kw_only=True):

@@ -21,6 +21,7 @@ import nats.errors
 from proto import subjects
 from proto.messages import RunReply
 from services.common import entry
+from services.common.adapter_memory import human
 from services.config.loader import ConfigError
 from services.config.schema import LorabusConfig
 
@@ -52,15 +53,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def render(reply: RunReply) -> str:
+    # the memory column only where the fleet has a memory budget (the registry sizes runs then)
+    memory = any(r.adapter_memory_bytes is not None for r in reply.runs)
     lines = [
         f"{'run':<24} {'state':<9} {'share':>5} {'rank':>4} {'lora_name':<16} {'head':>6} {'steps':>5} "
-        f"{'running':>7} {'accepted':>8}  reason"
+        f"{'running':>7} {'accepted':>8}" + (f" {'memory':>10}" if memory else "") + "  reason"
     ]
     for r in reply.runs:
         head = "-" if r.head_version is None else f"v{r.head_version}"
+        size = "-" if r.adapter_memory_bytes is None else human(r.adapter_memory_bytes)
         lines.append(
             f"{r.run:<24} {r.state:<9} {r.share:>5g} {r.lora_rank:>4} {r.lora_name:<16} {head:>6} "
-            f"{r.total_train_steps:>5} {r.running:>7} {r.accepted:>8}" + (f"  {r.reason}" if r.reason else "")
+            f"{r.total_train_steps:>5} {r.running:>7} {r.accepted:>8}"
+            + (f" {size:>10}" if memory else "")
+            + (f"  {r.reason}" if r.reason else "")
         )
     return "\n".join(lines)
 
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         verb = {"submit": "submitted to", "stop": "stopping in", "resume": "resumed in"}[args.op]
         for r in reply.runs:
-            print(f"run {r.run} {verb} fleet {reply.fleet}: {r.state}, share {r.share:g}, rank {r.lora_rank}")
+            size = "" if r.adapter_memory_bytes is None else f", trainer memory {human(r.adapter_memory_bytes)}"
+            print(f"run {r.run} {verb} fleet {reply.fleet}: {r.state}, share {r.share:g}, rank {r.lora_rank}{size}")
     return 0
 
 

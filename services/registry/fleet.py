@@ -178,7 +178,7 @@ class FleetRegistry:
 
     def info(self, run: str) -> RunInfo:
         service = self.services.get(run)
-        return runs.info(self.records[run], self.configs[run], service.ledger if service else None)
+        return runs.info(self.records[run], self.configs[run], service.ledger if service else None, self._memory(run))
 
     def _wrong_fleet(self, fleet: str) -> RunReply | None:
         if fleet == self.fleet:
@@ -233,19 +233,26 @@ class FleetRegistry:
             return [str(exc)]
         return adapter_memory.problems(self.cfg, cfg, live, shape)
 
+    def _memory(self, run: str) -> int | None:
+        """The run's adapter bytes, under a budget only (without one the base config is never
+        read: a registry needs no model files unless it enforces memory); None: no budget, or
+        not computable (logged)."""
+        if self.cfg.fleet.max_adapter_memory_gib is None:
+            return None
+        try:
+            return adapter_memory.run_memory(self.configs[run], self._shape()).total
+        except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
+            log.warning("fleet %s: run %s's adapter memory is not known: %s", self.fleet, run, exc)
+            return None
+
     def _observe_memory(self, run: str) -> None:
-        """The run's adapter bytes on /metrics, under a budget only (without one the base config
-        is never read: a registry needs no model files unless it enforces memory)."""
+        """The run's adapter bytes and the budget on /metrics (under a budget only)."""
         budget = self.cfg.fleet.max_adapter_memory_gib
         if budget is None:
             return
         metrics.FLEET_ADAPTER_MEMORY_BUDGET.set(int(budget * adapter_memory.GIB))
-        try:
-            metrics.FLEET_ADAPTER_MEMORY.labels(run).set(
-                adapter_memory.run_memory(self.configs[run], self._shape()).total
-            )
-        except (base_config.BaseConfigError, adapter_memory.AdapterMemoryError) as exc:
-            log.warning("fleet %s: run %s's adapter memory is not known: %s", self.fleet, run, exc)
+        if (memory := self._memory(run)) is not None:
+            metrics.FLEET_ADAPTER_MEMORY.labels(run).set(memory)
 
     async def _on_stop(self, request: RunStop) -> RunReply:
         if (wrong := self._wrong_fleet(request.fleet)) is not None:

@@ -104,7 +104,8 @@ def settle(record: RunRecord, ledger: Ledger | None, total_train_steps: int, now
     return None
 
 
-def info(record: RunRecord, cfg: LorabusConfig, ledger: Ledger | None) -> RunInfo:
+def info(record: RunRecord, cfg: LorabusConfig, ledger: Ledger | None, memory: int | None = None) -> RunInfo:
+    """`memory`: the run's adapter bytes under a fleet memory budget (None: no budget)."""
     return RunInfo(
         run=record.run,
         lora_name=cfg.gconfig.lora_name,
@@ -116,4 +117,5 @@ def info(record: RunRecord, cfg: LorabusConfig, ledger: Ledger | None) -> RunInf
         running=0 if ledger is None else ledger.running,
         accepted=0 if ledger is None else ledger.accepted,
         reason=record.reason,
+        adapter_memory_bytes=memory,
     )

@@ -2,7 +2,8 @@
 nats-server): `fleet.max_adapter_memory_gib` sized to take the fleet's own run and one small run;
 a larger run is refused by `lorabus run submit` with the run, its bytes, the live total and the
 budget; once the small run stops its room is free again, and resuming it while another holds
-that room is refused the same way. The registry's /metrics shows what the quota counted per run."""
+that room is refused the same way. `lorabus run list` and the registry's /metrics show what the
+quota counted per run."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ async def test_a_run_beyond_the_memory_budget_is_refused_at_submit_and_resume(
 
     small = await submit(run_file(tmp_path, "small", 4))
     assert small.returncode == 0, small.stderr
+    assert f"rank 4, trainer memory {adapter_memory.human(SMALL)}" in small.stdout
 
     big = await submit(run_file(tmp_path, "big", 16))
     assert big.returncode == 1, big.stdout
@@ -111,16 +113,21 @@ async def test_a_run_beyond_the_memory_budget_is_refused_at_submit_and_resume(
     assert f"the live runs ({fleet}, small) hold {adapter_memory.human(OWN + SMALL)}" in refusal
     assert "; stop a run, lower its actor.lora_rank" in refusal
     assert "big" not in await listed(bus, fleet, registry)
+    table = await asyncio.to_thread(lorabus_run, "list", "--config", str(fleet_config))
+    header, *rows = table.stdout.splitlines()
+    assert "memory" in header.split() and any(
+        r.split()[0] == "small" and adapter_memory.human(SMALL) in r for r in rows
+    )
     gauges = await asyncio.to_thread(memory_gauges, registry)  # what the quota counted, on /metrics
     assert gauges == {"": int(BUDGET_GIB * adapter_memory.GIB), fleet: OWN, "small": SMALL}
 
     # a stopped run holds no trainer memory: its room takes another run of its size
-    table = RunTable(bus, fleet)
-    assert (await table.stop("small")).ok
+    runs_table = RunTable(bus, fleet)
+    assert (await runs_table.stop("small")).ok
     await wait_until(lambda: _state(bus, fleet, registry, "small", "stopped"), 20, "small stopped", interval=0.3)
     other = await submit(run_file(tmp_path, "other", 4))
     assert other.returncode == 0, other.stderr
-    resumed = await table.resume("small")
+    resumed = await runs_table.resume("small")
     assert not resumed.ok and len(resumed.problems) == 1
     assert resumed.problems[0].startswith("fleet.max_adapter_memory_gib: ") and "run 'small'" in resumed.problems[0]
     runs = await listed(bus, fleet, registry)
