@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from proto.messages import LoraSpec, Trajectory
+from proto.messages import Canary, LoraSpec, Trajectory
 from services.common import lora_targets
 from services.common.adapter_io import DTYPES
 from services.common.megatron_to_hf import ModelShape
@@ -62,6 +62,7 @@ from services.trainer.engines.megatron import checkpoint as shards
 from services.trainer.engines.megatron import pipeline as mpipe
 from services.trainer.engines.megatron import step as mstep
 from services.trainer.engines.megatron.bridge_import import have_transformer_engine, import_bridge
+from services.trainer.engines.megatron.canary import megatron_canary
 from services.trainer.engines.megatron.cpu import cuda_factories_on_cpu, route_cuda_to_cpu
 from services.trainer.engines.megatron.deps import require
 from services.trainer.engines.megatron.layout import assemble, globalize, layer_offset
@@ -314,6 +315,14 @@ class MegatronEngine:
             cross_entropy=tensor_parallel.vocab_parallel_cross_entropy,
             fixed_shape=self.fixed_shape,
         )
+
+    def canary(self) -> Canary | None:
+        """The load canary of the adapter the model holds now (`megatron/canary.py`); None under
+        pipeline or expert parallelism. Collective under TP: every rank calls it."""
+        if self.pp_size > 1 or self.ep_size > 1:
+            return None
+        gather = tensor_parallel.gather_from_tensor_model_parallel_region if self.tp_size > 1 else None
+        return megatron_canary(self.model, self.vocab_size, self.actor.seed, self.actor.dtype, gather)
 
     # --- adapter and checkpoint state ----------------------------------------------------
 
