@@ -31,5 +31,12 @@ def start_metrics_server(cfg: MetricsConfig) -> int:
     (the kernel's pick when `cfg.port` is 0)."""
     if not 0 <= cfg.port <= 65535:
         raise ValueError(f"metrics.port: {cfg.port} is not a TCP port; use 0..65535 (0 = any free)")
-    server, _thread = start_http_server(cfg.port, addr=cfg.host)
+    try:
+        server, _thread = start_http_server(cfg.port, addr=cfg.host)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"metrics.port: {cfg.host}:{cfg.port} cannot be bound ({exc.strerror}); "
+            "give another port, or 0 for any free one",
+        ) from exc
     return server.server_address[1]

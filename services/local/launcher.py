@@ -45,7 +45,7 @@ from services.config.schema import LorabusConfig
 from services.local import inference_servers, processes, trainer_site
 from services.local.nats_server import NatsServer, NatsServerError, start_nats_server
 from services.local.outcome import Outcome, exit_status, resume_hint
-from services.local.ports import free_port
+from services.local.ports import free_ports
 from services.local.processes import Child
 from services.local.server_watch import ServerWatch, WatchPolicy, kill_group
 from services.local.summary import HELDOUT, Progress, print_summary, read_run, summary, training_done
@@ -112,8 +112,7 @@ def assign_metrics_ports(children: list[Child], run_dir: Path) -> None:
     """Give every child a fixed metrics port and write them as a Prometheus file_sd target
     list (`<run_dir>/prometheus_targets.json`), so a local Prometheus can scrape the run."""
     targets = []
-    for child in children:
-        port = free_port()
+    for child, port in zip(children, free_ports(len(children)), strict=True):
         extra = [f"metrics.port={port}", "metrics.host=127.0.0.1"]
         # overrides are one positional group: keep them together, before any later flag
         at = child.argv.index("--replica") if "--replica" in child.argv else len(child.argv)
