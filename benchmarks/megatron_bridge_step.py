@@ -69,7 +69,9 @@ def cpu_shims() -> list[str]:
     return applied + route_cuda_to_cpu()  # listed in the report; the engine on CPU routes them as well
 
 
-def write_hf_checkpoint(directory: Path, args) -> dict:
+def hf_model(args):
+    """The HF model of `args.shape` at `args.layers` (Qwen3, or Qwen3-MoE with `args.moe`),
+    random weights from `args.seed`, in float32."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     d = SHAPES[args.shape]
@@ -103,6 +105,11 @@ def write_hf_checkpoint(directory: Path, args) -> dict:
         for name, p in model.named_parameters():
             if "norm" in name:  # HF initialises norms to 1, as an unloaded Megatron norm would be
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def write_hf_checkpoint(directory: Path, args) -> dict:
+    model = hf_model(args)
     model.to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32).save_pretrained(directory)
     return {
         "path": str(directory),
