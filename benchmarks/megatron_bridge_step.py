@@ -298,7 +298,16 @@ def logits_check(engine, hf_dir: Path, peft_dir: str, args, tokens: torch.Tensor
     base = hf_logits(hf_dir, None, tokens, dtype, engine.device)
     agreement = logits_agreement(mg, hf)
     agreement["adapter_effect_max_abs"] = float((hf - base).abs().max())
-    tol = args.tol if args.tol is not None else (2e-4 if dtype == torch.float32 else 0.25)
+    if args.tol is not None:
+        tol = args.tol
+    elif dtype == torch.float32:
+        tol = 2e-4
+    else:
+        # bf16's own noise on this model, HF against HF in float32: a 128-expert router sends
+        # 14-22 % of tokens to another expert in bf16 (bf16_floor.py), so no constant fits every shape
+        floor = float((hf - hf_logits(hf_dir, peft_dir, tokens, torch.float32, engine.device)).abs().max())
+        agreement["hf_bf16_vs_fp32_max_abs"] = floor
+        tol = 2 * floor
     agreement["tolerance"] = tol
     if not agreement["max_abs_diff"] <= tol:
         raise AssertionError(f"Megatron vs HF + peft: max |diff| {agreement['max_abs_diff']:.3g} > {tol} ({agreement})")
@@ -428,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--check-len", type=int, default=32)
-    ap.add_argument("--tol", type=float, default=None, help="max |logit diff| (default 2e-4 fp32, 0.25 bf16)")
+    ap.add_argument(
+        "--tol", type=float, default=None,
+        help="max |logit diff| (default 2e-4 fp32; bf16: twice HF's own bf16-vs-fp32 difference)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--nats-url", default="", help="a running nats-server (default: start one)")
     args = ap.parse_args(argv)
