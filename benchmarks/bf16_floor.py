@@ -2,7 +2,7 @@
 weights, and how many tokens' expert choice differs between the two (MoE).
 
     python benchmarks/bf16_floor.py --shape qwen3-30b-a3b --moe --experts 128 --layers 2 \\
-        --out benchmarks/results/bf16_floor_qwen3moe.json
+        --out benchmarks/results/bf16_floor_qwen3moe128.json
 
 `megatron_bridge_step.py` bounds Megatron-vs-HF logits in bf16 by a fixed 0.25; on the GPU the
 128-expert MoE case came out at 0.30 while its fp32 case was exact (8e-6). Whether that is the

@@ -30,8 +30,9 @@ def ephemeral_low() -> int:
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n distinct free ports below the ephemeral range, held open together while they are
     chosen; the kernel's own pick where too few are free there."""
-    high = ephemeral_low()
-    candidates = random.sample(range(_LOWEST, high), high - _LOWEST) if high - _LOWEST >= n else []
+    span = max(0, ephemeral_low() - _LOWEST)
+    start = random.randrange(span) if span else 0  # runs started together should not collide
+    candidates = (_LOWEST + (start + i) % span for i in range(span)) if span >= n else iter(())
     sockets: list[socket.socket] = []
     try:
         for port in candidates:
