@@ -9,8 +9,8 @@
 #
 # The working tree travels as it is, other people's edits in progress included; a committed
 # snapshot travels beside it when the call carries .device/src.tgz
-# (`git archive HEAD | gzip > .device/src.tgz`): it is unpacked into /tmp/src and the call
-# continues there, so what runs is exactly a commit. Outputs under the snapshot's ignored
+# (`bash benchmarks/device/snapshot.sh`): it is unpacked into /tmp/src and this call and the
+# later ones on the same warm machine continue there, so what runs is exactly a commit. Outputs under the snapshot's ignored
 # folders (examples/arith3/) survive between calls while the machine stays warm.
 #
 # NVLink multicast stays off in every process started from here (the lending workplace's rule:
@@ -31,6 +31,10 @@ if [ ! -f /tmp/vsite/.ok ] && [ "$(ls /tmp/vw | wc -l)" -ge 4 ]; then
 fi
 if [ -f "$_tree/.device/src.tgz" ]; then
   mkdir -p /tmp/src && tar -xzf "$_tree/.device/src.tgz" -C /tmp/src
+fi
+# a snapshot carried by an earlier call on this warm machine is still the one to run: the calls
+# that carry a 44 MiB part have no room for it beside the tree (64 MiB in all)
+if [ -f /tmp/src/.commit ]; then
   ln -sfn "$_tree/benchmarks/wheels" /tmp/src/benchmarks/wheels
   cd /tmp/src || return 1
 fi

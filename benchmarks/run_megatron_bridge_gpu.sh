@@ -17,7 +17,8 @@
 #               2 layers, 16 experts, vocab 32768, fp32: per-expert LoRA, exact check
 #   moe_bf16    Qwen3-30B-A3B shape, 2 layers, all 128 experts, bf16: 3 GRPO steps, timing, memory
 # Expected: ~4-5 min in all once the machine is up (each run: ~10 s imports, HF checkpoint write,
-# build, steps, two publications, four HF loads). Extra arguments go to every run.
+# build, steps, two publications, four HF loads). Extra arguments go to every run; CASES="moe_bf16
+# dense_bf16" runs only those.
 set -uo pipefail
 OUT=${OUT:-/tmp/megatron_bridge_out}
 mkdir -p "$OUT"
@@ -32,6 +33,7 @@ python3 -c "import transformers, peft, torch; print('transformers', transformers
 rc=0
 step() {  # label seconds args...
   local label=$1 secs=$2; shift 2
+  [[ -z "${CASES:-}" || " $CASES " == *" $label "* ]] || return 0
   echo "== $label (timeout ${secs}s)"
   timeout "$secs" python3 benchmarks/megatron_bridge_step.py --out "$OUT" --label "$label" --work "/tmp/mb_$label" "$@" \
     >"$OUT/megatron_bridge_$label.log" 2>&1

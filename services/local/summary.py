@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from proto import messages as m
 from services.clients import eval_policy
-from services.local import consistency
+from services.local import consistency, delivery
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
@@ -230,6 +230,7 @@ def summary(
         "eval_waited_s": round(eval_wait.waited_s, 1) if eval_wait else 0.0,
         "train_infer_mismatch": consistency.mismatch(steps),
         "canary": consistency.canary_cost(steps, record.loads),
+        "delivery": delivery.delivery(steps, record.loads),
     }
 
 
@@ -240,7 +241,7 @@ def print_summary(result: dict) -> None:
         f"{result['elapsed_s']} s; logs in {result['run_dir']}"
     )
     print(f"trajectories: {result['trajectories']}")
-    for line in consistency.lines(result):
+    for line in [*consistency.lines(result), *delivery.lines(result)]:
         print(line)
     if result.get("restarts"):
         print(f"restarts: {result['restarts']}")
