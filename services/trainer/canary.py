@@ -18,6 +18,7 @@ serve, never from what a replica loaded; equal weights give equal canaries.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import torch
@@ -25,10 +26,11 @@ import torch
 from proto.messages import Canary, CanarySequence, Dtype
 from services.trainer.engines.base import CanaryEngine
 
-# Its cost is its sequential forwards (the trainer's decode, the replica's decode before the
-# version serves): many short sequences in one batch compare as many tokens as a few long
-# ones for a quarter of the latency. Two tokens each, so a replica's decode path (KV cache,
-# its decode kernels) is checked beside its prefill; 16 is what the wire allows.
+# Its cost is its sequential forwards (the trainer's decode, which the event waits for; the
+# replica's, which the version's first trajectories wait for): many short sequences in one
+# batch compare as many tokens as a few long ones for a quarter of the latency. Two tokens
+# each, so a replica's decode path (KV cache, its decode kernels) is checked beside its
+# prefill; 16 is what the wire allows.
 N_PROMPTS = 16
 PROMPT_TOKENS = 8
 CONTINUATION_TOKENS = 2
@@ -47,28 +49,64 @@ def reference(model: torch.nn.Module, prompt_ids: list[list[int]], dtype: Dtype,
               n_tokens: int = CONTINUATION_TOKENS) -> Canary:  # fmt: skip
     """Greedy continuations of `prompt_ids` under `model` (a causal LM returning `.logits`, its
     adapter applied, already in `dtype`), each token's temperature-1 logprob beside it. Prompts
-    of one length are decoded as one batch (the run's prompts are: `n_tokens` forwards in all)."""
+    of one length are decoded as one batch (the run's prompts are: `n_tokens` forwards in all),
+    the tokens after the first from the KV cache where the model keeps one (`_keeps_cache`)."""
     device = next(model.parameters()).device
-    sequences: list[CanarySequence | None] = [None] * len(prompt_ids)
     by_length: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompt_ids):
         by_length.setdefault(len(prompt), []).append(i)
-    for rows in by_length.values():
-        ids = torch.tensor([prompt_ids[i] for i in rows], device=device)
-        tokens, logprobs = [], []
-        for _ in range(n_tokens):
-            lp = model(input_ids=ids).logits[:, -1].float().log_softmax(-1)
-            token = lp.argmax(-1, keepdim=True)
-            tokens.append(token[:, 0].tolist())
-            logprobs.append(lp.gather(-1, token)[:, 0].clamp(max=0.0).tolist())
-            ids = torch.cat([ids, token], dim=1)
-        for j, i in enumerate(rows):
-            sequences[i] = CanarySequence(
-                prompt_token_ids=list(prompt_ids[i]),
-                token_ids=[int(step[j]) for step in tokens],
-                logprobs=[float(step[j]) for step in logprobs],
-            )
+    cached = _keeps_cache(model)
+    order = [i for rows in by_length.values() for i in rows]
+    decoded = [_decode(model, torch.tensor([prompt_ids[i] for i in rows], device=device), n_tokens, cached)
+               for rows in by_length.values()]  # fmt: skip
+    # one copy to the host for every token and logprob (float64 holds any token id exactly)
+    host = torch.cat(decoded).tolist()
+    sequences: list[CanarySequence | None] = [None] * len(prompt_ids)
+    for i, row in zip(order, host):
+        sequences[i] = CanarySequence(
+            prompt_token_ids=list(prompt_ids[i]),
+            token_ids=[int(t) for t in row[:n_tokens]],
+            logprobs=row[n_tokens:],
+        )
     return Canary(dtype=dtype, sequences=[s for s in sequences if s is not None])
+
+
+def _keeps_cache(model: torch.nn.Module) -> bool:
+    """Whether `model` may be asked for a KV cache: an HF causal LM (or peft's wrapper, which
+    passes keyword arguments on) may; Megatron's `_HFCall` takes `input_ids` alone."""
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _cache_of(out: object) -> dict[str, object]:
+    """The KV cache a forward returned, as the keyword that hands it back (transformers 5 names
+    it `cache`, 4 `past_key_values`); empty when it returned none."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return {name: value}
+    return {}
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int, cached: bool) -> torch.Tensor:
+    """[batch, 2 * n_tokens] float64 on the device: the greedy tokens, then their logprobs."""
+    tokens, logprobs = [], []
+    past: dict[str, object] = {}
+    for _ in range(n_tokens):
+        if past:
+            out = model(input_ids=ids[:, -1:], use_cache=True, **past)
+        elif cached:
+            out = model(input_ids=ids, use_cache=True)
+        else:
+            out = model(input_ids=ids)
+        # a model that returns no cache is given the whole sequence again
+        past = _cache_of(out) if cached else {}
+        lp = out.logits[:, -1].float().log_softmax(-1)
+        token = lp.argmax(-1, keepdim=True)
+        tokens.append(token[:, 0])
+        logprobs.append(lp.gather(-1, token)[:, 0].clamp(max=0.0))
+        ids = torch.cat([ids, token], dim=1)
+    return torch.cat([torch.stack(tokens, 1).double(), torch.stack(logprobs, 1).double()], dim=1)
 
 
 def timed(engine: object) -> tuple[Canary | None, float | None]:

@@ -96,3 +96,63 @@ def test_the_trainer_reference_is_the_greedy_continuation_with_its_logprobs():
             last = token
     with pytest.raises(ValueError, match="vocab_size: 1"):
         trainer_canary.prompts(1, seed=0)
+
+
+def no_cache_reference(model, prompt_ids: list[list[int]], n_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """The plain greedy decode the trainer's reference must equal: one prompt at a time, the
+    whole sequence forwarded for every token."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompt_ids:
+            ids, tokens, lps = list(prompt), [], []
+            for _ in range(n_tokens):
+                row = model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+                token = int(row.argmax())
+                tokens.append(token)
+                lps.append(min(float(row[token]), 0.0))
+                ids.append(token)
+            out.append((tokens, lps))
+    return out
+
+
+class InputIdsOnly(torch.nn.Module):
+    """A model called as Megatron's `_HFCall` is: `input_ids` alone, no KV cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.lengths: list[int] = []
+
+    def forward(self, input_ids):
+        self.lengths.append(input_ids.shape[1])
+        return self.model(input_ids=input_ids)
+
+
+def test_the_cached_reference_equals_a_plain_greedy_decode():
+    from peft import LoraConfig, get_peft_model
+
+    from tests.fixtures.tiny import tiny_qwen2
+
+    torch.manual_seed(1)
+    base = tiny_qwen2()
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear", init_lora_weights=False))
+    peft.eval()
+    # two prompt lengths: two batches, put back in the caller's order
+    prompt_ids = trainer_canary.prompts(97, seed=5, n=4, length=6) + trainer_canary.prompts(97, seed=6, n=2, length=3)
+    want = no_cache_reference(peft, prompt_ids, n_tokens=5)
+    seen: list[int] = []
+    hook = peft.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                          with_kwargs=True)  # fmt: skip
+    try:
+        got = trainer_canary.reference(peft, prompt_ids, "float32", n_tokens=5)
+    finally:
+        hook.remove()
+    assert seen == [6, 1, 1, 1, 1, 3, 1, 1, 1, 1], "tokens after the first come from the KV cache"
+    wrapped = InputIdsOnly(peft)
+    plain = trainer_canary.reference(wrapped, prompt_ids, "float32", n_tokens=5)
+    assert wrapped.lengths == [6, 7, 8, 9, 10, 3, 4, 5, 6, 7], "a model without a cache gets the whole sequence"
+    for canary in (got, plain):
+        assert [s.prompt_token_ids for s in canary.sequences] == prompt_ids
+        for seq, (tokens, lps) in zip(canary.sequences, want):
+            assert seq.token_ids == tokens and seq.logprobs == pytest.approx(lps, abs=1e-5)
+            assert all(isinstance(t, int) for t in seq.token_ids)
