@@ -6,8 +6,12 @@ The mismatch of version v is the on-policy figure of the step that started from 
 moment the trainer holds v's weights, so the only clean comparison with the tokens v generated.
 A version's time to servable on a replica is its AdapterLoaded.loaded_at minus the trainer's
 step end (TrainerStep.trained_at). The canary's cost is its part of that time: what the trainer's
-announcement waited for it (its compute overlaps the upload or broadcast) plus the replica's
-check, which comes before the version serves.
+announcement waited for it (its compute overlaps the upload or broadcast), plus the replica's
+check where it came before the version was marked loaded (replicas that report it,
+AdapterLoaded.canary_seconds). A replica checks a version while it serves it and holds its output
+until the check passes: that check is no part of time to servable (counted here as beside
+serving), and its cost to the run, what publication waited for it, is on the replica's /metrics
+(`lorabus_rollout_canary_seconds`, `lorabus_rollout_canary_wait_seconds`), not in the streams.
 
 Invariant: pure (no I/O); steps and loads that predate these fields count as absent, never as 0.
 """
@@ -60,24 +64,27 @@ def _waited(step: m.TrainerStep) -> float | None:
 
 
 def canary_cost(steps: Iterable[m.TrainerStep], loads: Iterable[m.AdapterLoaded]) -> dict | None:
-    """What the canaries cost: seconds on each side and their share of time to servable."""
+    """What the canaries cost: seconds on each side and their share of time to servable (a load
+    without canary_seconds, of a version the trainer computed a canary for, was checked beside
+    serving: nothing of the replica's check in its time to servable)."""
     by_version = {s.version: s for s in steps}
     trainer = [s.canary_seconds for s in by_version.values() if s.canary_seconds is not None]
     replica = [ld.canary_seconds for ld in loads if ld.canary_seconds is not None]
     if not trainer and not replica:
         return None
     waited = {v: _waited(s) for v, s in by_version.items()}
-    servable, fractions = [], []
+    servable, fractions, beside = [], [], 0
     for ld in loads:
         step = by_version.get(ld.version)
         wait = waited.get(ld.version)
-        if step is None or step.trained_at is None or ld.canary_seconds is None or wait is None:
+        if step is None or step.trained_at is None or wait is None:
             continue
         total = ld.loaded_at - step.trained_at
         if total <= 0:
             continue
         servable.append(total)
-        fractions.append((wait + ld.canary_seconds) / total)
+        fractions.append((wait + (ld.canary_seconds or 0.0)) / total)
+        beside += ld.canary_seconds is None
 
     def stats(xs: list[float]) -> dict | None:
         return {"n": len(xs), "mean": _round(sum(xs) / len(xs)), "max": _round(max(xs))} if xs else None
@@ -86,6 +93,7 @@ def canary_cost(steps: Iterable[m.TrainerStep], loads: Iterable[m.AdapterLoaded]
         "trainer_seconds": stats(trainer),
         "trainer_wait_seconds": stats([w for w in waited.values() if w is not None]),
         "replica_seconds": stats(replica),
+        "replica_checks_beside_serving": beside,
         "time_to_servable_s": stats(servable),
         "fraction_of_time_to_servable": stats(fractions),
     }
@@ -114,6 +122,8 @@ def lines(result: dict) -> list[str]:
             parts.append(f"trainer {cost['trainer_seconds']['mean'] * 1e3:.1f} ms (waited {wait['mean'] * 1e3:.1f} ms)")
         if cost.get("replica_seconds"):
             parts.append(f"replica {cost['replica_seconds']['mean'] * 1e3:.1f} ms")
+        if cost.get("replica_checks_beside_serving"):
+            parts.append("replica checks beside serving (their wait: lorabus_rollout_canary_wait_seconds)")
         if cost.get("fraction_of_time_to_servable"):
             frac, tts = cost["fraction_of_time_to_servable"], cost["time_to_servable_s"]
             parts.append(

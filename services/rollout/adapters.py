@@ -7,22 +7,29 @@ load goes through the replica's loaders in order (`loaders`: XCCL-staged tensors
 path, the verified fetch) and is served as `{lora_name}-v{N}`, with retries and backoff here;
 each failure is reported (AdapterFailed), the last one re-raised so the bus redelivers or
 dead-letters the event: a version is never silently skipped. A version leaves the engine only
-outside the keep window and unpinned. A version whose event carries a canary is checked
-against it after the load and before it is marked loaded (`canary`): one that fails is unloaded
-and reported, never served. Each loaded version keeps the sha256 its loader hashed
-from the bytes it handed the engine (`identity`): what the trajectories it generates name.
+outside the keep window and unpinned, or after failing a check. Each loaded version keeps the
+sha256 its loader hashed from the bytes it handed the engine (`identity`): what the trajectories
+it generates name.
 
-The embedded engine loads by the fast path (`load_path.Stager`): the version is servable before
-its sha256 check ends. `trusted()` is the gate the work side passes before publishing: it waits
-for the checks in flight and refuses output that overlapped a version whose check failed. Such
-a version is withdrawn at once (left out of `loaded()`, so no grant pins it again), unloaded once
-unpinned and loaded again by the verify-first path.
+A loaded version is marked loaded (granted, AdapterLoaded reported) at once, and checked while it
+serves: the embedded engine's fast path (`load_path.Stager`) hashes the bytes it copied, and an
+event that carries a canary has it decoded under the version's name (`canary`). `trusted()` is
+the gate the work side passes before publishing: it waits for the checks in flight of every
+version the output may have used and refuses output that overlapped a version whose check
+failed. Such a version is withdrawn at once (left out of `loaded()`, so no grant pins it again)
+and unloaded once unpinned; after a failed sha256 it is loaded again by the verify-first path,
+after a failed canary it is given up (the same weights fail again).
 
 Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
 versions still admissible, so a grant's version is served again rather than dropped. A version
-loaded again is checked against its canary as on its first load: a restarted server may come
-back answering a name with other weights (the base, another copy); one that fails is withdrawn
-and dropped from the replica, which goes on with the versions that passed.
+loaded again is checked against its canary as on its first load, before `restore()` returns
+(output published meanwhile waits for it): a restarted server may come back answering a name
+with other weights (the base, another copy); one that fails is withdrawn and given up, and the
+replica goes on with the versions that passed.
+
+Invariant: no output generated under a version is published before that version's checks (its
+canary, and the fast path's sha256) passed on this replica; a version whose canary fails never
+has its output published and leaves the replica, which keeps serving the versions that passed.
 
 The work side (`service.RolloutService`) pins versions in `book`, waits on `changed`, and
 calls `restore()` when a generation finds its version gone.
@@ -35,13 +42,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Coroutine
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import msgspec
 
 from proto import subjects
-from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, LoadedVia
+from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, Canary, LoadedVia
 from services.common import lineage, streams
 from services.common.bus import Bus, Refused
 from services.common.pull import Puller
@@ -56,6 +63,14 @@ if TYPE_CHECKING:
     from services.rollout.xccl_receiver import XcclReceiver
 
 log = logging.getLogger(__name__)
+
+
+class InFlight(NamedTuple):
+    """A check of served weights, still running."""
+
+    kind: Literal["sha256", "canary"]
+    version: int | None
+    """the version whose output waits for it; None: all output (a sha256's, a restore's)"""
 
 
 class AdapterFollower:
@@ -101,10 +116,11 @@ class AdapterFollower:
         """the XcclReceiver (created in `start` under weight_update_mode: xccl)"""
         self.stager = stager
         """the fast load path (embedded engine); None: fetch verified bytes, then load"""
-        self._verifying: dict[int, asyncio.Future[str]] = {}
-        """sha256 checks of servable versions still running"""
+        self._checks: dict[asyncio.Future[Any], InFlight] = {}
+        """checks of served weights still running: the fast path's sha256, canaries (a restore's
+        re-checks among them)"""
         self._tainted: list[list[float]] = []
-        """[from, until] (time.monotonic) of each version served whose bytes failed their check"""
+        """[from, until] (time.monotonic) of each version served that failed a check"""
         self._withdrawn: set[int] = set()
         self._settling: set[asyncio.Task] = set()
         self._loaders, self._fetch_loader = loaders.loaders(
@@ -122,17 +138,28 @@ class AdapterFollower:
 
     def identity(self, version: int) -> tuple[str | None, str]:
         """(sha256 of the adapter bytes loaded as `version`, engine instance): what a token range
-        generated by it names. Read after `trusted`, when every fast-path check has ended."""
+        generated by it names. Read after `trusted`, when the version's checks have ended."""
         return self._sha256.get(version), self.engine_id
 
-    async def trusted(self, since: float) -> bool:
-        """Whether output generated from `since` (time.monotonic) to now may be published:
-        every check in flight has passed, and no version that failed one was served meanwhile."""
-        for check in list(self._verifying.values()):
-            try:
-                await asyncio.shield(check)
-            except Exception:
-                return False
+    async def trusted(self, since: float, versions: Collection[int]) -> bool:
+        """Whether output generated on `versions` from `since` (time.monotonic) to now may be
+        published: every check in flight of weights it may have used has passed (waited for
+        here), and no version that failed one was served meanwhile. What it waited for canaries
+        is observed (`CANARY_WAIT_SECONDS`): the replica canary's cost to the run."""
+        # A canary holds its own version's output only: the rows of other versions subtract a
+        # merged head's delta again (`lora_slots`). Bytes that failed their sha256 may hold
+        # anything, and a restore re-loads versions already granted: those hold all output.
+        checks = [(f, c) for f, c in self._checks.items() if c.version is None or c.version in versions]
+        checks.sort(key=lambda fc: fc[1].kind != "canary")  # so that `waited` is the canaries' alone
+        t0, waited = time.perf_counter(), 0.0
+        try:
+            for check, what in checks:
+                if not await _passes(check):
+                    return False
+                if what.kind == "canary":
+                    waited = time.perf_counter() - t0
+        finally:
+            metrics.CANARY_WAIT_SECONDS.labels(self.run_id, self.replica).observe(waited)
         return not any(until >= since for _, until in self._tainted)
 
     def _make_receiver(self) -> None:
@@ -163,6 +190,13 @@ class AdapterFollower:
                 log.exception("rollout %s: initial load of v%d failed", self.replica, head.version)
         reader: Puller[AdapterReady] = await self.bus.pull(consumer, AdapterReady, batch=1)
         return self.bus.dispatch(reader, lambda ev, meta: self.on_adapter(ev))
+
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> asyncio.Task:
+        """Run `work` beside the follower (cancelled by `close`)."""
+        task = asyncio.create_task(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
 
     async def close(self) -> None:
         metrics.close_run(self.run_id, self.replica)
@@ -223,15 +257,12 @@ class AdapterFollower:
             self.xccl.observe(payload, ev.version)
         for attempt in range(1, self.load_attempts + 1):
             t0 = time.time()
-            since = time.monotonic()
             try:
                 await self._make_room()
                 done = await loaders.load(self._loaders, ev, attempt=attempt, verify_first=verify_first)
-                canary_s = await self._canary(ev)
             except Exception as exc:
                 metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
-                # a canary that fails fails again on the same weights: given up like a corrupt object
-                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt | canary.CanaryFailed)
+                gone = isinstance(exc, ObjectNotFound | ObjectCorrupt)
                 retry = attempt < self.load_attempts and not gone and not isinstance(exc, OutsideStore)
                 log.warning(
                     "rollout %s: load of %s failed (attempt %d): %r", self.replica, ev.adapter_name, attempt, exc
@@ -248,64 +279,132 @@ class AdapterFollower:
                 await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
                 continue
             now = time.time()
-            self._sha256[ev.version] = done.sha256
-            if done.staged is not None:
-                check = self._verifying[ev.version] = asyncio.wrap_future(done.staged.verified)
-                task = asyncio.create_task(self._settle(ev, done.staged, check, since))
-                self._settling.add(task)
-                task.add_done_callback(self._settling.discard)
-            async with self.changed:
-                self.book.mark_loaded(ev.version)
-                self.changed.notify_all()
-            log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, done.via, now - t0)
-            metrics.ADAPTER_LOAD_SECONDS.labels(self.run_id, self.replica).observe(now - t0)
-            metrics.PROPAGATION_SECONDS.labels(self.run_id, self.replica).observe(max(0.0, now - ev.created_at))
-            if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
-                metrics.LOADED_VERSION.labels(self.run_id, self.replica).set(head)
-            await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded",
-                                      canary_seconds=canary_s)  # fmt: skip
+            settle = await self._serve(ev, done)
+            try:
+                log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, done.via, now - t0)
+                metrics.ADAPTER_LOAD_SECONDS.labels(self.run_id, self.replica).observe(now - t0)
+                metrics.PROPAGATION_SECONDS.labels(self.run_id, self.replica).observe(max(0.0, now - ev.created_at))
+                if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
+                    metrics.LOADED_VERSION.labels(self.run_id, self.replica).set(head)
+                # no canary_seconds: the check ends after this report (CANARY_SECONDS and the log say it)
+                await self._report_loaded(ev.version, done.via, load_seconds=now - t0, loaded_at=now, kind="loaded")
+            finally:
+                if settle is not None:  # after AdapterLoaded, so that a failure is reported after it
+                    self._spawn(settle)
             return True
         return False  # not reached: the last attempt returns or raises
 
-    async def _canary(self, ev: AdapterReady) -> float | None:
-        """Check a version just loaded against its canary before it is marked loaded (served);
-        returns the seconds it took (None: the event carried none). One that fails leaves the
-        engine and raises `CanaryFailed` with the figures."""
-        if ev.canary is None:
+    async def _serve(self, ev: AdapterReady, done: loaders.Loaded) -> Coroutine[Any, Any, None] | None:
+        """Mark a version just loaded as loaded, its checks in flight from that moment: the fast
+        path's sha256 (`done.staged`) and the event's canary. Returns what settles them (to run
+        beside the follower), None when there are none."""
+        version = ev.version
+        self._sha256[version] = done.sha256
+        async with self.changed:
+            # nothing awaited in here: a grant can pin the version only once its checks are in flight
+            began = time.monotonic()
+            self.book.mark_loaded(version)
+            sha = check = None
+            if done.staged is not None:
+                sha = asyncio.wrap_future(done.staged.verified)
+                # on the future itself: the digest is in before any `trusted` waiting for it returns
+                sha.add_done_callback(lambda f: self._take_digest(version, f))
+                self._checks[sha] = InFlight("sha256", None)
+            if ev.canary is not None:
+                self.book.pin(version)  # not collected while its canary decodes
+                check = self._spawn(self._canary(ev))
+                self._checks[check] = InFlight("canary", version)
+            self.changed.notify_all()
+        if sha is None and check is None:
             return None
+        return self._settle(ev, began, done.staged, sha, check)
+
+    def _take_digest(self, version: int, sha: asyncio.Future[str]) -> None:
+        if not sha.cancelled() and sha.exception() is None and version in self.book.loaded():
+            self._sha256[version] = sha.result()
+
+    async def _canary(self, ev: AdapterReady) -> float:
+        """Decode `ev`'s canary under its version (loaded) and compare; returns the seconds it
+        took. Raises `CanaryFailed` with the figures beyond the tolerance, or the engine's error
+        when it cannot answer `load_attempts` times in a row."""
+        assert ev.canary is not None
         t0 = time.perf_counter()
-        measured = await canary.score(self.engine, ev.version, ev.canary, self.cfg.rollout.dtype)
+        measured = await self._score(ev, ev.canary)
         seconds = time.perf_counter() - t0
         metrics.CANARY_SECONDS.labels(self.run_id, self.replica).observe(seconds)
         metrics.CANARY_GAP.labels(self.run_id, self.replica).observe(min(measured.value, 1e6))
-        if measured.passed:
-            return seconds
-        await self.engine.unload_version(ev.version)
-        raise canary.CanaryFailed(
-            f"{ev.adapter_name}: {measured.describe(len(ev.canary.sequences))}; withdrawn on this replica, "
-            "which keeps serving the versions it has"
-        )
-
-    async def _settle(self, ev: AdapterReady, staged: Staged, check: asyncio.Future[str], since: float) -> None:
-        """Wait for a fast-loaded version's check: log its stages and take its digest, or
-        withdraw it."""
-        try:
-            self._sha256[ev.version] = await check
-        except Exception as exc:
-            served = [since, math.inf]
-            self._tainted.append(served)
-            self._withdrawn.add(ev.version)
-            self._verifying.pop(ev.version, None)
-            log.error("rollout %s: %s withdrawn: %s", self.replica, ev.adapter_name, exc)
-            metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
-            await self._report_failed(
-                ev.version, exc, attempt=1, will_retry=True, tag="w", context="withdrawn after loading: "
+        if not measured.passed:
+            raise canary.CanaryFailed(
+                f"{ev.adapter_name}: {measured.describe(len(ev.canary.sequences))}; withdrawn on this replica "
+                "(nothing it generated is published), which keeps serving the versions that passed"
             )
+        return seconds
+
+    async def _score(self, ev: AdapterReady, want: Canary) -> canary.Gap:
+        for attempt in range(1, self.load_attempts):
+            try:
+                return await canary.score(self.engine, ev.version, want, self.cfg.rollout.dtype)
+            except Exception as exc:
+                log.warning("rollout %s: canary of %s not answered (attempt %d): %r", self.replica,
+                            ev.adapter_name, attempt, exc)  # fmt: skip
+                await asyncio.sleep(self.retry_base_s * 2 ** (attempt - 1))
+        return await canary.score(self.engine, ev.version, want, self.cfg.rollout.dtype)
+
+    async def _settle(
+        self,
+        ev: AdapterReady,
+        began: float,
+        staged: Staged | None,
+        sha: asyncio.Future[str] | None,
+        check: asyncio.Future[float] | None,
+    ) -> None:
+        """Wait for the checks of a version served since `began`. The first to fail withdraws it
+        at once; once both ended it is loaded again verify-first after a failed sha256 (other
+        bytes than the trainer's were checked), or given up after a failed canary."""
+        checks = [c for c in (sha, check) if c is not None]
+        await asyncio.wait(checks, return_when=asyncio.FIRST_EXCEPTION)
+        served = self._withdraw_now(ev.version, began) if any(map(_failed, checks)) else None
+        await asyncio.wait(checks)
+        for c in checks:  # a failure's window is tainted already: `trusted` refuses by it from here
+            self._checks.pop(c, None)
+        if check is not None:
+            async with self.changed:
+                self.book.unpin(ev.version)
+                self.changed.notify_all()
+        if staged is not None and sha is not None and not _failed(sha):
+            staged.times.observe(self.run_id, self.replica)
+        if served is None:
+            self._log_passed(ev, staged, check)
+            return
+        failed = sha if sha is not None and _failed(sha) else check
+        assert failed is not None
+        exc = _error(failed)
+        metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
+        log.error("rollout %s: %s withdrawn: %s", self.replica, ev.adapter_name, exc)
+        if failed is sha:
+            await self._report_failed(ev.version, exc, attempt=1, will_retry=True, tag="w",
+                                      context="withdrawn after loading: ")  # fmt: skip
             await self._withdraw(ev, served)
             return
-        self._verifying.pop(ev.version, None)
-        staged.times.observe(self.run_id, self.replica)
-        log.info("rollout %s: %s servable in %s", self.replica, ev.adapter_name, staged.times.describe())
+        unanswered = "" if isinstance(exc, canary.CanaryFailed) else "canary not answered: "
+        await self._report_failed(ev.version, exc, attempt=1, will_retry=False, tag="c", context=unanswered)
+        await self._give_up(ev.version, served)
+
+    def _log_passed(self, ev: AdapterReady, staged: Staged | None, check: asyncio.Future[float] | None) -> None:
+        parts = []
+        if staged is not None:
+            parts.append(f"servable in {staged.times.describe()}")
+        if check is not None:
+            parts.append(f"canary passed in {check.result() * 1e3:.1f} ms beside serving")
+        log.info("rollout %s: %s %s", self.replica, ev.adapter_name, "; ".join(parts))
+
+    def _withdraw_now(self, version: int, since: float) -> list[float]:
+        """Leave `version` out of `loaded()` and refuse output generated from `since` on; returns
+        that tainted window, closed once the version has left the engine."""
+        served = [since, math.inf]
+        self._tainted.append(served)
+        self._withdrawn.add(version)
+        return served
 
     async def _withdraw(self, ev: AdapterReady, served: list[float]) -> None:
         """Unload a version whose bytes failed their check once nothing uses it, then load it
@@ -329,6 +428,34 @@ class AdapterFollower:
             except Exception:  # reported by _load_with_retries; the stream has moved on
                 self._events.pop(ev.version, None)
                 log.exception("rollout %s: %s could not be loaded again", self.replica, ev.adapter_name)
+
+    async def _give_up(self, version: int, served: list[float]) -> None:
+        """Unload a withdrawn version whose canary failed once nothing pins it, for good: the
+        same weights would fail again. The replica keeps serving the versions that passed."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.book.pins(version))
+        async with self._collecting:
+            unloaded = version in self.book.loaded()
+            if unloaded:
+                try:
+                    await self.engine.unload_version(version)
+                except Exception:  # it stays withdrawn: never granted, its output never published
+                    log.exception("rollout %s: v%d, withdrawn, could not be unloaded", self.replica, version)
+                    return
+                self.book.mark_unloaded(version)
+            served[1] = time.monotonic()
+            self._withdrawn.discard(version)
+            self._events.pop(version, None)
+            self._sha256.pop(version, None)
+        async with self.changed:
+            self.changed.notify_all()
+        if (head := self.book.head()) is not None:
+            metrics.LOADED_VERSION.labels(self.run_id, self.replica).set(head)
+        if unloaded:
+            await self._report("unloaded", AdapterUnloaded(run=self.run_id, replica=self.replica, version=version,
+                                                           reason="withdrawn: its canary failed on this replica",
+                                                           unloaded_at=time.time()),
+                               msg_id=f"{self.replica}-unloaded-v{version}-{uuid.uuid4().hex[:8]}")  # fmt: skip
 
     async def head_moved(self, seen: int | None) -> None:
         """Return once the newest loaded version is other than `seen` (at once if it is)."""
@@ -418,8 +545,9 @@ class AdapterFollower:
     # --- servers that forget ---
     async def restore(self) -> list[int]:
         """Load again the still-admissible versions the engine no longer serves (a restarted
-        server, a lost replica); returns them. Server engines only (`reload_missing`); a
-        failure is reported with will_retry and tried again at the next call."""
+        server, a lost replica) and check each against its canary before returning the ones
+        that passed. Server engines only (`reload_missing`); a failed load is reported with
+        will_retry and tried again at the next call, a failed canary gives the version up."""
         reload_missing = getattr(self.engine, "reload_missing", None)
         if reload_missing is None:
             return []
@@ -428,67 +556,81 @@ class AdapterFollower:
             admissible = set(self.loaded())
             if self._loading is not None:
                 admissible.add(self._loading)
-            restored: list[int] = []
+            hold = self._hold(admissible)
+            since = time.monotonic()
             try:
-                restored = list(await reload_missing(sorted(admissible)))
-            except Exception as exc:
-                log.warning("rollout %s: checking the server's adapters failed: %r", self.replica, exc)
-            # versions the engine dropped without getting back (a reload that failed above, or
-            # a generation that found one gone): re-loaded from their events
-            serving = set(await self.engine.loaded_versions())
-            for version in self.book.loaded():
-                ev = self._events.get(version)
-                if version in serving or version in restored or version == self._loading or ev is None:
-                    continue
-                if version in self._withdrawn:  # on its way out (a failed check): not brought back
-                    continue
-                try:
-                    data = await asyncio.to_thread(self.fetch, ev)
-                    self._sha256[version] = (await self._fetch_loader.load_bytes(ev, data)).sha256
-                except Exception as exc:
-                    attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
-                    await self._report_failed(
-                        version,
-                        exc,
-                        attempt=attempt,
-                        will_retry=True,
-                        tag=f"r{attempt}",
-                        context="re-load after the server forgot it: ",
-                    )
-                    continue
-                restored.append(version)
-            checked = []
-            for version in restored:
-                self._restore_failures.pop(version, None)
-                ev = self._events.get(version)
-                try:
-                    canary_s = await self._canary(ev) if ev is not None else None
-                except canary.CanaryFailed as exc:
-                    self._withdrawn.add(version)  # no grant pins it from here on
-                    log.error("rollout %s: v%d re-loaded, then withdrawn: %s", self.replica, version, exc)
-                    metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
-                    await self._report_failed(version, exc, attempt=1, will_retry=False, tag="rc",
-                                              context="re-loaded after the server forgot it: ")  # fmt: skip
-                    task = asyncio.create_task(self._drop(version))
-                    self._settling.add(task)
-                    task.add_done_callback(self._settling.discard)
-                    continue
-                checked.append(version)
-                log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
-                await self._report_loaded(version, "object", load_seconds=0.0, loaded_at=time.time(), kind="reloaded",
-                                          canary_seconds=canary_s)  # fmt: skip
-            return checked
+                return await self._recheck(await self._reload(reload_missing, admissible), since)
+            finally:
+                if hold is not None:
+                    hold.set_result(None)
+                    self._checks.pop(hold, None)
 
-    async def _drop(self, version: int) -> None:
-        """Take a withdrawn version off the book once no request pins it (the engine has
-        already let it go)."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: not self.book.pins(version))
-            if version in self.book.loaded():
-                self.book.mark_unloaded(version)
-            self._withdrawn.discard(version)
-            self._sha256.pop(version, None)
-            self.changed.notify_all()
+    def _hold(self, admissible: set[int]) -> asyncio.Future[None] | None:
+        """A canary check in flight for the whole of a restore, when its versions carry
+        canaries: a server may answer a re-loaded name with other weights until the canary says
+        otherwise, and the grants already pinning it may be generating on it meanwhile."""
+        if not any((ev := self._events.get(v)) is not None and ev.canary is not None for v in admissible):
+            return None
+        hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._checks[hold] = InFlight("canary", None)
+        return hold
+
+    async def _reload(self, reload_missing: Callable[[list[int]], Any], admissible: set[int]) -> list[int]:
+        """The admissible versions the engine had forgotten, loaded again: by the engine from
+        its own copies, or from their events."""
+        restored: list[int] = []
+        try:
+            restored = list(await reload_missing(sorted(admissible)))
+        except Exception as exc:
+            log.warning("rollout %s: checking the server's adapters failed: %r", self.replica, exc)
+        # versions the engine dropped without getting back (a reload that failed above, or
+        # a generation that found one gone): re-loaded from their events
+        serving = set(await self.engine.loaded_versions())
+        for version in self.book.loaded():
+            ev = self._events.get(version)
+            if version in serving or version in restored or version == self._loading or ev is None:
+                continue
+            if version in self._withdrawn:  # on its way out (a failed check): not brought back
+                continue
+            try:
+                data = await asyncio.to_thread(self.fetch, ev)
+                self._sha256[version] = (await self._fetch_loader.load_bytes(ev, data)).sha256
+            except Exception as exc:
+                attempt = self._restore_failures[version] = self._restore_failures.get(version, 0) + 1
+                await self._report_failed(
+                    version,
+                    exc,
+                    attempt=attempt,
+                    will_retry=True,
+                    tag=f"r{attempt}",
+                    context="re-load after the server forgot it: ",
+                )
+                continue
+            restored.append(version)
+        return restored
+
+    async def _recheck(self, restored: list[int], since: float) -> list[int]:
+        """Check each re-loaded version against its canary and report the ones that pass loaded
+        again; one that fails is withdrawn (output from `since` on refused) and given up."""
+        checked = []
+        for version in restored:
+            self._restore_failures.pop(version, None)
+            ev = self._events.get(version)
+            try:
+                canary_s = await self._canary(ev) if ev is not None and ev.canary is not None else None
+            except Exception as exc:
+                served = self._withdraw_now(version, since)
+                log.error("rollout %s: v%d re-loaded, then withdrawn: %s", self.replica, version, exc)
+                metrics.LOAD_FAILURES.labels(self.run_id, self.replica).inc()
+                await self._report_failed(version, exc, attempt=1, will_retry=False, tag="rc",
+                                          context="re-loaded after the server forgot it: ")  # fmt: skip
+                self._spawn(self._give_up(version, served))  # once this restore lets _collecting go
+                continue
+            checked.append(version)
+            log.info("rollout %s: v%d re-loaded (the server had forgotten it)", self.replica, version)
+            await self._report_loaded(version, "object", load_seconds=0.0, loaded_at=time.time(), kind="reloaded",
+                                      canary_seconds=canary_s)  # fmt: skip
+        return checked
 
     async def watch_engine_loop(self, stop: asyncio.Event) -> None:
         if getattr(self.engine, "reload_missing", None) is None:
@@ -500,3 +642,27 @@ class AdapterFollower:
                 pass
             if not stop.is_set():
                 await self.restore()
+
+
+def _failed(check: asyncio.Future[Any]) -> bool:
+    """A check that ended without passing (cancelled: it will never pass)."""
+    return check.done() and (check.cancelled() or check.exception() is not None)
+
+
+def _error(check: asyncio.Future[Any]) -> Exception:
+    """Why a `_failed` check failed."""
+    exc = None if check.cancelled() else check.exception()
+    return exc if isinstance(exc, Exception) else RuntimeError(f"the check was stopped: {exc!r}")
+
+
+async def _passes(check: asyncio.Future[Any]) -> bool:
+    """Wait for a check in flight; whether it passed."""
+    try:
+        await asyncio.shield(check)
+    except asyncio.CancelledError:
+        if not check.cancelled():
+            raise  # the caller was cancelled, not the check
+        return False
+    except Exception:
+        return False
+    return True

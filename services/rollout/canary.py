@@ -1,4 +1,5 @@
-"""The canary a replica runs on every load, before the version is served.
+"""The canary a replica runs on every load, while the version serves and before any of its output
+is published.
 
 The trainer publishes with each version a few fixed prompts, its greedy continuation of each
 under that adapter, and each continuation token's log-probability (temperature 1, in the serving
@@ -10,10 +11,15 @@ its token. Where the two pick different tokens, a healthy engine is at a near-ti
 tokens' logprobs are close); a base model answering under the adapter's name, an adapter loaded
 with the wrong scale or targets, or a corrupted tensor moves the logprobs by far more.
 
-Invariant: a version whose gap exceeds its dtype's tolerance (`TOLERANCE`, the looser of the
-trainer's and the replica's dtype) is never marked
-loaded on this replica: the follower unloads it and reports AdapterFailed with the figures, and
-the versions it already serves stay served.
+The version is marked loaded as soon as it is in the engine and generates while its canary is
+decoded beside it (`adapters.AdapterFollower`): the canary costs the run only what publication
+waits for it (`AdapterFollower.trusted`), not the version's time to servable.
+
+Invariant: nothing a version generated on this replica is published before its gap is measured
+within its dtype's tolerance (`TOLERANCE`, the looser of the trainer's and the replica's dtype).
+A version beyond it never has its output published: the follower withdraws it at once (no grant
+pins it again), unloads it once unpinned, reports AdapterFailed with the figures and never loads
+it again; the versions that passed stay served.
 """
 
 from __future__ import annotations

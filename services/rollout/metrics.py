@@ -51,13 +51,22 @@ IN_FLIGHT = Gauge("lorabus_rollout_in_flight", "Granted groups being generated",
 CANARY_GAP = Histogram(
     "lorabus_rollout_canary_gap",
     "Largest |Δ logprob| between this replica's greedy decode of a version's canary and the trainer's "
-    "(checked after each load, before serving; beyond the dtype's tolerance the version is withdrawn)",
+    "(checked after each load while the version serves, its output held; beyond the dtype's tolerance "
+    "the version is withdrawn)",
     ["run", "replica"],
     buckets=(1e-5, 1e-4, 1e-3, 2e-3, 0.01, 0.05, 0.15, 0.5, 1, 5),
 )
 CANARY_SECONDS = Histogram(
     "lorabus_rollout_canary_seconds",
-    "Time one load's canary took (part of the version's time to servable)",
+    "Time one load's canary check took (beside serving, after the version is marked loaded: not part "
+    "of its time to servable; what publication waited for it is lorabus_rollout_canary_wait_seconds)",
+    ["run", "replica"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
+CANARY_WAIT_SECONDS = Histogram(
+    "lorabus_rollout_canary_wait_seconds",
+    "Time one batch's publication waited for canary checks still running on versions it may have "
+    "used (0 when none was): the replica canary's cost to the run",
     ["run", "replica"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )

@@ -219,16 +219,17 @@ class RolloutService:
 
     async def generate(self, grants: list[AdmissionGrant]) -> list[Trajectory]:
         """Generate, check, score and publish one batch of grants; returns the trajectories
-        published (none when the batch overlapped a version whose bytes failed their check)."""
+        published (none when the batch overlapped a version that failed its sha256 or canary check)."""
         started, since = time.time(), time.monotonic()
         metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(len(grants))
         work = self._requests(grants)
         outs = await self._generate_by_version(work)
         work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
-        if not await self.adapters.trusted(since):
-            # a version served meanwhile failed its sha256 check: nothing of this batch may be
-            # accepted; the grants' leases expire at the registry
-            log.warning("rollout %s: %d groups dropped: generated beside unverified weights", self.replica, len(work))
+        if not await self.adapters.trusted(since, {g.version for g in grants}):
+            # a version served meanwhile failed its sha256 or canary check: nothing of this batch
+            # may be accepted; the grants' leases expire at the registry
+            log.warning("rollout %s: %d groups dropped: generated beside weights that failed a check", self.replica,
+                        len(work))  # fmt: skip
             metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(0)
             return []
         finished = time.time()

@@ -207,10 +207,13 @@ def test_areal_megatron_vllm_example_runs_as_it_is(tmp_path, offline_hub):
     v1 = mismatch["by_version"]["1"]
     assert v1["tokens"] == 2 * 4 * 8 and v1["abs_logprob_diff_max"] < 0.05 and v1["kl_mean"] < 1e-4, mismatch
     # each version carried the Megatron model's own canary, and the server's load of it passed
-    # the replica's check before it served (a failed check would leave the version unloaded)
+    # the replica's check, made while it served (a failed check withdraws and unloads the version)
     canary = summary["canary"]
-    assert canary is not None and canary["replica_seconds"]["n"] == STEPS + 1, canary
+    assert canary is not None and canary["replica_checks_beside_serving"] == STEPS, canary
+    rollout_log = (run_dir / "rollout-0.log").read_text()
+    passed = set(re.findall(r"-v(\d+) canary passed in", rollout_log))
+    assert passed == {str(v) for v in range(STEPS + 1)}, passed
     steps = re.findall(r"step (\d+) -> v\d+ .* masked ([\d.]+) imp_weight", trainer)
     assert steps == [("0", "0.000"), ("1", "0.000")], steps
-    via = dict(re.findall(r"loaded \S+-v(\d+) via (xccl|object)", (run_dir / "rollout-0.log").read_text()))
+    via = dict(re.findall(r"loaded \S+-v(\d+) via (xccl|object)", rollout_log))
     assert via.get("0") == "object" and all(via.get(str(v)) == "xccl" for v in range(1, STEPS + 1)), via

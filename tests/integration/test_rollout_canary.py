@@ -1,11 +1,13 @@
 """Issue 28: the load canary on an embedded replica against a real nats-server.
 
 The trainer's half (`services.trainer.canary.reference`, run here on a peft model of each
-version, as the trainer's step would) rides on the event; the replica decodes the same prompts
-under each version after loading it and before serving it. An engine that loads but answers
-with the base model, or with the wrong alpha, or with a corrupted tensor of the right shape,
-under v2's name is caught: v2 is unloaded and reported with the figures, never served, and the
-replica goes on serving v1. The healthy v1 passed its canary.
+version, as the trainer's step would) rides on the event; the replica marks each version loaded
+at once and decodes the same prompts under it while it serves, holding what it generates until
+the check passed. An engine that loads but answers with the base model, or with the wrong alpha,
+or with a corrupted tensor of the right shape, under v2's name is caught: v2 is generated with
+(its canary is slowed here so that grants certainly land on it) yet nothing it generated is
+published; it is withdrawn, reported with the figures, unloaded, and the replica goes on serving
+v1. A healthy version's first output waits for its canary, and is published once it passed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from proto import subjects
-from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, ObjectPayload
+from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, ObjectPayload
 from services.common import adapter_io
 from services.rollout import metrics
 from services.rollout.canary import TOLERANCE
@@ -55,14 +57,40 @@ def faulty(engine: EmbeddedEngine, fault: str, version: int) -> None:
     engine.load_version = load_version  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-async def test_a_load_that_does_not_answer_as_the_trainer_is_withdrawn(start_run, base, fault):
-    run = await start_run(f"ca{fault[:2]}", seed=6, max_new_tokens=3, batch_groups=1)
-    rec = run.rec
+class Calls:
+    """Every generate of an engine, its canary decodes told apart (greedy, seed 0: the run's
+    own requests sample): (canary?, version, start, end) in time.time()."""
+
+    def __init__(self, engine: EmbeddedEngine, slow: dict[int, float]):
+        self.calls: list[tuple[bool, int, float, float]] = []
+        generate = engine.generate
+
+        async def recording_generate(requests, version):
+            is_canary = all(r.temperature == 0.0 and r.seed == 0 for r in requests)
+            start = time.time()
+            if is_canary:
+                await asyncio.sleep(slow.get(version, 0.0))
+            out = await generate(requests, version)
+            self.calls.append((is_canary, version, start, time.time()))
+            return out
+
+        engine.generate = recording_generate  # type: ignore[method-assign]
+
+    def batches(self, version: int) -> list[tuple[float, float]]:
+        return [(start, end) for canary, v, start, end in self.calls if v == version and not canary]
+
+    def canary_end(self, version: int) -> float | None:
+        return next((end for canary, v, _, end in self.calls if canary and v == version), None)
+
+
+def publisher(run, base):
+    """`await publish(version, canary_of=None)`: the version's adapter announced with the
+    trainer's canary of adapter `canary_of` (its own by default)."""
     prompt_ids = trainer_canary.prompts(base.config.vocab_size, seed=run.cfg.seed)
 
-    async def publish(version: int) -> None:
-        model, data = peft_version(base, seed=50 + version)
+    async def publish(version: int, canary_of: int | None = None) -> None:
+        data = peft_version(base, seed=50 + version)[1]
+        model = peft_version(base, seed=50 + (version if canary_of is None else canary_of))[0]
         ref = run.store.put_bytes(f"{run.run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
             run=run.run, trainer_epoch="e0", lora_name="tiny", version=version,
@@ -72,28 +100,110 @@ async def test_a_load_that_does_not_answer_as_the_trainer_is_withdrawn(start_run
         )  # fmt: skip
         await run.bus.publish(subjects.adapter_ready(run.run, version), ev, msg_id=f"v{version}")
 
+    return publish
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+async def test_a_load_that_does_not_answer_as_the_trainer_is_withdrawn(start_run, base, fault):
+    run = await start_run(f"ca{fault[:2]}", seed=6, max_new_tokens=3, batch_groups=1)
+    rec, publish = run.rec, publisher(run, base)
     engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
     faulty(engine, fault, version=2)
+    calls = Calls(engine, slow={2: 1.0})
     name = f"c{fault[:2]}"
     service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
         await publish(1)
-        await wait_until(lambda: rec.of(AdapterLoaded, name, version=1), what="the healthy v1 loaded")
+        await wait_until(lambda: calls.canary_end(1), what="the healthy v1's canary")
         gaps = metrics.CANARY_GAP.labels(run.run, name)
         assert gaps._sum.get() <= TOLERANCE["float32"], "the healthy v1's canary gap"
+        await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
         await publish(2)
+        # marked loaded at once, and generated with while its canary decodes
+        await wait_until(lambda: rec.of(AdapterLoaded, name, version=2), what="v2 marked loaded")
+        assert rec.of(AdapterLoaded, name, version=2)[0].canary_seconds is None
         await wait_until(lambda: rec.of(AdapterFailed, name, version=2), what=f"v2 ({FAULTS[fault]}) refused")
         failed = rec.of(AdapterFailed, name, version=2)
         assert len(failed) == 1 and not failed[0].will_retry
         assert "canary gap" in failed[0].reason and "withdrawn on this replica" in failed[0].reason
-        assert not rec.of(AdapterLoaded, name, version=2)
+        assert 2 not in service.adapters.loaded(), "withdrawn: never granted again"
+        await wait_until(lambda: rec.of(AdapterUnloaded, name, version=2), what="v2 unloaded once unpinned")
+        assert "canary failed" in rec.of(AdapterUnloaded, name, version=2)[0].reason
         assert 2 not in await engine.loaded_versions() and service.adapters.loaded() == [1]
+        end = calls.canary_end(2)
+        assert end is not None and any(start < end for start, _ in calls.batches(2)), "no grant landed on v2"
         # the replica goes on with the version it has
         n = len(rec.trajectories)
         await wait_until(lambda: len(rec.trajectories) >= n + 2, what="trajectories after the refusal")
-        assert {t.oldest_version() for t in rec.trajectories} == {1}
+        await asyncio.sleep(0.3)
+        assert len(rec.of(AdapterLoaded, name, version=2)) == 1, "a version whose canary failed is not loaded again"
+        assert {v for t in rec.trajectories for c in t.completions for v in c.versions} == {1}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_version_generates_before_its_canary_ends_and_its_output_waits_for_it(start_run, base):
+    run = await start_run("cw", seed=7, max_new_tokens=3, batch_groups=1)
+    rec, publish = run.rec, publisher(run, base)
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    calls = Calls(engine, slow={2: 1.5})
+    service = run.service("cw", engine, reward_fn=lambda prompt, completion, answer: 0.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await publish(1)
+        await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
+        await publish(2)
+        await wait_until(lambda: rec.of(AdapterLoaded, "cw", version=2), what="v2 marked loaded")
+        loaded = rec.of(AdapterLoaded, "cw", version=2)[0]
+        await wait_until(lambda: any(t.oldest_version() == 2 for t in rec.trajectories), what="a v2 trajectory")
+        end = calls.canary_end(2)
+        assert end is not None and loaded.loaded_at < end, "marked loaded before its canary ended"
+        first, _ = min(calls.batches(2))
+        assert first < end - 1.0, "a v2 batch generated while its canary decoded"
+        published = [t for t in rec.trajectories if t.oldest_version() == 2]
+        assert min(t.finished_at for t in published) >= end, "a v2 trajectory published before its canary passed"
+        assert metrics.CANARY_WAIT_SECONDS.labels(run.run, "cw")._sum.get() > 0.5, "the wait is observed"
+        assert not rec.of(AdapterFailed, "cw")
+        assert service.adapters.loaded() == [1, 2]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_the_fast_path_serves_with_both_checks_in_flight_and_both_must_pass(start_run, base):
+    """The embedded fast path: the sha256 of the bytes copied and the canary both run while the
+    version serves. v2's bytes are the announced ones (its sha256 passes) but its canary is
+    another adapter's: it is withdrawn and given up, not loaded again verify-first."""
+    from services.rollout import load_path
+
+    run = await start_run("cf", seed=8, max_new_tokens=3, batch_groups=1)
+    rec, publish = run.rec, publisher(run, base)
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    calls = Calls(engine, slow={2: 1.0})
+    stager = load_path.Stager(engine, lambda uri: run.store)
+    service = run.service("cf", engine, reward_fn=lambda prompt, completion, answer: 0.0, stager=stager)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await publish(1)
+        await wait_until(lambda: rec.trajectories, what="a v1 trajectory, both its checks passed")
+        want = adapter_io.sha256(peft_version(base, seed=51)[1])
+        assert {r.adapter_sha256 for t in rec.trajectories for c in t.completions for r in c.ranges} == {want}
+        await publish(2, canary_of=9)
+        await wait_until(lambda: rec.of(AdapterUnloaded, "cf", version=2), what="v2 withdrawn and unloaded")
+        failed = rec.of(AdapterFailed, "cf", version=2)
+        assert len(failed) == 1 and not failed[0].will_retry and "canary gap" in failed[0].reason
+        end = calls.canary_end(2)
+        assert end is not None and any(start < end for start, _ in calls.batches(2)), "no grant landed on v2"
+        n = len(rec.trajectories)
+        await wait_until(lambda: len(rec.trajectories) >= n + 2, what="trajectories after the refusal")
+        assert len(rec.of(AdapterLoaded, "cf", version=2)) == 1, "not loaded again verify-first"
+        assert {v for t in rec.trajectories for c in t.completions for v in c.versions} == {1}
+        assert 2 not in await engine.loaded_versions()
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

@@ -40,6 +40,7 @@ from services.config.schema import (
     StoreConfig,
 )
 from services.local.ports import free_port
+from services.rollout import metrics
 from services.rollout.__main__ import fetcher
 from services.rollout.engines.http import AdapterDirs, Http
 from services.rollout.engines.sglang import SglangEngine
@@ -178,6 +179,10 @@ class Run:
                 torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
 
 
+def observations(histogram) -> float:
+    return sum(bucket.get() for bucket in histogram._buckets)
+
+
 async def restart(server: SglangProtocolServer, port: int) -> SglangProtocolServer:
     """Stop it (if it still runs) and start a fresh one on the same port: same URL, no adapters."""
     await server.stop()
@@ -236,9 +241,10 @@ async def test_server_down_then_restarted(nats_url, tmp_path, watch):
 
 async def test_a_version_the_restarted_server_answers_with_other_weights_is_withdrawn(nats_url, tmp_path):
     """Issue 28: the canary after a server restart. Both versions pass their canary on the first
-    load; the server is restarted and comes back answering v1's name with the base model (a LoRA
-    request dropped after the restart). The re-load of v0 passes its canary again; v1's fails:
-    it is reported with the figures, never served again on this replica, which goes on with v0."""
+    load (checked while they serve); the server is restarted and comes back answering v1's name
+    with the base model (a LoRA request dropped after the restart). The re-load of v0 passes its
+    canary again, checked before the restore reports it; v1's fails: it is reported with the
+    figures, never served again on this replica, which goes on with v0."""
     run = Run(nats_url, tmp_path, heartbeat_s=0.3)
     run.adapters = {v: make_adapter(rank=8, seed=40 + v, scale=3.0) for v in range(2)}
     await run.start()
@@ -250,10 +256,13 @@ async def test_a_version_the_restarted_server_answers_with_other_weights_is_with
     task = asyncio.create_task(service.run(stop))
     try:
         await run.publish(0, with_canary=True)
-        await until(lambda: run.of(AdapterLoaded, version=0), what="v0 loaded, its canary passed")
+        await until(lambda: run.of(AdapterLoaded, version=0), what="v0 loaded")
         await run.publish(1, with_canary=True)
-        await until(lambda: run.of(AdapterLoaded, version=1), what="v1 loaded, its canary passed")
-        assert all(r.canary_seconds is not None for r in run.of(AdapterLoaded))
+        await until(lambda: run.of(AdapterLoaded, version=1), what="v1 loaded")
+        # marked loaded first, checked beside serving: the reports name no canary seconds
+        assert all(r.canary_seconds is None for r in run.of(AdapterLoaded))
+        await until(lambda: observations(metrics.CANARY_SECONDS.labels(run.id, "r1")) == 2, what="both canaries")
+        assert not run.of(AdapterFailed) and service.adapters.loaded() == [0, 1]
         await server.stop()
         server = SglangProtocolServer(ServerArgs(model_path=str(TINY_MODEL), max_loras_per_batch=3))
         answer_as = server._adapter
@@ -261,6 +270,7 @@ async def test_a_version_the_restarted_server_answers_with_other_weights_is_with
         server._adapter = lambda name: answer_as(None if name == v1 else name)  # type: ignore[method-assign]
         await server.start(port=port)
         await until(lambda: len(run.of(AdapterLoaded, version=0)) == 2, what="v0 re-loaded, its canary passed")
+        assert run.of(AdapterLoaded, version=0)[1].canary_seconds is not None, "checked before it was reported"
         await until(
             lambda: any("canary gap" in r.reason for r in run.of(AdapterFailed, version=1)), what="v1 withdrawn"
         )

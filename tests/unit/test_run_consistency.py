@@ -50,10 +50,12 @@ def test_canary_cost_is_its_share_of_the_time_from_the_step_end_to_servable():
         step(1, mismatch=None, trained_at=100.0, canary_s=0.01),
         step(2, mismatch=None, trained_at=200.0, canary_s=0.02),
     ]
-    loads = [loaded(1, 100.5, 0.015), loaded(2, 201.0, 0.03), loaded(2, 200.9, None)]
+    # replicas that checked before marking the version loaded, and said how long it took
+    loads = [loaded(1, 100.5, 0.015), loaded(2, 201.0, 0.03)]
     out = consistency.canary_cost(steps, loads)
     assert out["trainer_seconds"] == out["trainer_wait_seconds"] == {"n": 2, "mean": 0.015, "max": 0.02}
     assert out["replica_seconds"] == {"n": 2, "mean": 0.0225, "max": 0.03}
+    assert out["replica_checks_beside_serving"] == 0
     assert out["time_to_servable_s"] == {"n": 2, "mean": 0.75, "max": 1.0}
     assert out["fraction_of_time_to_servable"] == {"n": 2, "mean": 0.05, "max": 0.05}
     printed = consistency.lines({"canary": out, "train_infer_mismatch": None})
@@ -65,6 +67,25 @@ def test_canary_cost_is_its_share_of_the_time_from_the_step_end_to_servable():
     overlapped = [msgspec.structs.replace(s, canary_wait_seconds=0.0) for s in steps]
     frac = consistency.canary_cost(overlapped, loads)["fraction_of_time_to_servable"]
     assert frac == {"n": 2, "mean": 0.03, "max": 0.03}
+
+
+def test_a_replica_that_checks_beside_serving_adds_nothing_to_time_to_servable():
+    steps = [
+        msgspec.structs.replace(step(1, mismatch=None, trained_at=100.0, canary_s=0.04), canary_wait_seconds=0.01),
+        msgspec.structs.replace(step(2, mismatch=None, trained_at=200.0, canary_s=0.04), canary_wait_seconds=0.02),
+    ]
+    loads = [loaded(1, 100.2, None), loaded(2, 200.4, None)]
+    out = consistency.canary_cost(steps, loads)
+    assert out["replica_seconds"] is None and out["replica_checks_beside_serving"] == 2
+    assert out["time_to_servable_s"] == {"n": 2, "mean": 0.3, "max": 0.4}
+    # only what the trainer's announcement waited is in the share
+    assert out["fraction_of_time_to_servable"] == {"n": 2, "mean": 0.05, "max": 0.05}
+    assert consistency.lines({"canary": out}) == [
+        "canary: trainer 40.0 ms (waited 15.0 ms), replica checks beside serving (their wait: "
+        "lorabus_rollout_canary_wait_seconds), 5.0% of time to servable (mean 300 ms; worst 5.0%)"
+    ]
+    # a version the trainer computed no canary for: its loads count nowhere
+    assert consistency.canary_cost([step(1, mismatch=None, canary_s=None)], [loaded(1, 100.2, None)]) is None
 
 
 def test_a_replica_serving_in_lower_precision_than_the_trainer_is_judged_by_its_own_dtype():
