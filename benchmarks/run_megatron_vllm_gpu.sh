@@ -6,6 +6,13 @@
 # Qwen3-0.6B shape (28 layers), r16 on the seven modules, bf16, 5 steps, vLLM at 30 % of the GPU:
 #   megatron_xccl megatron_disk fsdp_xccl fsdp_disk    Megatron -> vLLM beside FSDP2 -> vLLM
 #   moe_xccl                                           Qwen3-30B-A3B shape, 2 layers, 128 experts
+# The call sequence that ran it (H100, December 2026; 64 MiB a call, the tree's 19 MB included):
+#   1 carry .device/src.tgz (benchmarks/device/snapshot.sh), .device/megatron/part_aa, .device/vllm/part_ad:
+#     any megatron-bridge work (CASES=moe_bf16 bash benchmarks/run_megatron_bridge_gpu.sh, ~130 s)
+#   2, 3 carry .device/vllm/part_aa, then part_ab:   source benchmarks/h200_env.sh   (< 1 s each)
+#   4 carry .device/vllm/part_ac:   OUT=$OUT/mv bash benchmarks/run_megatron_vllm_gpu.sh megatron_xccl fsdp_xccl
+# A case takes 3-4 minutes (megatron_xccl 239 s, fsdp_xccl 181 s: vLLM's start is 60-100 s of it;
+# the MoE case's server took 103 s), so a 10-minute call holds two dense cases, not four.
 # Writes $OUT/megatron_vllm_<case>.json and .._up.log, and $OUT/megatron_vllm_logs.tgz (each run's
 # trainer, vLLM and sidecar logs: the 8-files-back limit).
 set -uo pipefail
