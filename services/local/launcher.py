@@ -170,8 +170,7 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
 
     async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
-        if isinstance(msg, m.AdapterLoaded):
-            progress.loaded[msg.replica] = max(progress.loaded.get(msg.replica, -1), msg.version)
+        progress.serving.observe(msg)
 
     await bus.subscribe(subjects.adapter_ready_all(run), m.AdapterReady, on_ready)
     await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)

@@ -25,6 +25,25 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Serving:
+    """Which versions each replica serves, from its reports in stream order: a version counts
+    from its AdapterLoaded until an AdapterFailed gives it up there (a load given up, or a
+    version withdrawn after its canary failed); a failure that will be retried leaves it."""
+
+    versions: dict[str, set[int]] = field(default_factory=dict)
+
+    def observe(self, report: m.RolloutReport) -> None:
+        if isinstance(report, m.AdapterLoaded):
+            self.versions.setdefault(report.replica, set()).add(report.version)
+        elif isinstance(report, m.AdapterFailed) and not report.will_retry:
+            self.versions.setdefault(report.replica, set()).discard(report.version)
+
+    def newest(self) -> dict[str, int]:
+        """replica -> the newest version it serves (-1: none left)"""
+        return {r: max(vs, default=-1) for r, vs in sorted(self.versions.items())}
+
+
+@dataclass
 class Progress:
     """What the launcher learns from live events: the progress line only."""
 
@@ -33,7 +52,7 @@ class Progress:
     head: int = -1
     last_step: m.TrainerStep | None = None
     verdicts: dict[str, int] = field(default_factory=dict)
-    loaded: dict[str, int] = field(default_factory=dict)
+    serving: Serving = field(default_factory=Serving)
     eval_wait: EvalWait | None = None
     """set once the last version is exported while scores are missing"""
     others: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -63,7 +82,7 @@ class Progress:
         tps = f"{last.tokens / last.step_seconds:.0f}" if last and last.step_seconds else "-"
         accepted = self.verdicts.get("accepted", 0)
         rejected = sum(v for k, v in self.verdicts.items() if k != "accepted")
-        replicas = " ".join(f"{r}:v{v}" for r, v in sorted(self.loaded.items())) or "-"
+        replicas = " ".join(f"{r}:v{v}" for r, v in self.serving.newest().items()) or "-"
         waiting = f" | {self.eval_wait.line(time.monotonic())}" if self.eval_wait else ""
         return (
             f"[{time.monotonic() - self.started:6.1f}s] head v{max(self.head, 0)} | reward {reward} | "
@@ -116,7 +135,7 @@ class RunRecord:
     """trajectory id -> its first decision"""
     exported: dict[int, str] = field(default_factory=dict)
     evals: dict[int, float] = field(default_factory=dict)
-    loaded: dict[str, int] = field(default_factory=dict)
+    serving: Serving = field(default_factory=Serving)
     failed_loads: int = 0
     """AdapterFailed reports that gave the version up (will_retry false)"""
     loads: list[m.AdapterLoaded] = field(default_factory=list)
@@ -189,8 +208,8 @@ async def read_run(bus: Bus, run: str) -> RunRecord:
     record.evals = {r.version: r.score for r in evals if r.run == run and r.evaluator == HELDOUT}
     reports: list[m.RolloutReport] = await bus.read_all(streams.REPORTS(run), m.RolloutReport)
     for report in reports:
+        record.serving.observe(report)
         if isinstance(report, m.AdapterLoaded):
-            record.loaded[report.replica] = max(record.loaded.get(report.replica, -1), report.version)
             if report.load_seconds > 0:  # a restore's re-load reports 0 and no canary
                 record.loads.append(report)
         elif isinstance(report, m.AdapterFailed) and not report.will_retry:
@@ -223,7 +242,7 @@ def summary(
         "max_head_offpolicyness": cfg.rollout.max_head_offpolicyness,
         "exported": dict(sorted(record.exported.items())),
         "trained_groups": sum(step.groups for step in steps),
-        "loaded": dict(sorted(record.loaded.items())),
+        "loaded": record.serving.newest(),
         "adapter_versions_given_up": record.failed_loads,
         "eval_unscored": eval_wait.missing if eval_wait else [],
         "eval_unscored_other_runs": eval_wait.others if eval_wait else [],
