@@ -18,10 +18,12 @@ adapters, and the cost of that crash is one step of compute.
 
 A run collects its next batch in the background, and only while it is not training (a batch's
 acks come after its step, so collection never overlaps its own step). Runs other than the
-fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model, so a run's
-adapter leaves it (`drop`) only between steps. A step that raises is the run's `RunFault`
-(`services.common.run_faults`): the scheduler stops that run and the others go on; what fails
-after it (the store, the bus) is everyone's and raised as it is.
+fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model for its
+update and canary only, so a run's adapter leaves it (`drop`) only between steps, and the next
+run trains while this one's version is uploaded or broadcast, announced and checkpointed. A
+step that raises is the run's `RunFault` (`services.common.run_faults`): the scheduler stops
+that run and the others go on; what fails after it (the store, the bus) is everyone's and
+raised as it is.
 
 Invariant: a step trains one run's batch on that run's adapter only and publishes and acks in
 that run's namespace; each queue reads one run's stream and refuses another run's trajectory.
@@ -108,37 +110,47 @@ class Rank0:
         )
 
 
-async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int) -> int:
+async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int, model: asyncio.Lock) -> int:
     """One step of `ctx`'s run on `groups` (held by `queue`), in the order the module docstring
-    gives; returns the version it published."""
+    gives; returns the version it published. `model` (the fleet's shared model) is held for what
+    reads it, the update and the canary, and released before the upload or broadcast ends: the
+    next run's step starts while this one's version is still on its way."""
     cfg, engine, bus, followers, run = ctx.cfg, ctx.engine, ctx.bus, ctx.followers, ctx.cfg.run
     step_index = engine.step
     work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
-    await asyncio.to_thread(followers.send, work)
-    # under XCCL the adapter is written straight into the sender's free send set
-    into = ctx.sender.fill_views() if ctx.sender is not None else None
+    await model.acquire()
     try:
-        stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
-    except Exception as exc:  # the run's batch on the run's adapter: its fault alone (I/O is raised below)
-        raise RunFault(f"step {step_index} on {len(groups)} groups raised {exc!r}") from exc
-    if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
-        await queue.refuse(stats.refused)
-        metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))
-        log.warning("step %d refused %d of %d groups: %s", step_index, len(stats.refused), len(groups),
-                    next(iter(stats.refused.values())))  # fmt: skip
-    if stats.groups == 0:  # every group refused: no update, so no version
-        record_mismatch(stats, run)
-        return version
-    version += 1
-    t0 = time.perf_counter()
-    ids = [g.trajectory_id for g in groups if g.trajectory_id not in stats.refused]
-    queue.mark_trained()
-    # announced before the checkpoint: under XCCL nothing is serialised before the event. A
-    # crash between the two resumes from an older checkpoint above N (the store has N's
-    # marker), so N never names two adapters.
-    # one process: the canary is computed while the version is stored or broadcast
-    beside = trainer_canary.Beside(engine) if engine.world_size == 1 else None
-    await ctx.announce(version, adapter, canary=asyncio.ensure_future(beside.wait()) if beside else stats.canary)
+        await asyncio.to_thread(followers.send, work)
+        # under XCCL the adapter is written straight into the sender's free send set
+        into = ctx.sender.fill_views() if ctx.sender is not None else None
+        try:
+            stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
+        except Exception as exc:  # the run's batch on the run's adapter: its fault alone (I/O is raised below)
+            raise RunFault(f"step {step_index} on {len(groups)} groups raised {exc!r}") from exc
+        if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
+            await queue.refuse(stats.refused)
+            metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))
+            log.warning("step %d refused %d of %d groups: %s", step_index, len(stats.refused), len(groups),
+                        next(iter(stats.refused.values())))  # fmt: skip
+        if stats.groups == 0:  # every group refused: no update, so no version
+            record_mismatch(stats, run)
+            return version
+        version += 1
+        t0 = time.perf_counter()
+        ids = [g.trajectory_id for g in groups if g.trajectory_id not in stats.refused]
+        queue.mark_trained()
+        # announced before the checkpoint: under XCCL nothing is serialised before the event. A
+        # crash between the two resumes from an older checkpoint above N (the store has N's
+        # marker), so N never names two adapters.
+        # one process: the canary is computed while the version is stored or broadcast
+        beside = trainer_canary.Beside(engine) if engine.world_size == 1 else None
+        canary = asyncio.ensure_future(beside.wait()) if beside else stats.canary
+        announcing = asyncio.ensure_future(ctx.announce(version, adapter, canary=canary))
+        if beside is not None:  # the canary reads the model with this run's adapter active
+            await asyncio.wait([beside.task])
+    finally:
+        model.release()
+    await announcing
     announced = time.perf_counter()
     if beside is not None:
         stats.canary, stats.canary_seconds = await beside.task
@@ -321,8 +333,8 @@ class TrainWorker:
         step count (the fair share's tie-break)."""
         groups, self.batch = self.batch, None
         assert groups is not None and self.queue is not None  # picked because it holds a batch
-        async with self._busy, self.model:
-            self.version = await step(self.ctx, self.queue, groups, self.version)
+        async with self._busy:
+            self.version = await step(self.ctx, self.queue, groups, self.version, self.model)
         self.steps += 1
         self.last_step = step_index
         self.collect()

@@ -1,0 +1,106 @@
+"""`runs.step` holds the fleet's shared model for the update and the canary only: the next run's
+step may start while this one's version is still being stored or broadcast, and never while
+the model is being read."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+
+from proto.messages import TrainerStep
+from services.config.loader import load_config
+from services.trainer import runs
+from services.trainer.engines.base import StepStats
+
+
+class Engine:
+    world_size = 1
+    step = 0
+
+
+class Followers:
+    def send(self, work) -> None:
+        pass
+
+
+class Bus:
+    def __init__(self) -> None:
+        self.published: list = []
+
+    async def publish(self, subject, msg, msg_id=None) -> None:
+        self.published.append(msg)
+
+
+class Queue:
+    trained: list = []
+
+    def __init__(self) -> None:
+        self.acked = False
+
+    async def refuse(self, refused) -> None:
+        pass
+
+    def mark_trained(self) -> None:
+        pass
+
+    async def ack_held(self) -> None:
+        self.acked = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowAnnounce(runs.Rank0):
+    """An announcement (upload or broadcast) that ends when `go` is set."""
+
+    entered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    go: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    async def announce(self, version, tensors, *, weights=None, canary=None):
+        self.entered.set()
+        await self.go.wait()
+        return None
+
+
+@pytest.mark.asyncio
+async def test_the_model_is_free_while_the_version_is_on_its_way(monkeypatch):
+    model = asyncio.Lock()
+    held_during_update: list[bool] = []
+
+    def run_step(engine, work, into):
+        assert threading.current_thread() is not threading.main_thread()
+        held_during_update.append(model.locked())
+        stats = StepStats(step=0, loss=0.0, reward_mean=0.5, groups=2, tokens=10, grad_norm=0.0, lr=1e-4,
+                          step_seconds=0.1, trained_at=1.0)  # fmt: skip
+        return stats, {}, None
+
+    monkeypatch.setattr(runs, "run_step", run_step)
+    cfg = load_config("examples/tiny.yaml", [])
+    bus, queue = Bus(), Queue()
+    ctx = SlowAnnounce(cfg, Engine(), bus, None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
+    stepping = asyncio.create_task(runs.step(ctx, queue, [], 3, model))  # type: ignore[arg-type]
+    await asyncio.wait_for(ctx.entered.wait(), 10)
+    assert held_during_update == [True]
+    # the announcement is under way: another run's step can take the model now
+    await asyncio.wait_for(model.acquire(), 1)
+    model.release()
+    assert not stepping.done() and not queue.acked and not bus.published
+    ctx.go.set()
+    assert await asyncio.wait_for(stepping, 10) == 4
+    assert queue.acked and isinstance(bus.published[0], TrainerStep) and bus.published[0].version == 4
+    assert not model.locked()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_update_gives_the_model_back(monkeypatch):
+    def run_step(engine, work, into):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(runs, "run_step", run_step)
+    model = asyncio.Lock()
+    ctx = SlowAnnounce(load_config("examples/tiny.yaml", []), Engine(), Bus(), None, asyncio.Event(), Followers(),
+                       None, "epoch")  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(runs.RunFault, match="illegal memory access"):
+        await runs.step(ctx, Queue(), [], 3, model)  # type: ignore[arg-type]
+    assert not model.locked()
