@@ -181,6 +181,9 @@ def unpack(plan: list[Bucket], buffers: list[torch.Tensor]) -> dict[str, torch.T
 HEADER_LEN = 4
 VERSION, END = 1, 2
 """header kinds: [VERSION, version, digest hi, digest lo] or [END, next epoch, 0, 0]"""
+LEAVING = 0
+"""END's next epoch when the trainer closes its group for good (epochs start at 1): the members
+wait for a new trainer's handle instead of re-joining an address that is about to go"""
 
 
 def digest_ints(digest: str) -> tuple[int, int]:

@@ -10,7 +10,9 @@ Lifecycle of the thread (one session per trainer handle, i.e. master address/por
     (no timeout: the trainer may train for hours; its death closes the connection) -> on a
     VERSION header receive every bucket into a free staging set (now within `timeout_s`),
     mark the version staged once every byte is in, and send the trainer our flag (a gather
-    to rank 0: 1 staged, 0 refused); on an END header leave for the next group.
+    to rank 0: 1 staged, 0 refused); on an END header leave for the next group, or, when the
+    trainer closes for good (END naming `xccl.LEAVING`), wait for a trainer's next handle
+    rather than retry an address that is going away.
 
 Nothing is loaded into the engine here. The service calls `take(version, payload)` when the
 version's event arrives. A staged version is always complete: a receive that fails or is cut
@@ -68,6 +70,10 @@ class Staged:
 
 class _Retarget(Exception):
     pass
+
+
+class _TrainerLeft(Exception):
+    """The trainer closed its group for good (an END header naming no next group)."""
 
 
 IDLE_TIMEOUT_S = 365 * 24 * 3600.0
@@ -225,6 +231,13 @@ class XcclReceiver:
                 self._session(target)
             except _Retarget:
                 continue
+            except _TrainerLeft:
+                log.info("xccl %s: the trainer at %s:%d closed its group; waiting for a trainer's next handle",
+                         self.replica, *target)  # fmt: skip
+                with self._cond:  # its address is going away: no retries against it
+                    if self._target == target:
+                        self._target = None
+                continue
             except Exception as exc:
                 log.warning(
                     "xccl %s: session with %s:%d ended: %s", self.replica, *target, f"{type(exc).__name__}: {exc}"[:300]
@@ -282,6 +295,8 @@ class XcclReceiver:
                 xccl.set_timeout(pg, IDLE_TIMEOUT_S)
                 pg.broadcast(header, 0).wait()
                 kind, value, digest = xccl.read_header(header)
+                if kind == "end" and value == xccl.LEAVING:
+                    raise _TrainerLeft()
                 if kind == "end":
                     log.info("xccl %s: group %s ends, next is g%d", self.replica, self.group, value)
                     break

@@ -385,5 +385,5 @@ class XcclSender:
         if self.durable is not None:  # the last version's object copy finishes uploading first
             concurrent.futures.wait([self.durable], timeout=max(60.0, self.timeout_s))
         with self._lock:
-            self._drop_group(reason_next=self.epoch + 1 if self.pg is not None else None)
+            self._drop_group(reason_next=xccl.LEAVING if self.pg is not None else None)
             self.members = {}

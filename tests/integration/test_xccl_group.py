@@ -542,3 +542,36 @@ if __name__ == "__main__":
         replica_main(a.name, a.kill_after, a.adopt)
     else:
         trainer_main(a.kill_after, a.kill_version)
+
+
+def test_a_trainer_that_closes_its_group_is_not_called_again_and_a_new_one_is_joined():
+    """The trainer's close sends END naming no next group: the replica leaves and waits for a
+    new handle instead of reconnecting to the closed address every RETRY_S (each attempt a
+    connect timeout and c10d's stack trace in the log); a new trainer's handle is joined."""
+    from services.rollout.xccl_receiver import RETRY_S, XcclReceiver
+
+    sender = in_process_sender()
+    rx = XcclReceiver("r0", timeout_s=TIMEOUT_S)
+    try:
+        rx.observe(sender.send(0, adapter(0)), 0)
+        wait_joins(sender, 1)
+        xp = sender.send(1, adapter(1))
+        assert xp.ranks == {"r0": 1} and rx.take(1, xp) is not None
+        rx.release(1)
+        sender.close()
+        until(lambda: rx._target is None, 10.0, "the replica to drop the closed trainer's address", interval=0.02)
+        sessions = rx.sessions
+        time.sleep(10 * RETRY_S)
+        assert rx.sessions == sessions and rx.group is None
+        successor = in_process_sender()
+        try:
+            rx.observe(successor.send(2, adapter(2)), 2)
+            wait_joins(successor, 1)
+            xp3 = successor.send(3, adapter(3))
+            got = rx.take(3, xp3)
+            assert xp3.ranks == {"r0": 1} and got is not None and digest(got) == digest(adapter(3))
+            rx.release(3)
+        finally:
+            successor.close()
+    finally:
+        rx.close()
