@@ -160,17 +160,21 @@ async def follow(cfg: LorabusConfig, progress: Progress) -> Bus:
     bus = await Bus.connect(cfg.bus, run=cfg.run, service="launcher")
     run = cfg.run
 
+    # the run's own events only (without NATS auth anyone may publish on these subjects)
     async def on_ready(msg: m.AdapterReady, _meta: MsgMeta) -> None:
-        progress.head = max(progress.head, msg.version)
+        if msg.run == run:
+            progress.head = max(progress.head, msg.version)
 
     async def on_step(msg: m.TrainerStep, _meta: MsgMeta) -> None:
-        progress.last_step = msg
+        if msg.run == run:
+            progress.last_step = msg
 
     async def on_decision(msg: m.TrajectoryDecision, _meta: MsgMeta) -> None:
         progress.verdicts[msg.verdict] = progress.verdicts.get(msg.verdict, 0) + 1
 
     async def on_report(msg: m.RolloutReport, _meta: MsgMeta) -> None:
-        progress.serving.observe(msg)
+        if msg.run == run:
+            progress.serving.observe(msg)
 
     await bus.subscribe(subjects.adapter_ready_all(run), m.AdapterReady, on_ready)
     await bus.subscribe(subjects.trainer_step(run), m.TrainerStep, on_step)

@@ -195,8 +195,10 @@ async def read_run(bus: Bus, run: str) -> RunRecord:
     record = RunRecord()
     ready: list[m.AdapterReady] = await bus.read_all(streams.ADAPTERS(run), m.AdapterReady)
     record.head = max((ev.version for ev in ready), default=-1)
+    # only the run's own steps and reports: without NATS auth anyone may publish on their
+    # subjects, and a stranger's step must neither replace the run's nor skew its figures
     steps: list[m.TrainerStep] = await bus.read_all(streams.TRAINER(run), m.TrainerStep)
-    record.steps = {step.step: step for step in steps}
+    record.steps = {step.step: step for step in steps if step.run == run}
     decisions: list[m.TrajectoryDecision] = await bus.read_all(streams.DECISIONS(run), m.TrajectoryDecision)
     for d in decisions:
         record.decisions.setdefault(d.trajectory_id, d)
@@ -207,7 +209,7 @@ async def read_run(bus: Bus, run: str) -> RunRecord:
     evals: list[m.EvalResult] = await bus.read_all(streams.EVALS(run), m.EvalResult)
     record.evals = {r.version: r.score for r in evals if r.run == run and r.evaluator == HELDOUT}
     reports: list[m.RolloutReport] = await bus.read_all(streams.REPORTS(run), m.RolloutReport)
-    for report in reports:
+    for report in (r for r in reports if r.run == run):
         record.serving.observe(report)
         if isinstance(report, m.AdapterLoaded):
             if report.load_seconds > 0:  # a restore's re-load reports 0 and no canary

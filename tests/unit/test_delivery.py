@@ -41,3 +41,8 @@ def test_time_to_servable_is_per_path_from_the_step_end():
 def test_a_run_without_steps_has_no_figures():
     assert delivery.delivery([], [loaded(1, 1.0, "object")]) is None
     assert delivery.lines({"delivery": None}) == []
+
+
+def test_a_step_near_the_float_maximum_gives_inf_not_an_error():
+    steps = [step(1, 1.7e308, 100.0), step(2, 1.7e308, 200.0)]
+    assert delivery.delivery(steps, [])["step_seconds"]["mean"] == float("inf")
