@@ -29,6 +29,11 @@ for p in "$_tree"/.device/vllm/part_*; do [ -f "$p" ] && cp "$p" /tmp/vw/; done
 if [ ! -f /tmp/vsite/.ok ] && [ "$(ls /tmp/vw | wc -l)" -ge 4 ]; then
   mkdir -p /tmp/vsite && cat /tmp/vw/part_* | xz -d -T0 | tar -x -C /tmp/vsite && touch /tmp/vsite/.ok
 fi
+# megatron-bridge + megatron-core (one part, benchmarks/device/megatron-bridge-site.sh), unpacked
+# once into /tmp/msite when a call carries it; the scripts that need it check /tmp/msite/.ok
+if [ ! -f /tmp/msite/.ok ] && compgen -G "$_tree/.device/megatron/part_*" >/dev/null; then
+  mkdir -p /tmp/msite && cat "$_tree"/.device/megatron/part_* | xz -d -T0 | tar -x -C /tmp/msite && touch /tmp/msite/.ok
+fi
 if [ -f "$_tree/.device/src.tgz" ]; then
   mkdir -p /tmp/src && tar -xzf "$_tree/.device/src.tgz" -C /tmp/src
 fi

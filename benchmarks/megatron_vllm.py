@@ -46,6 +46,7 @@ MODEL_ID = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3
 
 def make_hub(hub: Path, args: argparse.Namespace) -> str:
     """GSM8K and a random model of `args.shape` in a HF cache at `hub`; returns the model id."""
+    import torch
     from transformers import AutoTokenizer
 
     from benchmarks.megatron_bridge_step import hf_model
@@ -64,7 +65,7 @@ def make_hub(hub: Path, args: argparse.Namespace) -> str:
                                experts=args.experts, seed=args.seed)  # fmt: skip
     model = hf_model(shape)
     model.generation_config.eos_token_id = tok.eos_token_id
-    model.to(getattr(__import__("torch"), args.dtype)).save_pretrained(snapshot)
+    model.to(getattr(torch, args.dtype)).save_pretrained(snapshot)
     (snapshot.parents[1] / "refs").mkdir(parents=True, exist_ok=True)
     (snapshot.parents[1] / "refs" / "main").write_text(gsm8k.REVISION)
     return repo_id

@@ -5,7 +5,7 @@
 #   device call, carry [".device/megatron/part_aa"], kind nvidia-h200 (or any one-GPU kind):
 #     bash benchmarks/run_megatron_bridge_gpu.sh
 # It sources benchmarks/h200_env.sh (msgspec, nats-py, nats-server, omegaconf from
-# benchmarks/wheels into /tmp/site), unpacks the part into /tmp/msite (megatron-bridge 0.6.2,
+# benchmarks/wheels into /tmp/site; it unpacks the megatron part into /tmp/msite: megatron-bridge 0.6.2,
 # megatron-core 0.19.2) and runs, most important first, each under its own timeout and each
 # writing $OUT/megatron_bridge_step_<label>.json (every stage: result or traceback) and a log:
 #   dense_bf16  Qwen3-0.6B shape, 4 layers, vocab 151936, bf16, r16: 5 GRPO steps of 8 groups x 4
@@ -23,9 +23,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp/megatron_bridge_out}
 mkdir -p "$OUT"
 source benchmarks/h200_env.sh
-if [ ! -f /tmp/msite/.ok ]; then
-  mkdir -p /tmp/msite && cat "$_tree"/.device/megatron/part_* | xz -d -T0 | tar -x -C /tmp/msite && touch /tmp/msite/.ok
-fi
 [ -f /tmp/msite/.ok ] || { echo "megatron site missing: carry .device/megatron/part_aa"; exit 2; }
 export PYTHONPATH=/tmp/msite:$PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"

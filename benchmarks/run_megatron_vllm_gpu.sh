@@ -19,9 +19,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp/megatron_vllm_out}
 mkdir -p "$OUT"
 source benchmarks/h200_env.sh
-if [ ! -f /tmp/msite/.ok ]; then
-  mkdir -p /tmp/msite && cat "$_tree"/.device/megatron/part_* | xz -d -T0 | tar -x -C /tmp/msite && touch /tmp/msite/.ok
-fi
 [ -f /tmp/vsite/.ok ] || { echo "vLLM site missing: its four parts have not all arrived"; exit 2; }
 [ -f /tmp/msite/.ok ] || { echo "megatron site missing: carry .device/megatron/part_aa"; exit 2; }
 # the site goes to the servers and the trainer by flag, not to every service
