@@ -69,10 +69,10 @@ def cpu_shims() -> list[str]:
     return applied + route_cuda_to_cpu()  # listed in the report; the engine on CPU routes them as well
 
 
-def hf_model(args):
+def hf_model(args, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """The HF model of `args.shape` at `args.layers` (Qwen3, or Qwen3-MoE with `args.moe`),
-    random weights from `args.seed`, in float32."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    random weights from `args.seed`, built on `device` in `dtype` (a deep MoE shape is tens of
+    GB: built where it is initialised fastest, and never in float32 on the host)."""
 
     d = SHAPES[args.shape]
     common = dict(
@@ -88,6 +88,23 @@ def hf_model(args):
         rope_theta=1_000_000.0,
     )
     torch.manual_seed(args.seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = _random_model(args, d, common)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # HF initialises norms to 1, as an unloaded Megatron norm would be
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def _random_model(args, d: dict, common: dict):
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     if args.moe:
         config = Qwen3MoeConfig(
             moe_intermediate_size=d["moe_ffn"],
@@ -98,24 +115,25 @@ def hf_model(args):
             norm_topk_prob=True,
             **common,
         )
-        model = Qwen3MoeForCausalLM(config)
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=d["ffn"], **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # HF initialises norms to 1, as an unloaded Megatron norm would be
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model
+        return Qwen3MoeForCausalLM(config)
+    return Qwen3ForCausalLM(Qwen3Config(intermediate_size=d["ffn"], **common))
 
 
 def write_hf_checkpoint(directory: Path, args) -> dict:
-    model = hf_model(args)
-    model.to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32).save_pretrained(directory)
+    t0 = time.perf_counter()
+    model = hf_model(args, args.device, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    model.save_pretrained(directory)
+    params = sum(p.numel() for p in model.parameters())
+    architecture = type(model).__name__
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return {
         "path": str(directory),
-        "architecture": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "architecture": architecture,
+        "parameters": params,
         "bytes": sum(f.stat().st_size for f in directory.iterdir()),
+        "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
@@ -379,6 +397,8 @@ def run(args) -> int:
     report.save()
     device = engine.device
     report.stage("grpo_steps", grpo_steps, engine, args, device)
+    if not args.checks:
+        return finish(report)
 
     server = None
     if not args.nats_url:
@@ -440,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tol", type=float, default=None,
         help="max |logit diff| (default 2e-4 fp32; bf16: twice HF's own bf16-vs-fp32 difference)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--checks", action=argparse.BooleanOptionalAction, default=True,
+        help="publish and compare with HF + peft after the steps (--no-checks: the steps only, for a "
+        "depth whose HF model in float32 would not fit beside it)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--nats-url", default="", help="a running nats-server (default: start one)")

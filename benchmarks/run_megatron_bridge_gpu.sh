@@ -16,6 +16,10 @@
 #   moe_fp32    Qwen3-30B-A3B shape (hidden 2048, 32 heads, 4 KV groups, experts of 768, top-8),
 #               2 layers, 16 experts, vocab 32768, fp32: per-expert LoRA, exact check
 #   moe_bf16    Qwen3-30B-A3B shape, 2 layers, all 128 experts, bf16: 3 GRPO steps, timing, memory
+#   moe_deep    the same at 24 of its 48 layers (a 31 GB bf16 checkpoint; the 2-layer case's 11.9 GiB
+#               peak gives about 2.2 GB a layer with its adapter state and activations), steps only
+#               (--no-checks: an HF float32 copy for the logits check would not fit beside it).
+#               Not in the default set: CASES=moe_deep, in a call of its own (~5 min).
 # Expected: ~4-5 min in all once the machine is up (each run: ~10 s imports, HF checkpoint write,
 # build, steps, two publications, four HF loads). Extra arguments go to every run; CASES="moe_bf16
 # dense_bf16" runs only those.
@@ -47,4 +51,6 @@ step moe_fp32 120 --shape qwen3-30b-a3b --moe --experts 16 --layers 2 --vocab 32
   --steps 2 --check-len 64 "$@"
 step moe_bf16 150 --shape qwen3-30b-a3b --moe --experts 128 --layers 2 --dtype bfloat16 --groups 4 --samples 4 \
   --prompt-len 128 --max-new 256 --steps 3 --lr 1e-4 "$@"
+[[ " ${CASES:-} " == *" moe_deep "* ]] && step moe_deep 540 --shape qwen3-30b-a3b --moe --experts 128 --layers 24 \
+  --dtype bfloat16 --groups 4 --samples 4 --prompt-len 128 --max-new 256 --steps 3 --lr 1e-4 --no-checks "$@"
 exit $rc

@@ -37,7 +37,7 @@ for c in "${cases[@]}"; do
     *) echo "unknown case $c"; exit 2 ;;
   esac
   echo "== $c"
-  up_s=240; [ "$c" = moe_xccl ] && up_s=420
+  up_s=240; [ "$c" = moe_xccl ] && up_s=500
   timeout $((up_s + 60)) python3 benchmarks/megatron_vllm.py --out-dir "$OUT" --label "$c" --run-dir "/tmp/mv_run_$c" \
     --server-site /tmp/vsite --trainer-site /tmp/msite --timeout "$up_s" "${a[@]}" >"$OUT/megatron_vllm_$c.stdout" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
