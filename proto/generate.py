@@ -93,6 +93,18 @@ def example_messages() -> dict[str, msgspec.Struct]:
                     ranks={"rollout-0": 1, "rollout-1": 2},
                 ),
             ],
+            canary_follows=True,
+        ),
+        m.AdapterCanary(
+            run="demo-trial0",
+            trainer_epoch="e0",
+            version=4,
+            adapter_sha256=_SHA,
+            canary=m.Canary(
+                dtype="bfloat16",
+                sequences=[m.CanarySequence(prompt_token_ids=[17, 4, 93], token_ids=[12, 7], logprobs=[-0.25, -1.5])],
+            ),
+            created_at=_T0 + 0.2,
         ),
         m.AdapterLoaded(
             run="demo-trial0",
@@ -284,6 +296,16 @@ FAMILIES: tuple[Family, ...] = (
         ("rollout", "registry", "exporter", "evaluator", "watch"),
         "A new adapter version exists: fetch it (object payload) or join the broadcast (xccl "
         "payload). JetStream-persisted for the run's lifetime; late joiners replay it.",
+    ),
+    Family(
+        "adapterCanary",
+        subjects.adapter_canary,
+        ("AdapterCanary",),
+        ("trainer",),
+        ("rollout",),
+        "The canary of an adapter version whose AdapterReady says `canary_follows`: published "
+        "once the trainer computed it, after the event; a replica holds the version's output until "
+        "it arrived and passed. JetStream-persisted (the newest per version).",
     ),
     *(
         Family(

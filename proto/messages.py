@@ -148,8 +148,13 @@ class AdapterReady(Message, kw_only=True):
     lora: LoraSpec
     payloads: Annotated[list[Payload], Meta(max_length=2)]
     canary: Canary | None = None
-    """the version's canary; None from trainers that predate it (the version is then served
-    unchecked)"""
+    """the version's canary carried on the event itself: from trainers that predate
+    `canary_follows`; None from those and from trainers older still (a version with neither is
+    served unchecked)"""
+    canary_follows: bool = False
+    """the version's canary comes as its own message after this event (`AdapterCanary` on
+    `lorabus.<run>.canary.v<N>`): the trainer announces without waiting for it, and a replica
+    holds the version's output until it arrived and passed (or withdraws the version)"""
 
     def __post_init__(self) -> None:
         kinds = [type(p).__name__ for p in self.payloads]
@@ -169,6 +174,26 @@ class AdapterReady(Message, kw_only=True):
     @property
     def adapter_name(self) -> str:
         return adapter_name(self.lora_name, self.version)
+
+
+class AdapterCanary(Message, kw_only=True):
+    """`lorabus.<run>.canary.v<N>`: trainer -> rollouts. The canary of the version an
+    AdapterReady with `canary_follows` announced, published once the trainer computed it (after
+    the event). A replica checks it against the event before scoring: same run, trainer epoch
+    and version, and the same adapter sha256 (when the event names one), so that a canary of
+    other weights never vouches for these."""
+
+    max_bytes: ClassVar[int] = 256 * 1024
+    """16 sequences of 512 prompt and 128 continuation tokens at the widest numbers: ~230 KB"""
+
+    run: Name
+    trainer_epoch: Name
+    version: Version
+    adapter_sha256: Sha256 | None = None
+    """the event's object payload sha256; None when the event named none (an XCCL event sent
+    before its durable copy was hashed)"""
+    canary: Canary
+    created_at: UnixTime
 
 
 def adapter_name(lora_name: str, version: int) -> str:
@@ -474,8 +499,11 @@ class TrainerStep(Message, kw_only=True):
     canary_seconds: Annotated[float, Meta(ge=0)] | None = None
     """how long the version's canary took in the trainer; None: no canary computed"""
     canary_wait_seconds: Annotated[float, Meta(ge=0)] | None = None
-    """how long the version's announcement waited for it (its compute overlaps the upload or
-    the broadcast in a one-process trainer): the trainer's part of its time to servable"""
+    """how long the version's announcement waited for it: the trainer's part of its time to
+    servable. 0 where the canary follows the event (a one-process trainer computes it beside the
+    upload or broadcast and the announcement); its compute where it came before the event (over
+    several ranks, in the step; trainers that embedded it in the event overlapped what they
+    could)"""
     mismatch: Mismatch | None = None
     """the train/inference mismatch of the step's batch; None from trainers that predate it"""
 
@@ -590,6 +618,7 @@ class RunRecord(Message, kw_only=True):
 
 TOP_LEVEL: tuple[type, ...] = (
     AdapterReady,
+    AdapterCanary,
     AdapterLoaded,
     AdapterUnloaded,
     AdapterFailed,

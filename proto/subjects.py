@@ -14,6 +14,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TOK = r"([A-Za-z0-9_-]{1,64})"
 _VER = r"(0|[1-9][0-9]*)"
 _ADAPTER_READY = re.compile(rf"^{PREFIX}\.{_TOK}\.adapter\.v{_VER}\.ready$")
+_ADAPTER_CANARY = re.compile(rf"^{PREFIX}\.{_TOK}\.canary\.v{_VER}$")
 _EXPORT_DONE = re.compile(rf"^{PREFIX}\.{_TOK}\.export\.v{_VER}\.done$")
 _ROLLOUT = re.compile(rf"^{PREFIX}\.{_TOK}\.rollout\.{_TOK}\.([a-z]+)$")
 _TRAJECTORY = re.compile(rf"^{PREFIX}\.{_TOK}\.trajectory\.{_TOK}$")
@@ -54,6 +55,22 @@ def parse_adapter_ready(subject: str) -> tuple[str, int]:
     m = _ADAPTER_READY.fullmatch(subject)
     if not m:
         raise SubjectError(f"{subject!r} is not an adapter-ready subject")
+    return m.group(1), int(m.group(2))
+
+
+# a version's canary, published after its adapter event (AdapterReady.canary_follows)
+def adapter_canary(run: str, version: int) -> str:
+    return f"{run_prefix(run)}.canary.v{_version(version)}"
+
+
+def adapter_canary_all(run: str) -> str:
+    return f"{run_prefix(run)}.canary.*"
+
+
+def parse_adapter_canary(subject: str) -> tuple[str, int]:
+    m = _ADAPTER_CANARY.fullmatch(subject)
+    if not m:
+        raise SubjectError(f"{subject!r} is not an adapter-canary subject")
     return m.group(1), int(m.group(2))
 
 

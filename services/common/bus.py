@@ -83,6 +83,8 @@ PUBACK_WAIT_S = 2.0
 """how long one attempt of a publish waits for its PubAck before it is sent again"""
 CLOSE_TIMEOUT_S = 5.0
 """how long close() waits for consumers to stop and the connection to drain"""
+WAIT_POLL_S = (0.02, 1.0)
+"""`wait_last`'s re-read of the stream while no message wakes it: first and longest interval"""
 _WRONG_LAST_SEQUENCE = 10071  # JetStream API error code for Nats-Expected-Last-Sequence
 
 # by run: a fleet's process serves each run through a Bus of its own (`for_run`), so a run's
@@ -536,6 +538,37 @@ class Bus:
         none; `codec.DecodeError` if it does not decode as `msg_type`."""
         raw = await self.last_raw(stream, subject)
         return None if raw is None else decode(raw.data, msg_type)
+
+    @overload
+    async def wait_last(self, stream: str, msg_type: type[T], subject: str, *, timeout: float) -> T | None: ...
+    @overload
+    async def wait_last(self, stream: str, msg_type: Any, subject: str, *, timeout: float) -> Any: ...
+    async def wait_last(self, stream: str, msg_type: type[T] | Any, subject: str, *, timeout: float) -> T | None:
+        """`last(stream, msg_type, subject)`, waiting up to `timeout` s for a first message to be
+        stored there; None if none was. A core subscription to `subject` only wakes the wait
+        early: what it returns is read back from the stream (a message the stream refused never
+        counts), and a short poll covers a wake that came before the store (or a subscription
+        the user may not hold). `codec.DecodeError` if what is stored does not decode."""
+        woken = asyncio.Event()
+
+        async def wake(_msg: Msg) -> None:
+            woken.set()
+
+        sub = await self.nc.subscribe(subject, cb=wake)
+        deadline, poll = time.monotonic() + timeout, WAIT_POLL_S[0]
+        try:
+            while True:
+                woken.clear()
+                found = await self.last(stream, msg_type, subject)
+                left = deadline - time.monotonic()
+                if found is not None or left <= 0:
+                    return found
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), min(left, poll))
+                poll = WAIT_POLL_S[0] if woken.is_set() else min(2 * poll, WAIT_POLL_S[1])
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def publish_expect(
         self,

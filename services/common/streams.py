@@ -38,6 +38,10 @@ def ADAPTERS(run: str) -> str:  # noqa: N802 - the contract names streams like c
     return stream_name(run, "ADAPTERS")
 
 
+def CANARIES(run: str) -> str:  # noqa: N802
+    return stream_name(run, "CANARIES")
+
+
 def REPORTS(run: str) -> str:  # noqa: N802
     return stream_name(run, "REPORTS")
 
@@ -94,10 +98,14 @@ def kv_subject(bucket: str, key: str = "") -> str:
 # Adapter events and exports are the run's history: services that start late replay them, so
 # they are kept for the run's lifetime. Heartbeats are chatter: keep the recent ones only.
 # Trajectories are kept a day so a registry that was down can catch up from its durable.
+# Canaries have a stream of their own (ADAPTERS' consumers decode every message there as an
+# AdapterReady) kept as long as the events they vouch for, one per version: a replica reads the
+# newest of its version's subject, never the history.
 # Each stream stores no message larger than its type's cap (`Message.max_bytes`): the server
 # refuses an oversize publish before any service sees it.
 _LAYOUT: list[tuple[Callable[[str], str], Callable[[str], str], float, int, Any]] = [
     (ADAPTERS, subjects.adapter_ready_all, 30 * DAY, -1, m.AdapterReady),
+    (CANARIES, subjects.adapter_canary_all, 30 * DAY, 1, m.AdapterCanary),
     (REPORTS, subjects.rollout_report_all, 1 * HOUR, 100, m.RolloutReport),
     (TRAJECTORIES, subjects.trajectory_all, 1 * DAY, -1, m.Trajectory),
     (ACCEPTED, subjects.accepted, 1 * DAY, -1, m.Trajectory),

@@ -185,6 +185,16 @@ def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_canary_wait(cfg: LorabusConfig) -> list[str]:
+    wait = cfg.rollout.canary_wait_s
+    if not 0 < wait <= 3600:
+        return [
+            f"rollout.canary_wait_s: {wait} must be in (0, 3600] seconds; a replica waits this long for a "
+            "version's canary before withdrawing it (the default 60 covers a trainer restart)"
+        ]
+    return []
+
+
 def _check_entries(field: str, entries: list[str]) -> list[str]:
     out = []
     for e in entries:
@@ -434,6 +444,7 @@ RULES = (
     check_unimplemented,
     check_target_modules,
     check_offpolicyness,
+    check_canary_wait,
     check_slab,
     check_vllm_slots,
     check_sglang_slots,

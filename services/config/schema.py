@@ -203,6 +203,12 @@ class RolloutConfig(Section):
     sidecar loads v0 at runtime like every later version (what `lorabus up` does)"""
     request_timeout_s: float = 120.0
     heartbeat_s: float = 2.0
+    canary_wait_s: float = 60.0
+    """how long a replica's check of a version whose canary follows its event (the trainer
+    publishes it once computed, `AdapterCanary`) waits for that canary; the version serves
+    meanwhile and its output is held. A canary that does not come within it withdraws the
+    version on the replica, as a failed canary does (a trainer that died between the two
+    publishes it when it re-announces the version at restart, if it is back within it)"""
     cuda_graphs: bool = True
     """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
     slab_rows: int = 0

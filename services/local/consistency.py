@@ -6,12 +6,14 @@ The mismatch of version v is the on-policy figure of the step that started from 
 moment the trainer holds v's weights, so the only clean comparison with the tokens v generated.
 A version's time to servable on a replica is its AdapterLoaded.loaded_at minus the trainer's
 step end (TrainerStep.trained_at). The canary's cost is its part of that time: what the trainer's
-announcement waited for it (its compute overlaps the upload or broadcast), plus the replica's
-check where it came before the version was marked loaded (replicas that report it,
-AdapterLoaded.canary_seconds). A replica checks a version while it serves it and holds its output
-until the check passes: that check is no part of time to servable (counted here as beside
-serving), and its cost to the run, what publication waited for it, is on the replica's /metrics
-(`lorabus_rollout_canary_seconds`, `lorabus_rollout_canary_wait_seconds`), not in the streams.
+announcement waited for it (TrainerStep.canary_wait_seconds: 0 where the canary follows the event
+as its own message, AdapterReady.canary_follows; its compute where it came before the event),
+plus the replica's check where it came before the version was marked loaded (replicas that
+report it, AdapterLoaded.canary_seconds). A replica checks a version while it serves it (first
+waiting for a canary that follows) and holds its output until the check passes: that check is
+no part of time to servable (counted here as beside serving), and its cost to the run, what
+publication waited for it, is on the replica's /metrics (`lorabus_rollout_canary_seconds`,
+`lorabus_rollout_canary_wait_seconds`), not in the streams.
 
 Invariant: pure (no I/O); steps and loads that predate these fields count as absent, never as 0.
 """
@@ -59,7 +61,7 @@ def mismatch(steps: Iterable[m.TrainerStep]) -> dict | None:
 
 def _waited(step: m.TrainerStep) -> float | None:
     """The trainer's part of the time to servable: what the announcement waited for the canary
-    (all of its compute, from trainers that do not say)."""
+    (0 where it followed the event; all of its compute, from trainers that do not say)."""
     return step.canary_wait_seconds if step.canary_wait_seconds is not None else step.canary_seconds
 
 

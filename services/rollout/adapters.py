@@ -13,12 +13,14 @@ it generates name.
 
 A loaded version is marked loaded (granted, AdapterLoaded reported) at once, and checked while it
 serves: the embedded engine's fast path (`load_path.Stager`) hashes the bytes it copied, and an
-event that carries a canary has it decoded under the version's name (`canary`). `trusted()` is
+event that carries a canary, or says one follows it (read from the CANARIES stream as it comes,
+`canary.obtain`), has it decoded under the version's name (`canary`). `trusted()` is
 the gate the work side passes before publishing: it waits for the checks in flight of every
 version the output may have used and refuses output that overlapped a version whose check
 failed. Such a version is withdrawn at once (left out of `loaded()`, so no grant pins it again)
 and unloaded once unpinned; after a failed sha256 it is loaded again by the verify-first path,
-after a failed canary it is given up (the same weights fail again).
+after a failed canary it is given up (the same weights fail again), as after a canary that never
+came or is not the event's.
 
 Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
 versions still admissible, so a grant's version is served again rather than dropped. A version
@@ -310,8 +312,8 @@ class AdapterFollower:
                 # on the future itself: the digest is in before any `trusted` waiting for it returns
                 sha.add_done_callback(lambda f: self._take_digest(version, f))
                 self._checks[sha] = InFlight("sha256", None)
-            if ev.canary is not None:
-                self.book.pin(version)  # not collected while its canary decodes
+            if canary.expected(ev):
+                self.book.pin(version)  # not collected while its canary comes and decodes
                 check = self._spawn(self._canary(ev))
                 self._checks[check] = InFlight("canary", version)
             self.changed.notify_all()
@@ -324,19 +326,23 @@ class AdapterFollower:
             self._sha256[version] = sha.result()
 
     async def _canary(self, ev: AdapterReady) -> float:
-        """Decode `ev`'s canary under its version (loaded) and compare; returns the seconds it
-        took. Raises `CanaryFailed` with the figures beyond the tolerance, or the engine's error
-        when it cannot answer `load_attempts` times in a row."""
-        assert ev.canary is not None
+        """Obtain `ev`'s canary (the event's, or the one that follows it), decode it under its
+        version (loaded) and compare; returns the seconds the decode and comparison took. Raises
+        `CanaryFailed` with the figures beyond the tolerance, or when no canary bound to the event
+        came in time, or the engine's error when it cannot answer `load_attempts` times in a row."""
+        t_wait = time.perf_counter()
+        want = await canary.obtain(self.bus, ev, self.cfg.rollout.canary_wait_s)
         t0 = time.perf_counter()
-        measured = await self._score(ev, ev.canary)
+        if ev.canary is None:
+            log.debug("rollout %s: %s's canary came %.1f ms into its check", self.replica, ev.adapter_name,
+                      (t0 - t_wait) * 1e3)  # fmt: skip
+        measured = await self._score(ev, want)
         seconds = time.perf_counter() - t0
         metrics.CANARY_SECONDS.labels(self.run_id, self.replica).observe(seconds)
         metrics.CANARY_GAP.labels(self.run_id, self.replica).observe(min(measured.value, 1e6))
         if not measured.passed:
             raise canary.CanaryFailed(
-                f"{ev.adapter_name}: {measured.describe(len(ev.canary.sequences))}; withdrawn on this replica "
-                "(nothing it generated is published), which keeps serving the versions that passed"
+                f"{ev.adapter_name}: {measured.describe(len(want.sequences))}; {canary.WITHDRAWN}"
             )
         return seconds
 
@@ -569,7 +575,7 @@ class AdapterFollower:
         """A canary check in flight for the whole of a restore, when its versions carry
         canaries: a server may answer a re-loaded name with other weights until the canary says
         otherwise, and the grants already pinning it may be generating on it meanwhile."""
-        if not any((ev := self._events.get(v)) is not None and ev.canary is not None for v in admissible):
+        if not any((ev := self._events.get(v)) is not None and canary.expected(ev) for v in admissible):
             return None
         hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._checks[hold] = InFlight("canary", None)
@@ -617,7 +623,7 @@ class AdapterFollower:
             self._restore_failures.pop(version, None)
             ev = self._events.get(version)
             try:
-                canary_s = await self._canary(ev) if ev is not None and ev.canary is not None else None
+                canary_s = await self._canary(ev) if ev is not None and canary.expected(ev) else None
             except Exception as exc:
                 served = self._withdraw_now(version, since)
                 log.error("rollout %s: v%d re-loaded, then withdrawn: %s", self.replica, version, exc)

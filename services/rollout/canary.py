@@ -15,19 +15,32 @@ The version is marked loaded as soon as it is in the engine and generates while 
 decoded beside it (`adapters.AdapterFollower`): the canary costs the run only what publication
 waits for it (`AdapterFollower.trusted`), not the version's time to servable.
 
-Invariant: nothing a version generated on this replica is published before its gap is measured
-within its dtype's tolerance (`TOLERANCE`, the looser of the trainer's and the replica's dtype).
-A version beyond it never has its output published: the follower withdraws it at once (no grant
-pins it again), unloads it once unpinned, reports AdapterFailed with the figures and never loads
-it again; the versions that passed stay served.
+Where the event says `canary_follows` (the trainer announces without waiting for its canary),
+the check first obtains it (`obtain`): the AdapterCanary of the version, read from the CANARIES
+stream, waited for up to rollout.canary_wait_s, and refused unless it names the event's run,
+trainer epoch, version and adapter sha256 (`binding_problem`). One that does not come, does
+not decode or does not match fails the check as a gap beyond tolerance does.
+
+Invariant: nothing a version generated on this replica is published before its gap is measured,
+against a canary bound to the version's event, within its dtype's tolerance (`TOLERANCE`, the
+looser of the trainer's and the replica's dtype). A version beyond it never has its output
+published: the follower withdraws it at once (no grant pins it again), unloads it once unpinned,
+reports AdapterFailed with the figures and never loads it again; the versions that passed stay
+served.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from proto.messages import Canary, CanarySequence, Dtype
+from proto import codec, subjects
+from proto.messages import AdapterCanary, AdapterReady, Canary, CanarySequence, Dtype
+from services.common import streams
 from services.rollout.engines.base import Engine, GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from services.common.bus import Bus
 
 TOLERANCE: dict[Dtype, float] = {"float32": 2e-3, "float16": 0.05, "bfloat16": 0.15}
 """largest |Δ logprob| a healthy engine shows against the trainer in each dtype (float32: the
@@ -99,3 +112,54 @@ async def score(engine: Engine, version: int, canary: Canary, serving: Dtype | N
     """Decode the canary's prompts under `version` (already loaded) and measure the gap."""
     outs = await engine.generate(requests(canary.sequences), version)
     return gap(canary, [o[0] for o in outs], serving)
+
+
+# --- the canary that follows its event ---------------------------------------------------------
+
+WITHDRAWN = (
+    "withdrawn on this replica (nothing it generated is published), which keeps serving the versions that passed"
+)
+
+
+def expected(ev: AdapterReady) -> bool:
+    """Whether `ev`'s version is checked: its canary rides on the event, or follows it."""
+    return ev.canary is not None or ev.canary_follows
+
+
+def binding_problem(ev: AdapterReady, msg: AdapterCanary) -> str | None:
+    """Why `msg` is not the canary of the version `ev` announced (another run, trainer epoch,
+    version or adapter bytes), or None."""
+    obj = ev.object_payload()
+    sha = obj.sha256 if obj is not None else None
+    for field, got, want in (
+        ("run", msg.run, ev.run),
+        ("trainer_epoch", msg.trainer_epoch, ev.trainer_epoch),
+        ("version", msg.version, ev.version),
+        ("adapter_sha256", msg.adapter_sha256, sha),
+    ):
+        if got != want:
+            return f"{field}: {got!r} is not the event's {want!r}"
+    return None
+
+
+async def obtain(bus: Bus, ev: AdapterReady, wait_s: float) -> Canary:
+    """The canary to check `ev`'s version against: the event's own, or the AdapterCanary that
+    follows it, waited for up to `wait_s`. Raises `CanaryFailed` saying why there is none to
+    trust (it never came, does not decode, or is another version's or other weights')."""
+    if ev.canary is not None:
+        return ev.canary
+    if not ev.canary_follows:
+        raise ValueError(f"{ev.adapter_name}: its event carries no canary and says none follows")
+    subject = subjects.adapter_canary(ev.run, ev.version)
+    try:
+        msg = await bus.wait_last(streams.CANARIES(ev.run), AdapterCanary, subject, timeout=wait_s)
+    except codec.DecodeError as exc:
+        raise CanaryFailed(f"{ev.adapter_name}: the canary on {subject} does not decode ({exc}); {WITHDRAWN}") from exc
+    if msg is None:
+        raise CanaryFailed(
+            f"{ev.adapter_name}: its event says a canary follows, but none came on {subject} within "
+            f"rollout.canary_wait_s {wait_s:g} s (did the trainer stop before sending it?); {WITHDRAWN}"
+        )
+    if (problem := binding_problem(ev, msg)) is not None:
+        raise CanaryFailed(f"{ev.adapter_name}: the canary on {subject} is not this event's ({problem}); {WITHDRAWN}")
+    return msg.canary

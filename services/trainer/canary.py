@@ -7,9 +7,11 @@ each continuation token's log-probability at temperature 1: the `Canary` publish
 version, that every replica checks its load against (`services.rollout.canary`).
 
 The trainer computes it in each step, after the update, from the model it trains (`timed`:
-beside the upload or broadcast in one process, `Beside`; in `ranks.run_step` over several
-ranks, where it is a collective; the first version's at start), and publishes it on the
-version's AdapterReady on either path (object store or XCCL).
+in a thread beside the upload or broadcast and the announcement in one process, `beside`; in
+`ranks.run_step` over several ranks, where it is a collective; the first version's at start),
+and publishes it as its own message after the version's AdapterReady, which says it follows
+(`publish.publish_canary`), on either path (object store or XCCL): the announcement never
+waits for it.
 
 Invariant: the reference is computed from the trainer's own weights in the dtype the replicas
 serve, never from what a replica loaded; equal weights give equal canaries.
@@ -26,8 +28,8 @@ import torch
 from proto.messages import Canary, CanarySequence, Dtype
 from services.trainer.engines.base import CanaryEngine
 
-# Its cost is its sequential forwards (the trainer's decode, which the event waits for; the
-# replica's, which the version's first trajectories wait for): many short sequences in one
+# Its cost is its sequential forwards (the trainer's decode, which the replicas' check waits
+# for; the replica's, which the version's first trajectories wait for): many short sequences in one
 # batch compare as many tokens as a few long ones for a quarter of the latency. Two tokens
 # each, so a replica's decode path (KV cache, its decode kernels) is checked beside its
 # prefill; 16 is what the wire allows.
@@ -109,6 +111,11 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int, cached: bo
     return torch.cat([torch.stack(tokens, 1).double(), torch.stack(logprobs, 1).double()], dim=1)
 
 
+def computes(engine: object) -> bool:
+    """Whether `engine` computes canaries (`CanaryEngine`): its events say `canary_follows`."""
+    return isinstance(engine, CanaryEngine)
+
+
 def timed(engine: object) -> tuple[Canary | None, float | None]:
     """(the canary of the adapter `engine` holds now, seconds it took); (None, None) for an
     engine that computes none (`CanaryEngine`): its versions are then served unchecked.
@@ -120,17 +127,8 @@ def timed(engine: object) -> tuple[Canary | None, float | None]:
     return canary, time.perf_counter() - t0
 
 
-class Beside:
-    """A one-process trainer's canary, computed in a thread while the version is stored or
-    broadcast (`publish.publish_adapter` awaits `wait()` just before the event)."""
-
-    def __init__(self, engine: object):
-        self.task = asyncio.ensure_future(asyncio.to_thread(timed, engine))
-        self.waited: float | None = None
-        """how long the announcement waited for it (None: it was never awaited)"""
-
-    async def wait(self) -> Canary | None:
-        t0 = time.perf_counter()
-        canary, _ = await self.task
-        self.waited = time.perf_counter() - t0
-        return canary
+def beside(engine: object) -> asyncio.Future[tuple[Canary | None, float | None]]:
+    """A one-process trainer's `timed` canary, computed in a thread while the version is stored
+    or broadcast and announced; the caller holds the model until it is done (it reads the
+    model with this run's adapter active) and publishes it after the event."""
+    return asyncio.ensure_future(asyncio.to_thread(timed, engine))

@@ -27,7 +27,7 @@ PUBLISH_SECONDS = Histogram(
 CANARY_SECONDS = Histogram(
     "lorabus_trainer_canary_seconds",
     "Time to compute one version's canary in the trainer (greedy decode of the fixed prompts under the new "
-    "adapter; part of the version's time to servable)",
+    "adapter; off the version's time to servable in one process, where it follows the announcement)",
     ["run"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )

@@ -25,6 +25,13 @@ Order (`deliver`):
   object and seals the marker. The next version's `deliver` waits for this upload (the
   buckets it reads are the next broadcast's) and raises its failure.
 - XCCL with nobody in the group (v0, after a failure): upload first, as the object path.
+
+The version's canary is no part of that order: the event says `canary_follows`, and the
+canary goes out as its own message (`publish_canary`, AdapterCanary on `canary.v<N>`) once it
+is computed and the event is out, bound to the event by trainer epoch, version and the
+object's sha256 where the event names one. A trainer that dies between the two publishes it on
+restart when it re-announces the version from its checkpoint (`ensure_canary`); one that
+never comes back leaves the version withdrawn on every replica, never trusted.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import inspect
 import logging
 import os
 import secrets
@@ -42,7 +48,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from proto import codec, subjects
-from proto.messages import AdapterReady, Canary, LoraSpec, ObjectPayload, Payload, XcclPayload
+from proto.messages import AdapterCanary, AdapterReady, Canary, LoraSpec, ObjectPayload, Payload, XcclPayload
 from services.common import adapter_io, durable, streams
 from services.common.durable import ANNOUNCED_NAME, adapter_key, announced_key
 from services.common.store import ObjectNotFound, ObjectRef, ObjectStore
@@ -56,13 +62,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 EPOCH_NAME = "trainer.epoch"
 
-__all__ = ["adapter_key", "announced_key", "deliver", "parse_adapter_version", "publish_adapter", "trainer_epoch"]
+__all__ = [
+    "adapter_key",
+    "announced_key",
+    "deliver",
+    "ensure_canary",
+    "parse_adapter_version",
+    "publish_adapter",
+    "publish_canary",
+    "trainer_epoch",
+]
 
 
 def adapter_msg_id(epoch: str, version: int) -> str:
     # the epoch in it: an event someone else published first with `adapter-v<N>` must not
     # make the server drop the trainer's own as a duplicate
     return f"adapter-{epoch}-v{version}"
+
+
+def canary_msg_id(epoch: str, version: int) -> str:
+    return f"canary-{epoch}-v{version}"
 
 
 def epoch_key(run: str) -> str:
@@ -113,7 +132,7 @@ def adapter_event(
     payloads: list[Payload],
     lora: LoraSpec,
     trainer_step: int,
-    canary: Canary | None = None,
+    canary_follows: bool = False,
 ) -> AdapterReady:
     return AdapterReady(
         run=run,
@@ -125,8 +144,49 @@ def adapter_event(
         created_at=time.time(),
         lora=lora,
         payloads=payloads,
-        canary=canary,
+        canary_follows=canary_follows,
     )
+
+
+def canary_message(event: AdapterReady, canary: Canary) -> AdapterCanary:
+    """`canary` as the message that follows `event`, bound to its weights."""
+    obj = event.object_payload()
+    return AdapterCanary(
+        run=event.run,
+        trainer_epoch=event.trainer_epoch,
+        version=event.version,
+        adapter_sha256=obj.sha256 if obj is not None else None,
+        canary=canary,
+        created_at=time.time(),
+    )
+
+
+async def publish_canary(bus: Bus, event: AdapterReady, canary: Canary) -> None:
+    """Publish the canary of the version `event` announced (after it: the message names the
+    event's sha256); its msg_id makes a retry within the dedup window a duplicate."""
+    if not event.canary_follows:
+        raise ValueError(f"{event.adapter_name}: its event does not say canary_follows; replicas would never read it")
+    subject = subjects.adapter_canary(event.run, event.version)
+    await bus.publish(subject, canary_message(event, canary), msg_id=canary_msg_id(event.trainer_epoch, event.version))
+
+
+async def ensure_canary(bus: Bus, run: str, version: int, epoch: str, canary: Canary) -> bool:
+    """A version this trainer epoch announced before (a restart re-announcing its checkpoint's
+    version): publish its canary if its event says one follows and none of this epoch is stored
+    (the trainer died between the two). `canary` must be of the version's weights, as a resume
+    from the version's own checkpoint gives. Whether it published."""
+    event = await published_event(bus, run, version, epoch)
+    if event is None or not event.canary_follows:
+        return False
+    try:
+        stored = await bus.last(streams.CANARIES(run), AdapterCanary, subjects.adapter_canary(run, version))
+    except codec.DecodeError:
+        stored = None
+    if stored is not None and stored.trainer_epoch == epoch:
+        return False
+    await publish_canary(bus, event, canary)
+    log.info("v%d: published the canary its event promised (the announcing trainer died first)", version)
+    return True
 
 
 async def published_event(bus, run: str, version: int, epoch: str) -> AdapterReady | None:
@@ -311,13 +371,13 @@ async def publish_adapter(
     trainer_step: int,
     sender: XcclSender | None = None,
     weights: bytes | None = None,
-    canary: Canary | Awaitable[Canary | None] | None = None,
+    canary_follows: bool = False,
 ) -> AdapterReady | None:
     """Store and/or broadcast `tensors` as version `version` and announce it (see `deliver`
-    for the order) with its `canary`, on either path; returns the event, or None when this
-    version had been announced already by this trainer epoch (then only a missing object copy
-    of the same weights is stored). `canary` may still be in the making (an awaitable): it is
-    awaited just before the event, so it overlaps the upload or the broadcast."""
+    for the order), on either path; returns the event, or None when this version had been
+    announced already by this trainer epoch (then only a missing object copy of the same
+    weights is stored). `canary_follows`: the caller publishes the version's canary after the
+    event (`publish_canary`); the event never waits for it."""
     previous = await published_event(bus, run, version, epoch)
     if previous is not None:
         await _repair(store, previous, run, version, tensors, weights)
@@ -325,9 +385,8 @@ async def publish_adapter(
     sent: list[AdapterReady] = []
 
     async def publish(payloads: list[Payload]) -> None:
-        reference = await canary if inspect.isawaitable(canary) else canary
         event = adapter_event(run=run, epoch=epoch, lora_name=lora_name, version=version, payloads=payloads,
-                              lora=lora, trainer_step=trainer_step, canary=reference)  # fmt: skip
+                              lora=lora, trainer_step=trainer_step, canary_follows=canary_follows)  # fmt: skip
         await bus.publish(subjects.adapter_ready(run, version), event, msg_id=adapter_msg_id(epoch, version))
         sent.append(event)
 

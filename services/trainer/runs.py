@@ -5,9 +5,10 @@ A run is what a single-run trainer is: its own durable on its own ACCEPTED strea
 announced under its own subjects. Per step:
 
     pull B accepted groups -> train_step (groups beyond actor.max_train_infer_kl left out and
-      dead-lettered) -> canary -> gather adapter -> announce v<N+1> with its canary (upload, or
-      broadcast with the upload behind it) -> TrainerStep -> checkpoint (if due) -> ack the
-      messages trained
+      dead-lettered) -> gather adapter -> announce v<N+1>, saying its canary follows (upload,
+      or broadcast with the upload behind it; the canary computed beside it in one process)
+      -> its canary (AdapterCanary, after the event) -> TrainerStep -> checkpoint (if due) ->
+      ack the messages trained
 
 The acks come last, so a crash anywhere before them makes JetStream redeliver the batch to
 the restarted trainer: accepted trajectories are never lost. The announcement comes before the
@@ -35,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,7 +51,7 @@ from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
-from services.trainer.publish import publish_adapter
+from services.trainer.publish import ensure_canary, publish_adapter, publish_canary
 from services.trainer.ranks import Followers, Work, run_step
 from services.trainer.resume import Resume
 
@@ -89,11 +89,11 @@ class Rank0:
         tensors: dict[str, torch.Tensor],
         *,
         weights: bytes | None = None,
-        canary: Canary | Awaitable[Canary | None] | None = None,
+        canary_follows: bool = False,
     ) -> AdapterReady | None:
-        """Store (or broadcast) and announce `version` with its `canary`; None when it was
-        announced already. `weights`: its serialised form when at hand (else serialised where
-        `deliver` says)."""
+        """Store (or broadcast) and announce `version`, saying whether its canary follows
+        (`send_canary`); None when it was announced already. `weights`: its serialised form when at
+        hand (else serialised where `deliver` says)."""
         return await publish_adapter(
             self.bus,
             self.store,
@@ -106,15 +106,25 @@ class Rank0:
             trainer_step=self.engine.step,
             sender=self.sender,
             weights=weights,
-            canary=canary,
+            canary_follows=canary_follows,
         )
+
+    async def send_canary(self, version: int, canary: Canary, event: AdapterReady | None) -> None:
+        """Publish `version`'s canary after its event: `event` as `announce` returned it, None
+        when the version had been announced already (then only when its canary never came)."""
+        if event is not None:
+            await publish_canary(self.bus, event, canary)
+        else:
+            await ensure_canary(self.bus, self.cfg.run, version, self.epoch, canary)
 
 
 async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int, model: asyncio.Lock) -> int:
     """One step of `ctx`'s run on `groups` (held by `queue`), in the order the module docstring
     gives; returns the version it published. `model` (the fleet's shared model) is held for what
     reads it, the update and the canary, and released before the upload or broadcast ends: the
-    next run's step starts while this one's version is still on its way."""
+    next run's step starts while this one's version is still on its way. The announcement
+    never waits for the canary: it goes out as soon as the version is delivered, and the canary
+    right after it, or as soon as it is computed if that is later."""
     cfg, engine, bus, followers, run = ctx.cfg, ctx.engine, ctx.bus, ctx.followers, ctx.cfg.run
     step_index = engine.step
     work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
@@ -142,22 +152,25 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         # announced before the checkpoint: under XCCL nothing is serialised before the event. A
         # crash between the two resumes from an older checkpoint above N (the store has N's
         # marker), so N never names two adapters.
-        # one process: the canary is computed while the version is stored or broadcast
-        beside = trainer_canary.Beside(engine) if engine.world_size == 1 else None
-        canary = asyncio.ensure_future(beside.wait()) if beside else stats.canary
-        announcing = asyncio.ensure_future(ctx.announce(version, adapter, canary=canary))
+        # one process: the canary is computed while the version is stored or broadcast and
+        # announced; over several ranks it was computed in the step (a collective)
+        beside = trainer_canary.beside(engine) if engine.world_size == 1 else None
+        follows = trainer_canary.computes(engine) if beside is not None else stats.canary is not None
+        announcing = asyncio.ensure_future(ctx.announce(version, adapter, canary_follows=follows))
         if beside is not None:  # the canary reads the model with this run's adapter active
-            await asyncio.wait([beside.task])
+            await asyncio.wait([beside])
     finally:
         model.release()
-    await announcing
+    event = await announcing
     announced = time.perf_counter()
     if beside is not None:
-        stats.canary, stats.canary_seconds = await beside.task
-        stats.canary_wait_seconds = beside.waited
+        stats.canary, stats.canary_seconds = await beside
+        stats.canary_wait_seconds = 0.0  # the announcement went out without it
     else:  # computed in the step, before any of the announcement
         stats.canary_wait_seconds = stats.canary_seconds
     metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
+    if stats.canary is not None:  # after the event, which names the weights it vouches for
+        await ctx.send_canary(version, stats.canary, event)
     # the step's record before the checkpoint: a crash after a checkpoint resumes past this
     # step and would never publish it; a crash before one redoes the step, and its record's
     # msg_id makes the second publish a duplicate the stream drops
@@ -306,8 +319,11 @@ class TrainWorker:
         """Announce the first version (again, if it was), then collect the first batch."""
         ctx, start = self.ctx, self.begin
         self.version = start.version
-        event = await ctx.announce(start.version, start.tensors, weights=start.weights, canary=start.canary)
+        event = await ctx.announce(start.version, start.tensors, weights=start.weights,
+                                   canary_follows=start.canary is not None)  # fmt: skip
         log.info("run %s: v%d %s", self.run, start.version, "announced" if event else "was already announced")
+        if start.canary is not None:  # the engine holds exactly the version's weights
+            await ctx.send_canary(start.version, start.canary, event)
         metrics.VERSION.labels(self.run).set(start.version)
         queue = AcceptedQueue(ctx.bus, ctx.cfg, ctx.engine.vocab_size, set(start.trained_ids), list(start.trained_seqs))
         await queue.open()

@@ -807,3 +807,51 @@ async def test_services_read_the_newest_stored_event(server, passwords, run, reg
     finally:
         await reader.close()
         await trainer.close()
+
+
+@pytest.mark.parametrize("user", ["rollout-vllm-0", "rollout-cpu-1"])
+async def test_the_trainer_sends_a_versions_canary_and_every_replica_waits_for_it(
+    server, passwords, run, registry, user
+):
+    """Issue 28: the canary follows its event on `canary.v<N>` (stream CANARIES, created by the
+    registry with the rest): the trainer may publish it, a replica may wait for it (woken by a
+    core subscription, read back by DIRECT.GET) and may not publish one itself."""
+    import asyncio
+
+    from services.trainer.publish import publish_canary
+
+    await streams_ready(server, passwords, run, registry)
+    version = 20 + (user == "rollout-cpu-1")
+    trainer = await connect(server, passwords, "trainer", run, "trainer")
+    reader = await connect(server, passwords, user, run, user)
+    subject = subjects.adapter_canary(run, version)
+    event = msgspec.structs.replace(adapter_event(run, version), canary_follows=True)
+    want = m.Canary(dtype="float32", sequences=[m.CanarySequence(prompt_token_ids=[1], token_ids=[2], logprobs=[-0.3])])
+    try:
+        await trainer.publish(subjects.adapter_ready(run, version), event, msg_id=f"{run}-v{version}")
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            await publish_canary(trainer, event, want)
+
+        sending = asyncio.create_task(later())
+        t0 = time.monotonic()
+        got = await reader.wait_last(streams.CANARIES(run), m.AdapterCanary, subject, timeout=10)
+        assert got is not None and got.canary == want and got.adapter_sha256 == "0" * 64
+        assert time.monotonic() - t0 < 1.5, "read soon after it was stored"
+        await sending
+    finally:
+        await reader.close()
+        await trainer.close()
+    nc, errors = await raw_connect(server, passwords, user)
+    try:
+        await nc.subscribe(subject)  # what wakes `wait_last`: allowed
+        await nc.flush()
+        forged = subjects.adapter_canary(run, version + 10)
+        with pytest.raises(nats.errors.TimeoutError):  # dropped by the server: no PubAck
+            await nc.jetstream().publish(forged, b"{}", timeout=1.0)
+        await wait_until(lambda: errors, what="a permissions violation")
+        assert any("permissions violation for publish" in e.lower() and forged.lower() in e.lower() for e in errors)
+        assert not any("subscription" in e.lower() and subject.lower() in e.lower() for e in errors), errors
+    finally:
+        await nc.close()

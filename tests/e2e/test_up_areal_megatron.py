@@ -206,7 +206,7 @@ def test_areal_megatron_vllm_example_runs_as_it_is(tmp_path, offline_hub):
     assert mismatch is not None and mismatch["steps_measured"] == STEPS, mismatch
     v1 = mismatch["by_version"]["1"]
     assert v1["tokens"] == 2 * 4 * 8 and v1["abs_logprob_diff_max"] < 0.05 and v1["kl_mean"] < 1e-4, mismatch
-    # each version carried the Megatron model's own canary, and the server's load of it passed
+    # each version's canary (the Megatron model's own) followed its event, and the server's load of it passed
     # the replica's check, made while it served (a failed check withdraws and unloads the version)
     canary = summary["canary"]
     assert canary is not None and canary["replica_checks_beside_serving"] == STEPS, canary

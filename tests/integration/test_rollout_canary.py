@@ -1,13 +1,16 @@
 """Issue 28: the load canary on an embedded replica against a real nats-server.
 
 The trainer's half (`services.trainer.canary.reference`, run here on a peft model of each
-version, as the trainer's step would) rides on the event; the replica marks each version loaded
-at once and decodes the same prompts under it while it serves, holding what it generates until
-the check passed. An engine that loads but answers with the base model, or with the wrong alpha,
-or with a corrupted tensor of the right shape, under v2's name is caught: v2 is generated with
-(its canary is slowed here so that grants certainly land on it) yet nothing it generated is
-published; it is withdrawn, reported with the figures, unloaded, and the replica goes on serving
-v1. A healthy version's first output waits for its canary, and is published once it passed.
+version, as the trainer's step would) follows the event as its own message (AdapterCanary), as
+the trainer sends it; the replica marks each version loaded at once, obtains the canary and
+decodes the same prompts under it while it serves, holding what it generates until the check
+passed. An engine that loads but answers with the base model, or with the wrong alpha, or with a
+corrupted tensor of the right shape, under v2's name is caught: v2 is generated with (its canary
+is slowed here so that grants certainly land on it) yet nothing it generated is published; it is
+withdrawn, reported with the figures, unloaded, and the replica goes on serving v1. So is a v2
+whose canary never comes, or vouches for other weights. A healthy version's first output waits
+for its canary (one that comes late, or one carried on the event as older trainers did), and is
+published once it passed.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import torch
 
 from proto import subjects
 from proto.messages import AdapterFailed, AdapterLoaded, AdapterReady, AdapterUnloaded, ObjectPayload
-from services.common import adapter_io
+from services.common import adapter_io, streams
 from services.rollout import metrics
 from services.rollout.canary import TOLERANCE
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.trainer import canary as trainer_canary
+from services.trainer.publish import canary_message, publish_canary
 from tests.fixtures.waiting import wait_until
 from tests.integration.test_rollout_service import EOS, KEEP, SPEC, base, peft_version, start_run  # noqa: F401
 
@@ -84,22 +88,39 @@ class Calls:
 
 
 def publisher(run, base):
-    """`await publish(version, canary_of=None)`: the version's adapter announced with the
-    trainer's canary of adapter `canary_of` (its own by default)."""
+    """`await publish(version, canary_of=None, after=0.0, embedded=False)`: the version's
+    adapter announced saying its canary follows, then (as the trainer does, after the event) the
+    trainer's canary of adapter `canary_of` (its own by default) `after` seconds later; `after`
+    None: never sent. `embedded`: carried on the event instead, as trainers before
+    `canary_follows` did. `sent[version]`: when each canary was published (time.time())."""
     prompt_ids = trainer_canary.prompts(base.config.vocab_size, seed=run.cfg.seed)
+    sending: list[asyncio.Task] = []
+    sent: dict[int, float] = {}
 
-    async def publish(version: int, canary_of: int | None = None) -> None:
+    async def publish(version: int, canary_of: int | None = None, after: float | None = 0.0,
+                      embedded: bool = False) -> None:  # fmt: skip
         data = peft_version(base, seed=50 + version)[1]
         model = peft_version(base, seed=50 + (version if canary_of is None else canary_of))[0]
+        reference = trainer_canary.reference(model, prompt_ids, "float32")
         ref = run.store.put_bytes(f"{run.run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
             run=run.run, trainer_epoch="e0", lora_name="tiny", version=version,
             parent_version=version - 1 if version else None, trainer_step=version, created_at=time.time(), lora=SPEC,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
-            canary=trainer_canary.reference(model, prompt_ids, "float32"),
+            canary=reference if embedded else None, canary_follows=not embedded,
         )  # fmt: skip
         await run.bus.publish(subjects.adapter_ready(run.run, version), ev, msg_id=f"v{version}")
+        if embedded or after is None:
+            return
 
+        async def follow() -> None:
+            await asyncio.sleep(after)
+            await publish_canary(run.bus, ev, reference)
+            sent[version] = time.time()
+
+        sending.append(asyncio.create_task(follow()))
+
+    publish.sent = sent  # type: ignore[attr-defined]
     return publish
 
 
@@ -145,25 +166,31 @@ async def test_a_load_that_does_not_answer_as_the_trainer_is_withdrawn(start_run
         await asyncio.wait_for(task, 30)
 
 
-async def test_a_version_generates_before_its_canary_ends_and_its_output_waits_for_it(start_run, base):
+@pytest.mark.parametrize("flow", ["late-canary", "slow-decode", "embedded"])
+async def test_a_version_generates_before_its_canary_ends_and_its_output_waits_for_it(start_run, base, flow):
+    """`late-canary`: the canary message comes 1.5 s after the event (a trainer still computing
+    it); `slow-decode`: it comes at once and the replica's decode takes 1.5 s; `embedded`: the
+    event carries it (older trainers), decoded slowly."""
     run = await start_run("cw", seed=7, max_new_tokens=3, batch_groups=1)
     rec, publish = run.rec, publisher(run, base)
     engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
-    calls = Calls(engine, slow={2: 1.5})
+    calls = Calls(engine, slow={} if flow == "late-canary" else {2: 1.5})
     service = run.service("cw", engine, reward_fn=lambda prompt, completion, answer: 0.0)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
-        await publish(1)
+        await publish(1, embedded=flow == "embedded")
         await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
-        await publish(2)
+        await publish(2, after=1.5 if flow == "late-canary" else 0.0, embedded=flow == "embedded")
         await wait_until(lambda: rec.of(AdapterLoaded, "cw", version=2), what="v2 marked loaded")
         loaded = rec.of(AdapterLoaded, "cw", version=2)[0]
         await wait_until(lambda: any(t.oldest_version() == 2 for t in rec.trajectories), what="a v2 trajectory")
         end = calls.canary_end(2)
         assert end is not None and loaded.loaded_at < end, "marked loaded before its canary ended"
+        if flow == "late-canary":
+            assert loaded.loaded_at < publish.sent[2] <= end, "marked loaded before its canary came"
         first, _ = min(calls.batches(2))
-        assert first < end - 1.0, "a v2 batch generated while its canary decoded"
+        assert first < end - 1.0, "a v2 batch generated while its canary came or decoded"
         published = [t for t in rec.trajectories if t.oldest_version() == 2]
         assert min(t.finished_at for t in published) >= end, "a v2 trajectory published before its canary passed"
         assert metrics.CANARY_WAIT_SECONDS.labels(run.run, "cw")._sum.get() > 0.5, "the wait is observed"
@@ -172,6 +199,58 @@ async def test_a_version_generates_before_its_canary_ends_and_its_output_waits_f
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+@pytest.mark.parametrize("how", ["never-sent", "other-weights"])
+async def test_a_version_whose_canary_never_comes_or_is_not_its_own_is_withdrawn(start_run, base, how):
+    """v2's event says its canary follows; it never comes within rollout.canary_wait_s (the
+    trainer died before sending it), or the message on its subject names other weights (a
+    canary of another adapter's bytes). v2 serves meanwhile, yet nothing it generated is
+    published: it is withdrawn, reported, unloaded, and the replica goes on with v1."""
+    run = await start_run(f"cn{how[:2]}", seed=9, max_new_tokens=3, batch_groups=1)
+    run.cfg = msgspec.structs.replace(run.cfg, rollout=msgspec.structs.replace(run.cfg.rollout, canary_wait_s=1.5))
+    rec, publish = run.rec, publisher(run, base)
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    calls = Calls(engine, slow={})
+    name = f"n{how[:2]}"
+    service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await publish(1)
+        await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
+        if how == "never-sent":
+            await publish(2, after=None)
+        else:  # a canary bound to other bytes (right version and epoch), sent after the event
+            await publish(2, after=None)
+            ev = await run.bus.last(streams.ADAPTERS(run.run), AdapterReady, subjects.adapter_ready(run.run, 2))
+            other = msgspec.structs.replace(canary_message(ev, canary_of(base, run, 2)), adapter_sha256="0" * 64)
+            await run.bus.publish(subjects.adapter_canary(run.run, 2), other)
+        await wait_until(lambda: rec.of(AdapterLoaded, name, version=2), what="v2 marked loaded")
+        await wait_until(lambda: rec.of(AdapterFailed, name, version=2), what="v2 refused")
+        failed = rec.of(AdapterFailed, name, version=2)
+        assert len(failed) == 1 and not failed[0].will_retry and "withdrawn on this replica" in failed[0].reason
+        if how == "never-sent":
+            assert "none came on" in failed[0].reason and "rollout.canary_wait_s 1.5 s" in failed[0].reason
+        else:
+            assert "is not this event's (adapter_sha256:" in failed[0].reason
+        await wait_until(lambda: rec.of(AdapterUnloaded, name, version=2), what="v2 unloaded once unpinned")
+        assert 2 not in service.adapters.loaded() and 2 not in await engine.loaded_versions()
+        assert calls.canary_end(2) is None, "no canary to decode"
+        if how == "never-sent":
+            assert calls.batches(2), "no grant landed on v2 while it waited for its canary"
+        n = len(rec.trajectories)
+        await wait_until(lambda: len(rec.trajectories) >= n + 2, what="trajectories after the refusal")
+        assert {v for t in rec.trajectories for c in t.completions for v in c.versions} == {1}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def canary_of(base, run, version: int):
+    model = peft_version(base, seed=50 + version)[0]
+    prompt_ids = trainer_canary.prompts(base.config.vocab_size, seed=run.cfg.seed)
+    return trainer_canary.reference(model, prompt_ids, "float32")
 
 
 async def test_the_fast_path_serves_with_both_checks_in_flight_and_both_must_pass(start_run, base):

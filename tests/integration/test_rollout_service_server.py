@@ -46,6 +46,7 @@ from services.rollout.engines.http import AdapterDirs, Http
 from services.rollout.engines.sglang import SglangEngine
 from services.rollout.service import RolloutService
 from services.trainer import canary as trainer_canary
+from services.trainer.publish import publish_canary
 from tests.fixtures.sglang_server import ServerArgs, SglangProtocolServer
 from tests.fixtures.vllm import TINY_MODEL, make_adapter
 from tests.fixtures.waiting import wait_until
@@ -119,6 +120,8 @@ class Run:
         return trainer_canary.reference(model, prompt_ids, "float32")
 
     async def publish(self, version: int, with_canary: bool = False) -> None:
+        """Announce `version`; `with_canary`: its event says the canary follows, and the
+        trainer's canary is published after it, as the trainer does."""
         data, spec = self.adapters[version]
         ref = self.store.put_bytes(f"{self.id}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
@@ -130,9 +133,11 @@ class Run:
             created_at=time.time(),
             lora=spec,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
-            canary=self.canary(version) if with_canary else None,
+            canary_follows=with_canary,
         )
         await self.bus.publish(subjects.adapter_ready(self.id, version), ev, msg_id=f"{self.id}-v{version}")
+        if with_canary:
+            await publish_canary(self.bus, ev, self.canary(version))
 
     def service(self, url: str) -> tuple[SglangEngine, RolloutService]:
         engine = SglangEngine(
@@ -243,8 +248,9 @@ async def test_a_version_the_restarted_server_answers_with_other_weights_is_with
     """Issue 28: the canary after a server restart. Both versions pass their canary on the first
     load (checked while they serve); the server is restarted and comes back answering v1's name
     with the base model (a LoRA request dropped after the restart). The re-load of v0 passes its
-    canary again, checked before the restore reports it; v1's fails: it is reported with the
-    figures, never served again on this replica, which goes on with v0."""
+    canary again (read back from the CANARIES stream: the canaries follow the events), checked
+    before the restore reports it; v1's fails: it is reported with the figures, never served
+    again on this replica, which goes on with v0."""
     run = Run(nats_url, tmp_path, heartbeat_s=0.3)
     run.adapters = {v: make_adapter(rank=8, seed=40 + v, scale=3.0) for v in range(2)}
     await run.start()

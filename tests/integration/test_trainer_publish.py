@@ -66,3 +66,47 @@ async def test_an_announcement_of_the_trainers_next_version_by_someone_else_does
     # and a restarted trainer of the same epoch still announces each version once
     assert await announce(1, 1) is None
     assert isinstance(obj, ObjectPayload)
+
+
+async def test_the_canary_follows_its_event_and_a_replica_waits_for_it(bus, tmp_path):
+    """Issue 28: the event goes out saying its canary follows; a reader waiting on the canary's
+    subject (`Bus.wait_last`) is woken when it is stored, and gets None when it never is. A
+    trainer that died between the two publishes it at restart (`ensure_canary`)."""
+    import asyncio
+
+    from proto.messages import AdapterCanary, Canary, CanarySequence
+    from services.rollout import canary as replica_canary
+    from services.trainer.publish import ensure_canary, publish_canary
+
+    run, store = bus.run, LocalStore(tmp_path / "store")
+    epoch = trainer_epoch(store, run)
+    want = Canary(dtype="float32", sequences=[CanarySequence(prompt_token_ids=[3], token_ids=[4], logprobs=[-0.1])])
+    ev = await publish_adapter(bus, store, run=run, epoch=epoch, lora_name="l", version=0, tensors=tensors(0),
+                               lora=LORA, trainer_step=0, canary_follows=True)  # fmt: skip
+    assert ev is not None and ev.canary_follows and ev.canary is None
+    stream, subject = streams.CANARIES(run), subjects.adapter_canary(run, 0)
+    t0 = time.monotonic()
+    assert await bus.wait_last(stream, AdapterCanary, subject, timeout=0.3) is None
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+
+    async def later() -> None:
+        await asyncio.sleep(0.5)
+        await publish_canary(bus, ev, want)
+
+    sending = asyncio.create_task(later())
+    t0 = time.monotonic()
+    assert await replica_canary.obtain(bus, ev, 10.0) == want
+    assert time.monotonic() - t0 < 1.5, "woken by the publish, not by the end of the wait"
+    await sending
+    stored = await bus.last(stream, AdapterCanary, subject)
+    assert stored is not None and stored.adapter_sha256 == ev.object_payload().sha256  # type: ignore[union-attr]
+    assert not await ensure_canary(bus, run, 0, epoch, want), "stored: not sent again"
+
+    # v1 announced, and the trainer died before its canary: the restart sends it
+    v1 = await publish_adapter(bus, store, run=run, epoch=epoch, lora_name="l", version=1, tensors=tensors(1),
+                               lora=LORA, trainer_step=1, canary_follows=True)  # fmt: skip
+    assert v1 is not None
+    with pytest.raises(replica_canary.CanaryFailed, match="none came on"):
+        await replica_canary.obtain(bus, v1, 0.2)
+    assert await ensure_canary(bus, run, 1, epoch, want)
+    assert await replica_canary.obtain(bus, v1, 0.2) == want

@@ -382,6 +382,9 @@ SGLANG = ("rollout.engine=sglang",)
             ("gconfig.n_samples=1",),
             "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage zero",
         ),
+        # how long a replica waits for a canary that follows its event
+        (("rollout.canary_wait_s=0",), "rollout.canary_wait_s: 0.0 must be in (0, 3600] seconds"),
+        (("rollout.canary_wait_s=7200",), "rollout.canary_wait_s: 7200.0 must be in (0, 3600] seconds"),
         # the embedded engine's slab
         (("rollout.slab_rows=-1",), "rollout.slab_rows: -1 must be >= 0"),
         (("rollout.prefill_chunk=-4",), "rollout.prefill_chunk: -4 must be >= 0"),

@@ -96,3 +96,19 @@ def test_a_replica_serving_in_lower_precision_than_the_trainer_is_judged_by_its_
     assert tolerance(canary, "bfloat16") == TOLERANCE["bfloat16"]
     assert tolerance(m.Canary(dtype="bfloat16", sequences=canary.sequences), "float32") == TOLERANCE["bfloat16"]
     assert pytest.approx(TOLERANCE["float32"]) == 2e-3
+
+
+def test_a_canary_that_follows_its_event_costs_nothing_of_time_to_servable():
+    """Issue 28's last target: the trainer announces without waiting (canary_wait_seconds 0) and
+    the replica checks beside serving; the canary's compute is still reported on its own."""
+    steps = [
+        msgspec.structs.replace(step(v, mismatch=None, trained_at=100.0 * v, canary_s=0.2), canary_wait_seconds=0.0)
+        for v in (1, 2)
+    ]
+    loads = [loaded(1, 100.25, None), loaded(2, 200.35, None)]
+    out = consistency.canary_cost(steps, loads)
+    assert out["trainer_seconds"] == {"n": 2, "mean": 0.2, "max": 0.2}
+    assert out["trainer_wait_seconds"] == {"n": 2, "mean": 0.0, "max": 0.0}
+    assert out["replica_checks_beside_serving"] == 2
+    assert out["fraction_of_time_to_servable"] == {"n": 2, "mean": 0.0, "max": 0.0}
+    assert consistency.lines({"canary": out})[0].startswith("canary: trainer 200.0 ms (waited 0.0 ms), replica checks")

@@ -57,7 +57,7 @@ class SlowAnnounce(runs.Rank0):
     entered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     go: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
-    async def announce(self, version, tensors, *, weights=None, canary=None):
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False):
         self.entered.set()
         await self.go.wait()
         return None

@@ -12,6 +12,7 @@ RUN = "exp-trial_0"
 # One concrete subject of every persisted family, and the stream that must capture it.
 CAPTURED = {
     subjects.adapter_ready(RUN, 7): streams.ADAPTERS(RUN),
+    subjects.adapter_canary(RUN, 7): streams.CANARIES(RUN),
     subjects.rollout_report(RUN, "r0", "heartbeat"): streams.REPORTS(RUN),
     subjects.rollout_report(RUN, "r1", "loaded"): streams.REPORTS(RUN),
     subjects.trajectory(RUN, "r0"): streams.TRAJECTORIES(RUN),
@@ -37,7 +38,7 @@ def test_request_reply_subjects_are_in_no_stream():
 
 def test_streams_do_not_overlap():
     configs = streams.stream_configs(RUN)
-    assert len(configs) == 9
+    assert len(configs) == 10
     for a, b in itertools.combinations(configs, 2):
         for pa, pb in itertools.product(a.subjects, b.subjects):
             assert not streams.subjects_overlap(pa, pb), (a.name, pa, b.name, pb)
