@@ -6,6 +6,8 @@
 # Qwen3-0.6B shape (28 layers), r16 on the seven modules, bf16, 5 steps, vLLM at 30 % of the GPU:
 #   megatron_xccl megatron_disk fsdp_xccl fsdp_disk    Megatron -> vLLM beside FSDP2 -> vLLM
 #   moe_xccl                                           Qwen3-30B-A3B shape, 2 layers, 128 experts
+#   embedded_xccl                                      FSDP2 -> the embedded engine (one replica), the
+#                                                      same run without a server: the canary's share on it
 # The call sequence that ran it (H100, December 2026; 64 MiB a call, the tree's 19 MB included):
 #   1 carry .device/src.tgz (benchmarks/device/snapshot.sh), .device/megatron/part_aa, .device/vllm/part_ad:
 #     any megatron-bridge work (CASES=moe_bf16 bash benchmarks/run_megatron_bridge_gpu.sh, ~130 s)
@@ -33,6 +35,7 @@ for c in "${cases[@]}"; do
     fsdp_xccl) a=(--trainer fsdp --mode xccl) ;;
     fsdp_disk) a=(--trainer fsdp --mode disk) ;;
     # its server took 103 s to start (fused MoE LoRA buffers for 128 experts): a longer run
+    embedded_xccl) a=(--trainer fsdp --mode xccl rollout.engine=embedded rollout.replicas=1) ;;
     moe_xccl) a=(--trainer megatron --mode xccl --shape qwen3-30b-a3b --moe --experts 128 --layers 2 --steps 3) ;;
     *) echo "unknown case $c"; exit 2 ;;
   esac
