@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def leave(engine: TrainEngine) -> int:
+    """0 in one process; over several ranks the process ends in `leave_distributed` (status 0)."""
     if engine.world_size > 1:
         from services.trainer.engines.base import leave_distributed
 

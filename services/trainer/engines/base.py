@@ -8,12 +8,14 @@ Every rank holds one engine and calls the collective methods (`train_step`, `ada
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, NoReturn, Protocol, TypeGuard, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -209,15 +211,29 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def leave_distributed() -> None:
-    """Leave the torchrun group, if this process joined one, once every rank has reached here.
-    Without the barrier a rank that tears gloo down while a peer is still busy (rank 0 saving,
-    say) can abort in C++ (`terminate called without an active exception`, about 1 run in 3
-    on 2 CPUs), and torchrun reports the whole job failed."""
-    if not dist.is_initialized():
-        return
-    dist.barrier()
-    dist.destroy_process_group()
+def leave_distributed() -> NoReturn:
+    """Leave the torchrun group once every rank has reached here, then end this process with
+    status 0, skipping the interpreter's teardown (so it is the last call of a rank's work).
+
+    The barrier keeps a rank from leaving while a peer still needs it in a collective. The
+    exit is `os._exit` because a gloo worker thread releases a finished collective only after
+    the caller's wait has returned, and a barrier also keeps alive the collectives still in
+    flight when it was issued (`AsyncBarrierWork.priorWork`). Their tensors were made in Python,
+    so that release takes the GIL; once `Py_FinalizeEx` has begun, Python 3.11 ends such a
+    thread with `pthread_exit`, whose unwind through the C++ destructor calls std::terminate:
+    "terminate called without an active exception", SIGABRT, and torchrun fails the job (a
+    core dump shows ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject -> take_gil
+    during Py_FinalizeEx; 4 runs in 100 under CPU load). Only the C++ group's destructor joins
+    those threads, and the group outlives `destroy_process_group` (FSDP's modules and device
+    mesh still hold it after the engine is dropped and collected), so the process ends before
+    finalization can start instead."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: LorabusConfig) -> torch.optim.Optimizer:
