@@ -73,7 +73,7 @@ def _config(work: Path, layout: str, world: int):
 
 
 def _worker(layout: str, arch: str, work: Path) -> None:
-    from benchmarks.megatron_bridge_step import cpu_shims, write_hf_checkpoint
+    from benchmarks.megatron_bridge_step import cpu_shims, parse_args, write_hf_checkpoint
 
     cpu_shims()  # typing.override on Python 3.11, before megatron-bridge is imported
     from services.trainer.engines.base import leave_distributed
@@ -81,8 +81,7 @@ def _worker(layout: str, arch: str, work: Path) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if layout == "one":
-        hf = argparse_like(arch)
-        write_hf_checkpoint(work / "hf", hf)
+        write_hf_checkpoint(work / "hf", _hf_args(parse_args, arch))
     t0 = time.perf_counter()
     engine = MegatronEngine(_config(work, layout, world))
     built = time.perf_counter() - t0
@@ -134,11 +133,11 @@ def _batch(step: int, vocab: int) -> list:
     ]
 
 
-def argparse_like(arch: str):
-    """write_hf_checkpoint's arguments: a 4-layer tiny Qwen3 (4 experts when MoE)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(shape="tiny", vocab=0, layers=4, seed=3, moe=arch == "moe", experts=4, dtype="float32")
+def _hf_args(parse_args, arch: str):
+    """write_hf_checkpoint's arguments, through the benchmark's own parser: a 4-layer tiny Qwen3
+    (4 experts when MoE) in float32 on the CPU."""
+    argv = ["--out", "-", "--shape", "tiny", "--layers", "4", "--seed", "3", "--device", "cpu", "--dtype", "float32"]
+    return parse_args(argv + (["--moe", "--experts", "4"] if arch == "moe" else []))
 
 
 def _site_path() -> list[Path]:
