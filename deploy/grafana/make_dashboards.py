@@ -242,6 +242,15 @@ THROUGHPUT = [
         12,
     ),
     (
+        "Runs per trainer step (a fleet's ready runs step together)",
+        "timeseries",
+        "none",
+        [
+            (q50("lorabus_trainer_step_runs"), "p50 {{run}}"),
+        ],
+        12,
+    ),
+    (
         "Trainer tokens/s",
         "timeseries",
         "none",

@@ -7,8 +7,9 @@ weights that never change); the LoRA tensors are fp32 masters whatever the base 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -145,3 +146,30 @@ def lora_spec(
     """The published `LoraSpec` of `model`'s adapter (`engines.base.lora_spec`, the one builder),
     naming the modules peft actually wrapped (all-linear resolved to names)."""
     return engines_base.lora_spec(actor, wrapped_module_names(model, adapter), base_model)
+
+
+@contextlib.contextmanager
+def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[list[str]]]:
+    """While open, each row of a forward through `model` goes through the LoRA of the adapter
+    named for it: the caller sets `route[0]` (the yielded list) to one adapter name per row
+    before each forward, and keeps it until that forward's backward is done (a checkpointed
+    layer runs its forward again then). A row's adapter reaches only that row, and a layer
+    without that adapter leaves the row on the base. peft refuses such mixed batches at the
+    model in training mode; its layers take them, so the names go to each layer directly.
+    `enabled` False: nothing is routed (the active adapter serves every row)."""
+    route: list[list[str]] = [[]]
+    if not enabled:
+        yield route
+        return
+
+    def names(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "adapter_names": route[0]}
+
+    handles = [
+        m.register_forward_pre_hook(names, with_kwargs=True) for m in model.modules() if isinstance(m, LoraLayer)
+    ]
+    try:
+        yield route
+    finally:
+        for handle in handles:
+            handle.remove()

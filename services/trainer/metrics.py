@@ -18,6 +18,13 @@ VERSION = Gauge("lorabus_trainer_version", "Latest adapter version this trainer 
 LOSS = Gauge("lorabus_trainer_loss", "Policy loss of the last step", ["run"])
 REWARD_MEAN = Gauge("lorabus_trainer_reward_mean", "Mean reward of the last step's completions", ["run"])
 STEPS = Counter("lorabus_trainer_steps_total", "Train steps completed", ["run"])
+STEP_RUNS = Histogram(
+    "lorabus_trainer_step_runs",
+    "Runs trained in the same forwards and backwards as this run's step (1: alone; a fleet's ready runs "
+    "step together on the shared base)",
+    ["run"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
 PUBLISH_SECONDS = Histogram(
     "lorabus_trainer_publish_seconds",
     "Time to serialize, upload and announce one adapter version",

@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from proto.messages import Trajectory
 from services.trainer import canary as trainer_canary
-from services.trainer.engines.base import StepStats, TrainEngine, collective_timeout_s
+from services.trainer.engines.base import JointStepFailed, StepStats, TrainEngine, collective_timeout_s, shares_base
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,11 +117,11 @@ class Followers:
             task.cancel()
 
 
-def run_step(
-    engine: TrainEngine,
-    work: Work,
-    into: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]:
+Step = tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]
+"""a run's step as `run_step` returns it: (stats, the new adapter, the optimizer state or None)"""
+
+
+def run_step(engine: TrainEngine, work: Work, into: Mapping[str, torch.Tensor] | None = None) -> Step:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
     optimizer state when the step is checkpointed). `into` (rank 0 under XCCL): where the
     adapter is written (`TrainEngine.adapter_state`). Over several ranks the new version's
@@ -129,7 +129,38 @@ def run_step(
     same place on every rank); one process computes it beside the announcement instead
     (`runs.step`). A step that refused every group made no update: no canary, no adapter ({}),
     no optimizer state (every rank knows it alike)."""
-    stats = engine.train_step(work.groups, head_version=work.version)
+    return _after(engine, work, into, engine.train_step(work.groups, head_version=work.version))
+
+
+def run_steps(members: list[tuple[TrainEngine, Work, Mapping[str, torch.Tensor] | None]]) -> list[Step | Exception]:
+    """Rank 0 of a one-process trainer: `run_step` for the runs of `members` (engine, work,
+    into), several on one shared model in one joint step (`SharedBaseEngine.train_together`);
+    each run's result, or the exception that is its own. A joint step that failed before any
+    update is retried one run at a time, which finds whose batch it was; one that failed after
+    an update is every member's (their optimizers moved, and a retry would train twice)."""
+    if len(members) > 1:
+        lead = members[0][0]
+        if not shares_base(lead):
+            raise ValueError(f"{type(lead).__name__}: several runs in one step need a shared-base engine")
+        try:
+            stats = lead.train_together([(e, w.groups, w.version) for e, w, _ in members])
+        except JointStepFailed as failed:
+            if failed.updated:
+                return [failed] * len(members)
+            log.warning("%s; stepping its %d runs one at a time", failed, len(members))
+        else:
+            return [_guarded(_after, e, w, into, s) for (e, w, into), s in zip(members, stats)]
+    return [_guarded(run_step, e, w, into) for e, w, into in members]
+
+
+def _guarded(fn: Callable[..., Step], *args: Any) -> Step | Exception:
+    try:
+        return fn(*args)
+    except Exception as exc:  # the run's batch on the run's adapter: its fault alone
+        return exc
+
+
+def _after(engine: TrainEngine, work: Work, into: Mapping[str, torch.Tensor] | None, stats: StepStats) -> Step:
     stats.trained_at = time.time()
     if stats.groups == 0:
         return stats, {}, None

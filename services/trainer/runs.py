@@ -26,7 +26,12 @@ step that raises is the run's `RunFault` (`services.common.run_faults`): the sch
 that run and the others go on; what fails after it (the store, the bus) is everyone's and
 raised as it is.
 
-Invariant: a step trains one run's batch on that run's adapter only and publishes and acks in
+Runs that share the model and hold a batch at the same moment step together (`steps`): one
+joint step trains each run's batch on its own adapter in the same forwards and backwards
+(`fsdp2_step`), then each run announces, records, checkpoints and acks alone. A joint step
+that raised before any update is retried one run at a time, so the fault stays the one run's.
+
+Invariant: a step trains each run's batch on that run's adapter only and publishes and acks in
 that run's namespace; each queue reads one run's stream and refuses another run's trajectory.
 """
 
@@ -52,7 +57,7 @@ from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
 from services.trainer.publish import ensure_canary, publish_adapter, publish_canary
-from services.trainer.ranks import Followers, Work, run_step
+from services.trainer.ranks import Followers, Work, run_steps
 from services.trainer.resume import Resume
 
 if TYPE_CHECKING:
@@ -118,57 +123,116 @@ class Rank0:
             await ensure_canary(self.bus, self.cfg.run, version, self.epoch, canary)
 
 
+@dataclass
+class Turn:
+    """One run's batch in a trainer step, and what became of it on the way to publication."""
+
+    ctx: Rank0
+    queue: AcceptedQueue
+    groups: list[Trajectory]
+    version: int
+    """the run's head version; the step publishes the next one (unless it refused every group)"""
+    index: int = 0
+    """the run's step count before this step (its TrainerStep's `step`)"""
+    stats: StepStats | None = None
+    adapter: dict[str, torch.Tensor] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+    """the trajectories trained (a checkpoint's record of them)"""
+    optim: dict | None = None
+    announcing: asyncio.Future[AdapterReady | None] | None = None
+    beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None
+    started: float = 0.0
+
+
 async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int, model: asyncio.Lock) -> int:
-    """One step of `ctx`'s run on `groups` (held by `queue`), in the order the module docstring
-    gives; returns the version it published. `model` (the fleet's shared model) is held for what
-    reads it, the update and the canary, and released before the upload or broadcast ends: the
-    next run's step starts while this one's version is still on its way. The announcement
-    never waits for the canary: it goes out as soon as the version is delivered, and the canary
-    right after it, or as soon as it is computed if that is later."""
-    cfg, engine, bus, followers, run = ctx.cfg, ctx.engine, ctx.bus, ctx.followers, ctx.cfg.run
-    step_index = engine.step
-    work = Work(groups=groups, version=version, save_checkpoint=checkpoint_due(cfg, step_index + 1))
+    """One step of `ctx`'s run on `groups` (held by `queue`); returns the version it published
+    (`steps` of one run; its `RunFault` raised)."""
+    [result] = await steps([Turn(ctx, queue, groups, version)], model)
+    if isinstance(result, RunFault):
+        raise result
+    return result
+
+
+async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
+    """One step of each turn's run on its batch, several runs (on one shared model) trained
+    together (`ranks.run_steps`), in the order the module docstring gives; returns per run the
+    version it published, or its `RunFault` (a step that raised: that run's fault alone; I/O
+    that fails afterwards is everyone's and raised). `model` (the fleet's shared model) is held
+    for what reads it, the update and the canaries, and released before the uploads or
+    broadcasts end: the next step starts while these versions are still on their way. An
+    announcement never waits for its canary: it goes out as soon as the version is delivered,
+    and the canary right after it, or as soon as it is computed if that is later."""
+    works = [
+        Work(groups=t.groups, version=t.version, save_checkpoint=checkpoint_due(t.ctx.cfg, t.ctx.engine.step + 1))
+        for t in turns
+    ]
+    for t in turns:
+        t.index = t.ctx.engine.step
+    results: list[int | RunFault] = []
     await model.acquire()
     try:
-        await asyncio.to_thread(followers.send, work)
+        if len(turns) == 1:  # the other ranks step with it (several runs share one process only)
+            await asyncio.to_thread(turns[0].ctx.followers.send, works[0])
         # under XCCL the adapter is written straight into the sender's free send set
-        into = ctx.sender.fill_views() if ctx.sender is not None else None
-        try:
-            stats, adapter, optim = await asyncio.to_thread(run_step, engine, work, into)
-        except Exception as exc:  # the run's batch on the run's adapter: its fault alone (I/O is raised below)
-            raise RunFault(f"step {step_index} on {len(groups)} groups raised {exc!r}") from exc
-        if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
-            await queue.refuse(stats.refused)
-            metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))
-            log.warning("step %d refused %d of %d groups: %s", step_index, len(stats.refused), len(groups),
-                        next(iter(stats.refused.values())))  # fmt: skip
-        if stats.groups == 0:  # every group refused: no update, so no version
-            record_mismatch(stats, run)
-            return version
-        version += 1
-        t0 = time.perf_counter()
-        ids = [g.trajectory_id for g in groups if g.trajectory_id not in stats.refused]
-        queue.mark_trained()
-        # announced before the checkpoint: under XCCL nothing is serialised before the event. A
-        # crash between the two resumes from an older checkpoint above N (the store has N's
-        # marker), so N never names two adapters.
-        # one process: the canary is computed while the version is stored or broadcast and
-        # announced; over several ranks it was computed in the step (a collective)
-        beside = trainer_canary.beside(engine) if engine.world_size == 1 else None
-        follows = trainer_canary.computes(engine) if beside is not None else stats.canary is not None
-        announcing = asyncio.ensure_future(ctx.announce(version, adapter, canary_follows=follows))
-        if beside is not None:  # the canary reads the model with this run's adapter active
-            await asyncio.wait([beside])
+        members = [(t.ctx.engine, w, t.ctx.sender.fill_views() if t.ctx.sender else None) for t, w in zip(turns, works)]
+        trained = await asyncio.to_thread(run_steps, members)
+        for turn, work, done in zip(turns, works, trained):
+            if isinstance(done, Exception):
+                why = f"step {turn.index} on {len(work.groups)} groups raised {done!r}"
+                results.append(RunFault(why))
+                continue
+            results.append(await _announce(turn, *done))
     finally:
         model.release()
-    event = await announcing
+    await asyncio.gather(*(_finish(t) for t in turns if t.announcing is not None))
+    return results
+
+
+async def _announce(turn: Turn, stats: StepStats, adapter: dict[str, torch.Tensor], optim: dict | None) -> int:
+    """Under the model lock, after the update: the refusals, then the announcement started and
+    the canary computed beside it (it reads the model with this run's adapter active). Returns
+    the run's version now (unchanged when every group was refused)."""
+    ctx, queue, engine, run = turn.ctx, turn.queue, turn.ctx.engine, turn.ctx.cfg.run
+    turn.stats, turn.adapter, turn.optim = stats, adapter, optim
+    if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
+        await queue.refuse(stats.refused)
+        metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))
+        log.warning("step %d refused %d of %d groups: %s", turn.index, len(stats.refused), len(turn.groups),
+                    next(iter(stats.refused.values())))  # fmt: skip
+    if stats.groups == 0:  # every group refused: no update, so no version
+        record_mismatch(stats, run)
+        return turn.version
+    turn.version += 1
+    turn.started = time.perf_counter()
+    turn.ids = [g.trajectory_id for g in turn.groups if g.trajectory_id not in stats.refused]
+    queue.mark_trained()
+    # announced before the checkpoint: under XCCL nothing is serialised before the event. A
+    # crash between the two resumes from an older checkpoint above N (the store has N's
+    # marker), so N never names two adapters.
+    # one process: the canary is computed while the version is stored or broadcast and
+    # announced; over several ranks it was computed in the step (a collective)
+    turn.beside = trainer_canary.beside(engine) if engine.world_size == 1 else None
+    follows = trainer_canary.computes(engine) if turn.beside is not None else stats.canary is not None
+    turn.announcing = asyncio.ensure_future(ctx.announce(turn.version, adapter, canary_follows=follows))
+    if turn.beside is not None:
+        await asyncio.wait([turn.beside])
+    return turn.version
+
+
+async def _finish(turn: Turn) -> None:
+    """After the model lock: the event, the canary after it, the step's record, the checkpoint
+    (if due), the acks."""
+    ctx, bus, queue, run, version = turn.ctx, turn.ctx.bus, turn.queue, turn.ctx.cfg.run, turn.version
+    stats, engine = turn.stats, turn.ctx.engine
+    assert stats is not None and turn.announcing is not None
+    event = await turn.announcing
     announced = time.perf_counter()
-    if beside is not None:
-        stats.canary, stats.canary_seconds = await beside
+    if turn.beside is not None:
+        stats.canary, stats.canary_seconds = await turn.beside
         stats.canary_wait_seconds = 0.0  # the announcement went out without it
     else:  # computed in the step, before any of the announcement
         stats.canary_wait_seconds = stats.canary_seconds
-    metrics.PUBLISH_SECONDS.labels(run).observe(announced - t0)
+    metrics.PUBLISH_SECONDS.labels(run).observe(announced - turn.started)
     if stats.canary is not None:  # after the event, which names the weights it vouches for
         await ctx.send_canary(version, stats.canary, event)
     # the step's record before the checkpoint: a crash after a checkpoint resumes past this
@@ -178,7 +242,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         subjects.trainer_step(run),
         TrainerStep(
             run=run,
-            step=step_index,
+            step=turn.index,
             version=version,
             loss=stats.loss,
             reward_mean=stats.reward_mean,
@@ -192,26 +256,26 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
             canary_wait_seconds=stats.canary_wait_seconds,
             mismatch=stats.mismatch,
         ),
-        msg_id=f"trainer-step-{step_index}",
+        msg_id=f"trainer-step-{turn.index}",
     )
-    if optim is not None:  # gathered by run_step because this step is checkpoint_due
+    if turn.optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(
             checkpoint.save,
-            cfg.actor.checkpoint_dir,
+            ctx.cfg.actor.checkpoint_dir,
             checkpoint.Checkpoint(
                 step=engine.step,
                 version=version,
-                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, adapter),
-                optimizer=optim,
+                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, turn.adapter),
+                optimizer=turn.optim,
                 rng=checkpoint.rng_state(),
-                trained_ids=ids,
+                trained_ids=turn.ids,
                 trained_seqs=list(queue.trained),
             ),
         )
     log.info(
         "v%d announced in %.1f ms; step event and checkpoint %.1f ms after",
         version,
-        (announced - t0) * 1e3,
+        (announced - turn.started) * 1e3,
         (time.perf_counter() - announced) * 1e3,
     )
     await queue.ack_held()
@@ -219,7 +283,7 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs grad_norm %.3g lr %.3g "
         "clip %.3f masked %.3f imp_weight %.3f (max %.2f) %s canary %s",
-        step_index,
+        turn.index,
         version,
         stats.loss,
         stats.reward_mean,
@@ -234,7 +298,6 @@ async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], versi
         describe(stats.mismatch),
         canary_line(stats),
     )
-    return version
 
 
 def canary_line(stats: StepStats) -> str:
@@ -346,14 +409,10 @@ class TrainWorker:
 
     async def train(self, step_index: int) -> None:
         """One step on the batch collected, then collect the next; `step_index`: the trainer's
-        step count (the fair share's tie-break)."""
-        groups, self.batch = self.batch, None
-        assert groups is not None and self.queue is not None  # picked because it holds a batch
-        async with self._busy:
-            self.version = await step(self.ctx, self.queue, groups, self.version, self.model)
-        self.steps += 1
-        self.last_step = step_index
-        self.collect()
+        step count (the fair share's tie-break). Its `RunFault` is raised."""
+        [fault] = await train_together([self], step_index)
+        if fault is not None:
+            raise fault
 
     async def drain(self) -> None:
         """No step after the current one, whose end this waits for."""
@@ -373,6 +432,36 @@ class TrainWorker:
             async with self.model:
                 self.sibling.drop()
         log.info("run %s: closed at v%d (%d steps here)", self.run, self.version, self.steps)
+
+
+async def train_together(workers: list[TrainWorker], step_index: int) -> list[RunFault | None]:
+    """One step of each worker's run on the batch it collected, in one joint step when there
+    are several (runs on one shared model: `steps`), then each collects its next; returns each
+    run's `RunFault`, or None. `step_index`: the trainer's step count (the fair share's
+    tie-break)."""
+    turns = []
+    for w in workers:
+        groups, w.batch = w.batch, None
+        assert groups is not None and w.queue is not None  # picked because it holds a batch
+        turns.append(Turn(w.ctx, w.queue, groups, w.version))
+    if len(workers) > 1:
+        log.info("runs %s step together", ", ".join(w.run for w in workers))
+    async with contextlib.AsyncExitStack() as busy:
+        for w in workers:
+            await busy.enter_async_context(w._busy)
+        results = await steps(turns, workers[0].model)
+    faults: list[RunFault | None] = []
+    for w, result in zip(workers, results):
+        if isinstance(result, RunFault):
+            faults.append(result)
+            continue
+        w.version = result
+        metrics.STEP_RUNS.labels(w.run).observe(len(workers))
+        w.steps += 1
+        w.last_step = step_index
+        w.collect()
+        faults.append(None)
+    return faults
 
 
 async def _cancel(task: asyncio.Task | None) -> None:

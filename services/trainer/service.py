@@ -9,10 +9,12 @@ adapter leaves the model. An engine that cannot share its base (megatron, or fsd
 ranks) serves the own run only, on the same loop.
 
 One loop steps them (`serve`): every run collects its next batch in the background, and among
-the runs holding a full batch the one with the fewest steps per unit of share trains next, ties
-to the one that waited longest (`share.pick` with steps done in place of groups in flight):
-busy runs get trainer steps in proportion to their shares, and a run without a full batch never
-holds the trainer. While no run holds a batch, rank 0 heartbeats the other ranks. A submitted
+the runs holding a full batch the one with the fewest steps per unit of share leads the next
+step, ties to the one that waited longest (`share.pick` with steps done in place of groups in
+flight); on a shared model every other run holding a batch steps with it, in the same forwards
+and backwards (`runs.steps`). A run without a full batch never holds the trainer, and a ready run
+never waits for another's step; the shares are kept where batches are made (the registry
+grants rollout slots by share), so a run's steps follow its share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A submitted
 run whose adapter cannot join the model or whose step raises (`run_faults.RunFault`) is retired
 and reported to the registry, which stops it with the reason; the other runs go on.
 
@@ -44,7 +46,7 @@ from services.trainer.engines.base import TrainEngine, shares_base
 from services.trainer.publish import trainer_epoch
 from services.trainer.ranks import Followers
 from services.trainer.resume import Resume, highest_stored_version, resume
-from services.trainer.runs import Rank0, TrainWorker
+from services.trainer.runs import Rank0, TrainWorker, train_together
 
 if TYPE_CHECKING:
     from services.common.store import ObjectStore
@@ -88,15 +90,21 @@ async def sender_for(cfg: LorabusConfig, engine: TrainEngine) -> AsyncIterator[X
             await asyncio.to_thread(sender.close)
 
 
-def next_run(workers: Iterable[TrainWorker]) -> TrainWorker | None:
-    """The run to train next: a ready one with the fewest steps per share (`share.pick`)."""
+def next_runs(workers: Iterable[TrainWorker]) -> list[TrainWorker]:
+    """The runs to train next: the ready one with the fewest steps per share (`share.pick`)
+    first, then, on an engine whose runs share its model, every other ready run with it (one
+    joint step costs little more than one run's, and a ready run never waits for the trainer);
+    empty when none is ready."""
     ready = {w.run: w for w in workers if w.batch and not w.done}
     loads = [
         share.RunLoad(run=w.run, share=w.ctx.cfg.fleet.share, running=w.steps, ready=True, last_grant=w.last_step)
         for w in ready.values()
     ]
     chosen = share.pick(loads)
-    return None if chosen is None else ready[chosen]
+    if chosen is None:
+        return []
+    lead = ready.pop(chosen)
+    return [lead, *ready.values()] if shares_base(lead.ctx.engine) else [lead]
 
 
 async def _woken(wake: asyncio.Event, stop: asyncio.Event) -> None:
@@ -118,18 +126,17 @@ async def serve(host: RunHost[TrainWorker], followers: Followers, stop: asyncio.
         if own.done and len(host.workers) == 1:
             break
         host.changed.clear()  # before looking: a batch that lands meanwhile sets it again
-        worker = next_run(host.workers.values())
-        if worker is None:
+        team = next_runs(host.workers.values())
+        if not team:
             await followers.heartbeat_while(_woken(host.changed, stop))
             continue
-        try:
-            await worker.train(steps)
-        except RunFault as fault:
+        for worker, fault in zip(team, await train_together(team, steps)):
+            if fault is None:
+                continue
             if worker is own:  # its engine holds the base: a restart, as a single-run trainer's
-                raise
+                raise fault
             worker.ending = True  # retired above on the next turn, whatever the registry answers
             await run_faults.report(host.bus, host.fleet, worker.run, "trainer", fault)
-            continue
         steps += 1
     return own.version
 

@@ -182,12 +182,12 @@ class Announcing(runs.Rank0):
 
 
 async def test_the_step_announces_before_its_canary_is_computed_and_sends_it_after(monkeypatch):
-    def run_step(engine, work, into):
+    def run_steps(members):
         stats = StepStats(step=0, loss=0.0, reward_mean=0.5, groups=2, tokens=10, grad_norm=0.0, lr=1e-4,
                           step_seconds=0.1, trained_at=time.time())  # fmt: skip
-        return stats, {}, None
+        return [(stats, {}, None)]
 
-    monkeypatch.setattr(runs, "run_step", run_step)
+    monkeypatch.setattr(runs, "run_steps", run_steps)
     engine, bus = CanaryEngine(), StoredBus()
     cfg = load_config("examples/tiny.yaml", [])
     ctx = Announcing(cfg, engine, bus, None, asyncio.Event(), Followers(), None, "e0")  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
-"""`runs.step` holds the fleet's shared model for the update and the canary only: the next run's
+"""`runs.steps` holds the fleet's shared model for the update and the canary only: the next run's
 step may start while this one's version is still being stored or broadcast, and never while
-the model is being read."""
+the model is being read. A joint step publishes each run on its own and faults only the run
+that failed; the scheduler steps every ready run of a shared model with the one the share picks."""
 
 from __future__ import annotations
 
@@ -68,14 +69,14 @@ async def test_the_model_is_free_while_the_version_is_on_its_way(monkeypatch):
     model = asyncio.Lock()
     held_during_update: list[bool] = []
 
-    def run_step(engine, work, into):
+    def run_steps(members):
         assert threading.current_thread() is not threading.main_thread()
         held_during_update.append(model.locked())
         stats = StepStats(step=0, loss=0.0, reward_mean=0.5, groups=2, tokens=10, grad_norm=0.0, lr=1e-4,
                           step_seconds=0.1, trained_at=1.0)  # fmt: skip
-        return stats, {}, None
+        return [(stats, {}, None)]
 
-    monkeypatch.setattr(runs, "run_step", run_step)
+    monkeypatch.setattr(runs, "run_steps", run_steps)
     cfg = load_config("examples/tiny.yaml", [])
     bus, queue = Bus(), Queue()
     ctx = SlowAnnounce(cfg, Engine(), bus, None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
@@ -94,13 +95,57 @@ async def test_the_model_is_free_while_the_version_is_on_its_way(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_a_failed_update_gives_the_model_back(monkeypatch):
-    def run_step(engine, work, into):
-        raise RuntimeError("CUDA error: an illegal memory access")
+    def run_steps(members):  # ranks.run_steps hands each run's exception back
+        return [RuntimeError("CUDA error: an illegal memory access")]
 
-    monkeypatch.setattr(runs, "run_step", run_step)
+    monkeypatch.setattr(runs, "run_steps", run_steps)
     model = asyncio.Lock()
     ctx = SlowAnnounce(load_config("examples/tiny.yaml", []), Engine(), Bus(), None, asyncio.Event(), Followers(),
                        None, "epoch")  # type: ignore[arg-type]  # fmt: skip
     with pytest.raises(runs.RunFault, match="illegal memory access"):
         await runs.step(ctx, Queue(), [], 3, model)  # type: ignore[arg-type]
     assert not model.locked()
+
+
+@pytest.mark.asyncio
+async def test_a_joint_step_publishes_each_run_and_faults_only_the_one_that_failed(monkeypatch):
+    def run_steps(members):
+        assert len(members) == 2
+        stats = StepStats(step=0, loss=0.0, reward_mean=0.5, groups=2, tokens=10, grad_norm=0.0, lr=1e-4,
+                          step_seconds=0.1, trained_at=1.0)  # fmt: skip
+        return [(stats, {}, None), RuntimeError("trajectory t1: token id 99999 >= the model's vocab size")]
+
+    monkeypatch.setattr(runs, "run_steps", run_steps)
+    model = asyncio.Lock()
+    cfg = load_config("examples/tiny.yaml", [])
+    turns, queues, buses = [], [], []
+    for _ in range(2):
+        bus, queue = Bus(), Queue()
+        ctx = SlowAnnounce(cfg, Engine(), bus, None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
+        ctx.go.set()
+        turns.append(runs.Turn(ctx, queue, [], 3))  # type: ignore[arg-type]
+        queues.append(queue)
+        buses.append(bus)
+    first, second = await asyncio.wait_for(runs.steps(turns, model), 10)
+    assert first == 4 and queues[0].acked and buses[0].published[0].version == 4
+    assert isinstance(second, runs.RunFault) and "token id 99999" in str(second)
+    assert not queues[1].acked and not buses[1].published and not model.locked()
+
+
+class Worker:
+    def __init__(self, run: str, steps: int, *, ready: bool = True, engine=None):
+        self.run, self.steps, self.last_step, self.done = run, steps, -1, False
+        self.batch = ["g"] if ready else None
+        cfg = load_config("examples/tiny.yaml", [])
+        self.ctx = runs.Rank0(cfg, engine or Engine(), None, None, None, None, None, "")  # type: ignore[arg-type]
+
+
+def test_every_ready_run_on_a_shared_model_steps_with_the_one_the_share_picks(monkeypatch):
+    from services.trainer import service
+
+    monkeypatch.setattr(service, "shares_base", lambda engine: True)
+    workers = [Worker("a", 5), Worker("b", 1), Worker("c", 0, ready=False), Worker("d", 3)]
+    assert [w.run for w in service.next_runs(workers)] == ["b", "a", "d"]
+    monkeypatch.setattr(service, "shares_base", lambda engine: False)
+    assert [w.run for w in service.next_runs(workers)] == ["b"]
+    assert service.next_runs([Worker("c", 0, ready=False)]) == []

@@ -112,7 +112,7 @@ def test_a_runs_export_loads_in_peft_and_matches_the_shared_model(engines, tmp_p
     adapter_io.write_peft_dir(tmp_path, adapter_io.to_bytes(b.adapter_state()), b.lora_spec())
     alone = PeftModel.from_pretrained(tiny_qwen2(), tmp_path).eval()
     ids = torch.tensor([[3, 4, 5, 6, 7]])
-    b._activate()
+    b.activate()
     with torch.no_grad():
         shared = b.model(input_ids=ids).logits
         expected = alone(input_ids=ids).logits

@@ -161,6 +161,16 @@ class CanaryEngine(Protocol):
         ...
 
 
+class JointStepFailed(RuntimeError):
+    """A joint step (`SharedBaseEngine.train_together`) raised. `updated`: whether any run's
+    optimizer had stepped by then (if not, each run can be stepped alone to find whose batch it
+    was; if so, their states moved)."""
+
+    def __init__(self, message: str, *, updated: bool):
+        super().__init__(message)
+        self.updated = updated
+
+
 @runtime_checkable
 class SharedBaseEngine(TrainEngine, Protocol):
     """An engine other runs can join: one base model, one adapter per run (docs/multi-run.md).
@@ -173,6 +183,12 @@ class SharedBaseEngine(TrainEngine, Protocol):
 
     def drop(self) -> None:
         """Take this engine's adapter off the shared model (a sibling whose run ended)."""
+        ...
+
+    def train_together(self, batches: list[tuple[Any, list[Trajectory], int]]) -> list[StepStats]:
+        """One train step for each (engine, groups, head version) of `batches`: engines of
+        distinct runs on this engine's model, stepped in the same forwards and backwards, each
+        run's update its solo step's; the stats in that order. Raises `JointStepFailed`."""
         ...
 
 

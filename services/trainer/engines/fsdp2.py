@@ -10,7 +10,6 @@ gradients, which the loss compensates for so that the update equals the single-p
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,17 +19,11 @@ from torch import nn
 from proto.messages import Canary, LoraSpec, Trajectory
 from services.common.models import resolve_device
 from services.config.schema import LorabusConfig
-from services.trainer import batching, mismatch, precision, startup
 from services.trainer import canary as trainer_canary
-from services.trainer.engines.base import (
-    StepStats,
-    init_distributed,
-    make_optimizer,
-    step_stats,
-    summed_over_ranks,
-)
+from services.trainer import precision, startup
+from services.trainer.engines import fsdp2_step
+from services.trainer.engines.base import StepStats, init_distributed, make_optimizer
 from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, wrap_lora
-from services.trainer.loss import LossStats, decoupled_ppo_loss
 from services.trainer.schedule import make_scheduler
 
 if TYPE_CHECKING:
@@ -50,11 +43,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             "HF decoder-only models (Llama/Qwen/Mistral layout)"
         )
     return list(layers)
-
-
-def _scalar(t: torch.Tensor) -> float:
-    full = getattr(t, "full_tensor", None)
-    return float(full() if full is not None else t)
 
 
 _SHARED = ("device", "rank", "world_size", "pad_id", "dtype", "vocab_size", "model")
@@ -144,7 +132,7 @@ class FSDP2Engine:
         self.model.delete_adapter(self.adapter)
         self.params, self.optimizer = [], None  # type: ignore[assignment]
 
-    def _activate(self) -> None:
+    def activate(self) -> None:
         # peft runs (and trains) only the active adapter; with one adapter it always is
         if len(self.model.peft_config) > 1 and self.model.active_adapter != self.adapter:
             self.model.set_adapter(self.adapter)
@@ -158,53 +146,7 @@ class FSDP2Engine:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
-    # --- forward -------------------------------------------------------------------------
-
-    def logprobs(self, mb: batching.MicroBatch) -> torch.Tensor:
-        """log pi(target) for the micro-batch's target columns, with the rollout's sampling
-        temperature applied to the logits."""
-        with precision.forward_context(self.device, self.dtype):
-            out = self.model(
-                input_ids=mb.input_ids.to(self.device),
-                attention_mask=mb.attention_mask.to(self.device),
-                logits_to_keep=mb.logits_to_keep,
-                use_cache=False,
-            )
-        # log-softmax in fp32, outside autocast
-        logits = out.logits[:, :-1].float() / self.temperature
-        targets = mb.targets.to(self.device).unsqueeze(-1)
-        return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
     # --- the step ------------------------------------------------------------------------
-
-    def _scored(
-        self, groups: list[Trajectory], head_version: int, n_minibatches: int
-    ) -> tuple[list[list[batching.MicroBatch]], list[list[torch.Tensor]], mismatch.Tally]:
-        """This rank's micro-batches of `groups` per minibatch, their proximal logprobs (no grad)
-        and the mismatch tally of the whole batch (summed over the ranks)."""
-        ppo = self.actor.ppo
-        samples = batching.to_samples(groups, ppo)
-        if not samples:
-            raise ValueError("train_step: every completion in the batch is empty")
-        minibatches = batching.split_minibatches(samples, n_minibatches, token_level=ppo.token_level_loss)
-        plans = [
-            [
-                batching.collate(mb, self.pad_id)
-                for mb in batching.plan_micro_batches(
-                    minibatch, self.rank, self.world_size, self.actor.mb_spec_max_tokens
-                )
-            ]
-            for minibatch in minibatches
-        ]
-        tally = mismatch.Tally.empty(len(groups))
-        with torch.no_grad():
-            prox = [[self.logprobs(mb) for mb in plan] for plan in plans]
-        for plan, plan_prox in zip(plans, prox):
-            for mb, mb_prox in zip(plan, plan_prox):
-                tally.add(mb, mb_prox, head_version)
-        if self.world_size > 1:
-            tally.all_reduce(device=self.device)
-        return plans, prox, tally
 
     def train_step(self, groups: list[Trajectory], head_version: int) -> StepStats:
         """One train step on `groups` (every rank passes the same batch): proximal logprobs
@@ -212,75 +154,17 @@ class FSDP2Engine:
         version being trained (for staleness = head_version - token version). Groups beyond
         `actor.max_train_infer_kl` are left out before any update (`StepStats.refused`); when
         none is left, the step makes no update (`groups` 0)."""
-        t0 = time.perf_counter()
-        self._activate()
-        ppo = self.actor.ppo
-        plans, prox, tally = self._scored(groups, head_version, ppo.ppo_n_minibatches)
-        beyond = tally.beyond(self.actor.max_train_infer_kl)
-        report, group_kl = tally.report(refused=len(beyond)), tally.group_kl().tolist()
-        refused = {groups[i].trajectory_id: why for i, why in beyond.items()}
-        if beyond:
-            groups = [g for i, g in enumerate(groups) if i not in beyond]
-            kept = sum(1 for g in groups for c in g.completions if c.token_ids)
-            if kept == 0:
-                return StepStats(step=self.step - 1, loss=0.0, reward_mean=0.0, groups=0, tokens=0, grad_norm=0.0,
-                                 lr=float(self.scheduler.get_last_lr()[0]), step_seconds=time.perf_counter() - t0,
-                                 mismatch=report, refused=refused, group_kl=group_kl)  # fmt: skip
-            # fewer completions may not fill every minibatch the config asks for
-            plans, prox, _ = self._scored(groups, head_version, min(ppo.ppo_n_minibatches, kept))
+        return fsdp2_step.train([fsdp2_step.RunBatch(self, groups, head_version)])[0]
 
-        # FSDP2 averages gradients over ranks; the loss weights already divide by the whole
-        # batch's token count, so undo the average.
-        scale = float(self.world_size)
-        stats = LossStats()
-        loss_total = 0.0
-        grad_norm = 0.0
-        for plan, plan_prox in zip(plans, prox):
-            self.optimizer.zero_grad(set_to_none=True)
-            for mb, mb_prox in zip(plan, plan_prox):
-                lp = self.logprobs(mb)
-                weights = mb.loss_weights.to(self.device)
-                loss, mb_stats = decoupled_ppo_loss(
-                    lp,
-                    mb_prox,
-                    mb.behave_logprobs.to(self.device),
-                    mb.advantages.to(self.device),
-                    weights,
-                    eps_clip=ppo.eps_clip,
-                    eps_clip_higher=ppo.eps_clip_higher,
-                    imp_weight_cap=ppo.behav_imp_weight_cap,
-                    imp_weight_mode=ppo.behav_imp_weight_mode,
-                    use_decoupled_loss=ppo.use_decoupled_loss,
-                    staleness=(head_version - mb.versions).clamp(min=0).to(self.device).float(),
-                )
-                (loss * scale).backward()
-                loss_total += loss.item()
-                stats = stats + mb_stats
-            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.params, self.actor.optimizer.gradient_clipping))
-            self.optimizer.step()
-        lr = float(self.scheduler.get_last_lr()[0])  # the LR this step ran with
-        self.scheduler.step()
-        self.step += 1
-
-        if self.world_size > 1:
-            stats, loss_total = summed_over_ranks(stats, loss_total)
-        result = step_stats(
-            groups,
-            step=self.step - 1,
-            updates=len(plans),
-            loss_total=loss_total,
-            stats=stats,
-            grad_norm=grad_norm,
-            lr=lr,
-            started=t0,
-        )
-        result.mismatch, result.refused, result.group_kl = report, refused, group_kl
-        return result
+    def train_together(self, batches: list[tuple[FSDP2Engine, list[Trajectory], int]]) -> list[StepStats]:
+        """One train step for each (engine, groups, head version) of `batches`: this engine and
+        its siblings, in the same forwards and backwards (`fsdp2_step`); stats in that order."""
+        return fsdp2_step.train([fsdp2_step.RunBatch(e, g, v) for e, g, v in batches])
 
     def canary(self) -> Canary:
         """The adapter now in the model on the run's canary prompts, in the serving dtype
         (autocast, as the step's forwards), dropout off; collective under FSDP2."""
-        self._activate()
+        self.activate()
         prompt_ids = trainer_canary.prompts(self.vocab_size, seed=self.actor.seed)
         training = self.model.training
         self.model.eval()
@@ -342,7 +226,7 @@ class FSDP2Engine:
         # peft trains (requires_grad) the active adapter only, and torch builds the optimizer
         # state it loads into from trainable parameters: a sibling resuming while another run's
         # adapter is active found none ("Expected device to be set")
-        self._activate()
+        self.activate()
         # one scatter per tensor under FSDP2: every rank must go in the same (the model's)
         # order, and a dict read from safetensors is not ordered the same in every process
         set_model_state_dict(self.model, {name: adapter[key] for key, name in names.items()}, options=options)

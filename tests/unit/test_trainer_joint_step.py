@@ -1,0 +1,207 @@
+"""Several runs' batches in one step (`fsdp2_step`): each run's update equals its solo step's,
+with different ranks, targets, temperatures, minibatches, micro-batch budgets and refusals;
+the adapters' trainable flags come back; a failure before any update says so."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+
+from proto.messages import Completion, Trajectory
+from services.config.schema import LorabusConfig
+from services.trainer import ranks
+from services.trainer.engines.base import JointStepFailed
+from services.trainer.engines.fsdp2 import FSDP2Engine
+from tests.fixtures.tiny import tiny_qwen2
+
+
+def config(run: str, rank: int, targets: list[str], **actor) -> LorabusConfig:
+    temperature = actor.pop("temperature", 1.0)
+    return msgspec.convert(
+        {
+            "run": run,
+            "total_train_steps": 10,
+            "gconfig": {"n_samples": 3, "temperature": temperature, "lora_name": run},
+            "actor": {
+                "path": "tiny",
+                "device": "cpu",
+                "lora_rank": rank,
+                "lora_alpha": 2.0 * rank,
+                "target_modules": targets,
+                "optimizer": {"lr": 0.05},
+                **actor,
+            },
+        },
+        LorabusConfig,
+    )
+
+
+CONFIGS = [
+    config("a", 8, ["all-linear"]),
+    config("b", 4, ["q_proj", "v_proj"], temperature=0.7, ppo={"ppo_n_minibatches": 2}),
+    config("c", 2, ["down_proj"], mb_spec_max_tokens=16, optimizer={"lr": 0.02, "type": "sgd"}),
+]
+
+
+def fleet(configs=CONFIGS, **base) -> list[FSDP2Engine]:
+    first = FSDP2Engine(configs[0], base=tiny_qwen2(), **base)
+    return [first] + [first.sibling(c, c.run) for c in configs[1:]]
+
+
+def batch(run: str, seed: int, *, logprob: float = -4.5, far: int | None = None) -> list[Trajectory]:
+    """Two groups of three; `far`: that group's behaviour logprobs far from any policy's."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for i in range(2):
+        completions = [
+            Completion(
+                token_ids=[int(t) for t in torch.randint(2, 90, (3 + k + i,), generator=g)],
+                logprobs=[0.0 if i == far else logprob] * (3 + k + i),
+                versions=[0] * (3 + k + i),
+                reward=float(k),
+            )
+            for k in range(3)
+        ]
+        groups.append(
+            Trajectory(
+                run=run,
+                trajectory_id=f"{run}-{seed}-{i}",
+                grant_id="g",
+                replica="r",
+                prompt_id="p",
+                prompt_token_ids=[3, 4, 5 + i, 6][: 2 + i + 1],
+                completions=completions,
+                started_at=time.time(),
+                finished_at=time.time(),
+            )  # fmt: skip
+        )
+    return groups
+
+
+def states(engines: list[FSDP2Engine]) -> list[dict[str, torch.Tensor]]:
+    return [e.adapter_state() for e in engines]
+
+
+def assert_same(alone: list[dict[str, torch.Tensor]], together: list[dict[str, torch.Tensor]]) -> None:
+    for run, (x, y) in zip("abc", zip(alone, together)):
+        assert x.keys() == y.keys(), run
+        for key in x:
+            assert torch.allclose(x[key], y[key], atol=2e-6, rtol=1e-5), (run, key, (x[key] - y[key]).abs().max())
+
+
+def test_each_runs_update_in_a_joint_step_is_its_solo_update():
+    solo, joint = fleet(), fleet()
+    start = states(solo)
+    assert_same(start, states(joint))
+    for step in range(2):
+        batches = [batch(e.adapter if e.adapter != "default" else "a", 10 * step + i) for i, e in enumerate(solo)]
+        alone = [e.train_step(b, head_version=step) for e, b in zip(solo, batches)]
+        together = joint[1].train_together([(e, b, step) for e, b in zip(joint, batches)])
+        for x, y in zip(alone, together):
+            assert (x.step, x.groups, x.tokens) == (y.step, y.groups, y.tokens)
+            assert x.loss == pytest.approx(y.loss, abs=1e-6) and x.grad_norm == pytest.approx(y.grad_norm, rel=1e-5)
+            assert x.lr == y.lr and x.mismatch == y.mismatch
+    assert_same(states(solo), states(joint))
+    assert all(not torch.equal(a[k], b[k]) for a, b in zip(start, states(joint)) for k in list(a)[:1])
+    assert [e.step for e in joint] == [2, 2, 2]
+
+
+def test_a_run_left_out_of_a_joint_step_does_not_move():
+    engines = fleet()
+    before = states(engines)
+    engines[0].train_together([(engines[0], batch("a", 1), 0), (engines[2], batch("c", 2), 0)])
+    after = states(engines)
+    assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+    assert engines[1].step == 0 and engines[0].step == engines[2].step == 1
+
+
+def test_the_adapters_trainable_flags_come_back_after_a_joint_step():
+    engines = fleet()
+    engines[1].activate()
+    flags = [[p.requires_grad for p in e.params] for e in engines]
+    engines[0].train_together([(e, batch("x", i), 0) for i, e in enumerate(engines)])
+    assert [[p.requires_grad for p in e.params] for e in engines] == flags
+    assert flags[1] == [True] * len(flags[1]) and not any(flags[0])
+
+
+def test_refusals_in_a_joint_step_are_each_runs_own():
+    cfgs = [config("a", 8, ["all-linear"], max_train_infer_kl=0.5), CONFIGS[1], CONFIGS[2]]
+    solo, joint = fleet(cfgs), fleet(cfgs)
+    batches = [batch("a", 1, far=1), batch("b", 2), batch("c", 3)]
+    alone = [e.train_step(b, head_version=0) for e, b in zip(solo, batches)]
+    together = joint[0].train_together([(e, b, 0) for e, b in zip(joint, batches)])
+    assert list(alone[0].refused) == list(together[0].refused) == ["a-1-1"]
+    assert not together[1].refused and not together[2].refused
+    assert [s.groups for s in together] == [1, 2, 2]
+    assert alone[0].mismatch == together[0].mismatch
+    assert_same(states(solo), states(joint))
+
+
+def test_a_run_whose_every_group_is_refused_makes_no_update_while_the_others_do():
+    cfgs = [config("a", 8, ["all-linear"], max_train_infer_kl=0.5), CONFIGS[1]]
+    engines = fleet(cfgs)
+    before = states(engines)
+    a_batch = [g for i, g in enumerate(batch("a", 1, far=0) + batch("a", 2, far=1)) if i in (0, 3)]
+    stats = engines[0].train_together([(engines[0], a_batch, 0), (engines[1], batch("b", 2), 0)])
+    assert stats[0].groups == 0 and len(stats[0].refused) == 2 and engines[0].step == 0
+    assert stats[1].groups == 2 and engines[1].step == 1
+    assert all(torch.equal(before[0][k], t) for k, t in engines[0].adapter_state().items())
+
+
+def test_gradient_checkpointing_routes_the_recomputed_forward_too():
+    cfgs = [config(c.run, c.actor.lora_rank, list(c.actor.target_modules), gradient_checkpointing=True)
+            for c in CONFIGS]  # fmt: skip
+    solo, joint = fleet(cfgs), fleet(cfgs)
+    batches = [batch("a", 1), batch("b", 2), batch("c", 3)]
+    for e, b in zip(solo, batches):
+        e.train_step(b, head_version=0)
+    joint[0].train_together([(e, b, 0) for e, b in zip(joint, batches)])
+    assert_same(states(solo), states(joint))
+
+
+def test_a_joint_step_that_fails_before_any_update_says_so():
+    engines = fleet()
+    bad = batch("b", 2)
+    bad[0].completions[0].token_ids[0] = 10_000  # beyond the tiny model's vocabulary
+    before = states(engines)
+    with pytest.raises(JointStepFailed) as failed:
+        engines[0].train_together([(engines[0], batch("a", 1), 0), (engines[1], bad, 0)])
+    assert failed.value.updated is False
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(before, states(engines)) for k in x)
+
+
+def test_a_joint_step_refuses_runs_that_do_not_share_the_model():
+    a, other = fleet()[0], fleet()[1]
+    with pytest.raises(ValueError, match="distinct runs on one shared model"):
+        a.train_together([(a, batch("a", 1), 0), (other, batch("b", 1), 0)])
+    with pytest.raises(ValueError, match="distinct runs on one shared model"):
+        a.train_together([(a, batch("a", 1), 0), (a, batch("a", 2), 0)])
+
+
+def test_run_steps_finds_the_failing_run_of_a_joint_step_and_steps_the_others():
+    solo, joint = fleet(), fleet()
+    bad = batch("b", 2)
+    bad[0].completions[0].token_ids[0] = 10_000
+    batches = [batch("a", 1), bad, batch("c", 3)]
+    for e, b in zip(solo[::2], batches[::2]):
+        e.train_step(b, head_version=0)
+    results = ranks.run_steps([(e, ranks.Work(b, 0, save_checkpoint=False), None) for e, b in zip(joint, batches)])
+    assert isinstance(results[1], IndexError) and joint[1].step == 0
+    assert all(isinstance(r, tuple) for r in results[::2])
+    assert_same(states(solo)[::2], states(joint)[::2])
+    assert_same([states(solo)[0]], [results[0][1]])  # type: ignore[index]
+
+
+def test_a_joint_step_that_fails_after_an_update_is_every_runs_fault():
+    engines = fleet()
+
+    def broken(*_):
+        raise RuntimeError("CUDA error: out of memory")
+
+    engines[2].optimizer.register_step_post_hook(broken)
+    batches = [batch("a", 1), batch("b", 2), batch("c", 3)]
+    results = ranks.run_steps([(e, ranks.Work(b, 0, save_checkpoint=False), None) for e, b in zip(engines, batches)])
+    assert all(isinstance(r, JointStepFailed) and r.updated for r in results)
