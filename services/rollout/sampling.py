@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention, fused_norm, rope_kernel, sample_kernel
+from services.rollout import decode_attention, fused_norm, kv_write, rope_kernel, sample_kernel
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ class DecodeGraphs:
     `grouped_attention` (default) switches the model to `decode_attention`, whose one-token step
     reads the cache without repeating K/V per query head; `fused_norms` (default) puts
     `fused_norm.RMSNorm` in place of the model's equal RMSNorms. False keeps the model's own.
+    `fused_kv_write` (default) writes each layer's keys and values into the cache with
+    `kv_write`'s kernel where Triton runs (a cache of this object's, not a change to the model).
     """
 
     def __init__(
@@ -169,6 +171,7 @@ class DecodeGraphs:
         grouped_attention: bool = True,
         fused_norms: bool = True,
         fused_rope: bool = True,
+        fused_kv_write: bool = True,
     ):
         reason = static_unsupported(model)
         if reason:
@@ -180,6 +183,7 @@ class DecodeGraphs:
         self.capture = capture
         self.max_states = max_states
         self.length_multiple = length_multiple
+        self.fused_kv_write = fused_kv_write
         self.captures = 0
         """graphs captured so far (for tests and metrics)"""
         self._idle: list[_State] = []
@@ -189,7 +193,7 @@ class DecodeGraphs:
         for i, state in enumerate(self._idle):
             if state.key == (batch, length):
                 return self._idle.pop(i)
-        return _State(self.model, batch, length)
+        return _State(self.model, batch, length, fused_kv_write=self.fused_kv_write)
 
     def release(self, state: _State) -> None:
         self._idle.append(state)
@@ -224,10 +228,12 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
 
 
 class _State:
-    def __init__(self, model: PreTrainedModel, batch: int, length: int):
+    def __init__(self, model: PreTrainedModel, batch: int, length: int, fused_kv_write: bool = False):
         device = next(model.parameters()).device
         self.key = (batch, length)
-        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        # where the kernel cannot run (CPU) transformers' own cache, unchanged
+        fused = fused_kv_write and kv_write.available(device)
+        self.cache = (kv_write.FusedStaticCache if fused else StaticCache)(config=model.config, max_cache_len=length)
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((batch, 1, 1, length), dtype=model.dtype, device=device)

@@ -14,6 +14,8 @@ past them is read (the mask hides it), so a freed row is reused without clearing
 
 It offers what transformers' attention layers call (`update`), which is all a forward needs when
 it is given position ids and a 4D mask (both versions in use: 5.17 on the GPU image, 5.2x here).
+A decode step's write is one `kv_write` kernel per layer where Triton runs (`fused_kv_write`),
+the two index assignments of torch elsewhere.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from services.rollout import kv_write
+
 
 class SlabCache:
-    def __init__(self, config: PretrainedConfig, rows: int, length: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rows: int,
+        length: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        fused_kv_write: bool = True,
+    ):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (rows, kv_heads, length, head_dim)
@@ -35,6 +47,7 @@ class SlabCache:
         self._all_rows = torch.arange(rows, device=device)
         self._row: int | None = None
         self._start = 0
+        self.fused_kv_write = fused_kv_write
 
     # --- what the model's layers call ---
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -45,8 +58,9 @@ class SlabCache:
             values[self._row, :, self._start : end] = value[0]
             return keys[self._row : self._row + 1, :, :end], values[self._row : self._row + 1, :, :end]
         # a decode step of every row: [rows, kv_heads, 1, d] at each row's own position
-        keys[self._all_rows, :, self.lengths] = key[:, :, 0]
-        values[self._all_rows, :, self.lengths] = value[:, :, 0]
+        if not (self.fused_kv_write and kv_write.fused(keys, values, key, value, self.lengths)):
+            keys[self._all_rows, :, self.lengths] = key[:, :, 0]
+            values[self._all_rows, :, self.lengths] = value[:, :, 0]
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
