@@ -107,12 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         shape = QWEN25_05B if args.shape == "qwen2.5-0.5b" else QWEN25_15B
         dtype, device, name = "bfloat16", "cuda", f"{args.shape}-shape"
     dev = torch.device(device)
-    base = build_base(shape, adapter_io.DTYPES[dtype], dev)
     batch = dict(groups=args.groups, samples=args.samples, prompt=args.prompt_tokens,
                  completion=args.completion_tokens, vocab=shape["vocab_size"])  # fmt: skip
     rows = []
     for n in args.runs:
-        engines = fleet(base, n, dtype, device, args.mb_tokens)
+        engines = fleet(build_base(shape, adapter_io.DTYPES[dtype], dev), n, dtype, device, args.mb_tokens)
         solo_s, joint_s, diffs = [], [], []
         for step in range(1 + args.steps):
             batches = [make_batch(seed=1000 * step + i, **batch) for i in range(n)]
@@ -136,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             if step:  # the first is a warm-up
                 solo_s.append(t1 - t0)
                 joint_s.append(t3 - t2)
-        for e in engines[1:]:
-            e.drop()
+        del engines
         rows.append({
             "runs": n,
             "one_after_another_s": statistics.median(solo_s),

@@ -8,11 +8,13 @@ weights that never change); the LoRA tensors are fp32 masters whatever the base 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
@@ -148,28 +150,53 @@ def lora_spec(
     return engines_base.lora_spec(actor, wrapped_module_names(model, adapter), base_model)
 
 
+Route = list[tuple[str, int, int]]
+"""(adapter, first row, end row) spans covering a batch's rows in order"""
+
+
 @contextlib.contextmanager
-def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[list[str]]]:
-    """While open, each row of a forward through `model` goes through the LoRA of the adapter
-    named for it: the caller sets `route[0]` (the yielded list) to one adapter name per row
-    before each forward, and keeps it until that forward's backward is done (a checkpointed
-    layer runs its forward again then). A row's adapter reaches only that row, and a layer
-    without that adapter leaves the row on the base. peft refuses such mixed batches at the
-    model in training mode; its layers take them, so the names go to each layer directly.
-    `enabled` False: nothing is routed (the active adapter serves every row)."""
-    route: list[list[str]] = [[]]
+def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[Route]]:
+    """While open, each span of rows of a forward through `model` goes through the LoRA of the
+    adapter named for it, and through that adapter only: the caller sets `route[0]` (the yielded
+    list) before each forward and keeps it until that forward's backward is done (a
+    checkpointed layer runs its forward again then). A layer without the span's adapter leaves
+    those rows on the base. Spans are views of the batch: routing adds one copy of each
+    layer's output (the spans joined) and no index tensor. Each LoRA linear computes what peft's own
+    forward does for one active adapter (the input cast to the LoRA dtype, B(A(dropout(x))) x
+    scaling added to the base output), per span. `enabled` False: nothing is routed (the active
+    adapter serves every row)."""
+    route: list[Route] = [[]]
     if not enabled:
         yield route
         return
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
+            raise ValueError(
+                f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
+                "(no DoRA or other variant, unmerged); step these runs one at a time"
+            )
 
-    def names(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, "adapter_names": route[0]}
+    def forward(m: LoraLinear, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        result = m.base_layer(x, *args, **kwargs)
+        spans = route[0]
+        # split, not slices: one backward node that concatenates the spans' gradients, where
+        # each slice's would fill a whole-batch zero tensor (N spans: N^2 the batch's bytes)
+        sizes = [hi - lo for _, lo, hi in spans]
+        outs, ins = result.split(sizes), x.split(sizes)
+        parts = []
+        for (adapter, _, _), out, rows in zip(spans, outs, ins):
+            if adapter in m.lora_A:
+                a = m.lora_A[adapter]
+                rows = rows if rows.dtype == a.weight.dtype else rows.to(a.weight.dtype)
+                out = out + m.lora_B[adapter](a(m.lora_dropout[adapter](rows))) * m.scaling[adapter]
+            parts.append(out)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    handles = [
-        m.register_forward_pre_hook(names, with_kwargs=True) for m in model.modules() if isinstance(m, LoraLayer)
-    ]
+    for m in layers:
+        m.forward = functools.partial(forward, m)  # the instance's, over the class's
     try:
         yield route
     finally:
-        for handle in handles:
-            handle.remove()
+        for m in layers:
+            del m.forward

@@ -11,15 +11,16 @@ ranks) serves the own run only, on the same loop.
 One loop steps them (`serve`): every run collects its next batch in the background, and among
 the runs holding a full batch the one with the fewest steps per unit of share leads the next
 step, ties to the one that waited longest (`share.pick` with steps done in place of groups in
-flight); on a shared model every other run holding a batch steps with it, in the same forwards
-and backwards (`runs.steps`). A run without a full batch never holds the trainer, and a ready run
-never waits for another's step; the shares are kept where batches are made (the registry
-grants rollout slots by share), so a run's steps follow its share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A submitted
-run whose adapter cannot join the model or whose step raises (`run_faults.RunFault`) is retired
-and reported to the registry, which stops it with the reason; the other runs go on.
+flight); on a shared model on an accelerator every other run holding a batch steps with it, in
+the same forwards and backwards (`runs.steps`, `steps_together`). A run without a full batch
+never holds the trainer, and a ready run never waits for another's step; the shares are kept
+where batches are made (the registry grants rollout slots by share), so a run's steps follow its
+share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A
+submitted run whose adapter cannot join the model or whose step raises (`run_faults.RunFault`)
+is retired and reported to the registry, which stops it with the reason; the other runs go on.
 
 Invariant: the trainer ends when its own run is done and no other run is live (or on stop), and
-every run's step is published before its batch is acked (`runs.step`).
+every run's step is published before its batch is acked (`runs.steps`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,15 @@ def next_runs(workers: Iterable[TrainWorker]) -> list[TrainWorker]:
     if chosen is None:
         return []
     lead = ready.pop(chosen)
-    return [lead, *ready.values()] if shares_base(lead.ctx.engine) else [lead]
+    return [lead, *ready.values()] if steps_together(lead.ctx.engine) else [lead]
+
+
+def steps_together(engine: TrainEngine) -> bool:
+    """Whether ready runs on `engine`'s model step together: a shared base on an accelerator,
+    where a pass through the base costs launches and memory reads that a larger batch shares.
+    On the CPU a step is compute-bound and a larger batch is slower per row (8 runs: 0.82x
+    one after another, `benchmarks/joint_step.py`), so there runs step one at a time."""
+    return shares_base(engine) and engine.device.type != "cpu"
 
 
 async def _woken(wake: asyncio.Event, stop: asyncio.Event) -> None:

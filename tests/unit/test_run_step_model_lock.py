@@ -10,6 +10,7 @@ import dataclasses
 import threading
 
 import pytest
+import torch
 
 from proto.messages import TrainerStep
 from services.config.loader import load_config
@@ -144,8 +145,12 @@ def test_every_ready_run_on_a_shared_model_steps_with_the_one_the_share_picks(mo
     from services.trainer import service
 
     monkeypatch.setattr(service, "shares_base", lambda engine: True)
+    monkeypatch.setattr(Engine, "device", torch.device("cuda"), raising=False)
     workers = [Worker("a", 5), Worker("b", 1), Worker("c", 0, ready=False), Worker("d", 3)]
     assert [w.run for w in service.next_runs(workers)] == ["b", "a", "d"]
     monkeypatch.setattr(service, "shares_base", lambda engine: False)
+    assert [w.run for w in service.next_runs(workers)] == ["b"]
+    monkeypatch.setattr(service, "shares_base", lambda engine: True)
+    monkeypatch.setattr(Engine, "device", torch.device("cpu"), raising=False)  # compute-bound there
     assert [w.run for w in service.next_runs(workers)] == ["b"]
     assert service.next_runs([Worker("c", 0, ready=False)]) == []

@@ -3,7 +3,7 @@
 The runs of a fleet share one base model, each with its own peft adapter (`FSDP2Engine.sibling`).
 Stepped one after another, N runs cost N passes of their batches through the whole base, and the
 trainer is the fleet's serial part. Stepped together, a forward holds rows of several runs, each
-LoRA layer sends each row through its own run's adapter (`lora.rows_by_adapter`), and one
+LoRA layer sends each run's rows through its own adapter (`lora.rows_by_adapter`), and one
 backward gives each adapter the gradient of its own rows' loss only. Every run keeps what makes
 its step its own: advantages, minibatches, micro-batches and loss weights planned from its batch
 alone (as if it trained alone), its sampling temperature, loss settings and head version, its
@@ -33,7 +33,7 @@ from torch import Tensor
 from proto.messages import Trajectory
 from services.trainer import batching, mismatch, precision
 from services.trainer.engines.base import JointStepFailed, StepStats, step_stats, summed_over_ranks
-from services.trainer.lora import rows_by_adapter
+from services.trainer.lora import Route, rows_by_adapter
 from services.trainer.loss import LossStats, decoupled_ppo_loss
 
 if TYPE_CHECKING:
@@ -87,8 +87,8 @@ class _Forward:
     spans: list[tuple[int, int]]
 
     @property
-    def adapters(self) -> list[str]:
-        return [p.run.engine.adapter for p, (lo, hi) in zip(self.pieces, self.spans) for _ in range(hi - lo)]
+    def route(self) -> Route:
+        return [(p.run.engine.adapter, lo, hi) for p, (lo, hi) in zip(self.pieces, self.spans)]
 
 
 def train(batches: Sequence[RunBatch]) -> list[StepStats]:
@@ -129,7 +129,7 @@ def _completions(run: _Run) -> int:
     return sum(1 for g in run.groups for c in g.completions if c.token_ids)
 
 
-def _score(runs: list[_Run], route: list[list[str]], minibatches: Callable[[_Run], int] | None = None) -> None:
+def _score(runs: list[_Run], route: list[Route], minibatches: Callable[[_Run], int] | None = None) -> None:
     """Plan each run's micro-batches (`minibatches`: how many minibatches, default its
     `ppo_n_minibatches`), and compute their proximal logprobs (no grad) and its mismatch tally
     (summed over the ranks)."""
@@ -148,7 +148,7 @@ def _score(runs: list[_Run], route: list[list[str]], minibatches: Callable[[_Run
     with torch.no_grad():
         for k in range(max(len(r.plans) for r in runs)):
             for fwd in _forwards(runs, k):
-                route[0] = fwd.adapters
+                route[0] = fwd.route
                 for piece, lp, part in zip(fwd.pieces, _logprobs(fwd), _parts(fwd)):
                     piece.run.prox[piece.index] = lp
                     assert piece.run.tally is not None
@@ -171,7 +171,7 @@ def _refuse(r: _Run) -> dict[str, str]:
     return {r.batch.groups[i].trajectory_id: why for i, why in beyond.items()}
 
 
-def _update(runs: list[_Run], route: list[list[str]]) -> None:
+def _update(runs: list[_Run], route: list[Route]) -> None:
     """Each run's minibatches, the k-th of every run in the same forwards: one backward per
     forward, then one optimizer step per run that had a k-th minibatch."""
     for k in range(max((len(r.plans) for r in runs), default=0)):
@@ -179,7 +179,7 @@ def _update(runs: list[_Run], route: list[list[str]]) -> None:
         for r in active:
             r.engine.optimizer.zero_grad(set_to_none=True)
         for fwd in _forwards(active, k):
-            route[0] = fwd.adapters
+            route[0] = fwd.route
             total: Tensor | None = None
             for piece, lp, part in zip(fwd.pieces, _logprobs(fwd), _parts(fwd)):
                 r, ppo, device = piece.run, piece.run.engine.actor.ppo, piece.run.engine.device
