@@ -121,27 +121,37 @@ Step = tuple[StepStats, dict[str, torch.Tensor], dict[str, Any] | None]
 """a run's step as `run_step` returns it: (stats, the new adapter, the optimizer state or None)"""
 
 
-def run_step(engine: TrainEngine, work: Work, into: Mapping[str, torch.Tensor] | None = None) -> Step:
+Delivered = Callable[[Step], None]
+"""rank 0's hook, handed a step's result once its adapter is gathered and before the canary"""
+
+
+def run_step(
+    engine: TrainEngine, work: Work, into: Mapping[str, torch.Tensor] | None = None, delivered: Delivered | None = None
+) -> Step:
     """The collective part of a step, identical on every rank: (stats, the new adapter, the
     optimizer state when the step is checkpointed). `into` (rank 0 under XCCL): where the
     adapter is written (`TrainEngine.adapter_state`). Over several ranks the new version's
-    canary is computed here, on the model just updated (`stats.canary`: a collective, in the
-    same place on every rank); one process computes it beside the announcement instead
-    (`runs.step`). A step that refused every group made no update: no canary, no adapter ({}),
-    no optimizer state (every rank knows it alike)."""
-    return _after(engine, work, into, engine.train_step(work.groups, head_version=work.version))
+    canary is computed here, last, on the model just updated (`stats.canary`: a collective, in
+    the same place on every rank); rank 0 hands the step to `delivered` before it, so that the
+    version is announced while the canary is computed. One process computes its canary beside
+    the announcement instead (`runs.steps`). A step that refused every group made no update: no
+    canary, no adapter ({}), no optimizer state (every rank knows it alike)."""
+    return _after(engine, work, into, engine.train_step(work.groups, head_version=work.version), delivered)
 
 
-def run_steps(members: list[tuple[TrainEngine, Work, Mapping[str, torch.Tensor] | None]]) -> list[Step | Exception]:
-    """Rank 0 of a one-process trainer: `run_step` for the runs of `members` (engine, work,
-    into), several on one shared model in one joint step (`SharedBaseEngine.train_together`);
-    each run's result, or the exception that is its own. A joint step that failed before any
-    update is retried one run at a time, which finds whose batch it was; one that failed after
-    an update is every member's (their optimizers moved, and a retry would train twice)."""
+def run_steps(
+    members: list[tuple[TrainEngine, Work, Mapping[str, torch.Tensor] | None]], delivered: Delivered | None = None
+) -> list[Step | Exception]:
+    """Rank 0: `run_step` for the runs of `members` (engine, work, into), several on one shared
+    model (one process) in one joint step (`SharedBaseEngine.train_together`); each run's
+    result, or the exception that is its own. A joint step that failed before any update is
+    retried one run at a time, which finds whose batch it was; one that failed after an update
+    is every member's (their optimizers moved, and a retry would train twice). `delivered`:
+    `run_step`'s, for a single run."""
     if len(members) > 1:
         lead = members[0][0]
-        if not shares_base(lead):
-            raise ValueError(f"{type(lead).__name__}: several runs in one step need a shared-base engine")
+        if not shares_base(lead) or delivered is not None:
+            raise ValueError(f"{type(lead).__name__}: several runs step together on a shared base in one process")
         try:
             stats = lead.train_together([(e, w.groups, w.version) for e, w, _ in members])
         except JointStepFailed as failed:
@@ -149,8 +159,8 @@ def run_steps(members: list[tuple[TrainEngine, Work, Mapping[str, torch.Tensor] 
                 return [failed] * len(members)
             log.warning("%s; stepping its %d runs one at a time", failed, len(members))
         else:
-            return [_guarded(_after, e, w, into, s) for (e, w, into), s in zip(members, stats)]
-    return [_guarded(run_step, e, w, into) for e, w, into in members]
+            return [_guarded(_after, e, w, into, s, None) for (e, w, into), s in zip(members, stats)]
+    return [_guarded(run_step, e, w, into, delivered) for e, w, into in members]
 
 
 def _guarded(fn: Callable[..., Step], *args: Any) -> Step | Exception:
@@ -160,15 +170,24 @@ def _guarded(fn: Callable[..., Step], *args: Any) -> Step | Exception:
         return exc
 
 
-def _after(engine: TrainEngine, work: Work, into: Mapping[str, torch.Tensor] | None, stats: StepStats) -> Step:
+def _after(
+    engine: TrainEngine,
+    work: Work,
+    into: Mapping[str, torch.Tensor] | None,
+    stats: StepStats,
+    delivered: Delivered | None,
+) -> Step:
     stats.trained_at = time.time()
     if stats.groups == 0:
         return stats, {}, None
-    if engine.world_size > 1:
-        stats.canary, stats.canary_seconds = trainer_canary.timed(engine)
     adapter = engine.adapter_state(into)
     optim = engine.optimizer_state() if work.save_checkpoint else None
-    return stats, adapter, optim
+    step = stats, adapter, optim
+    if engine.world_size > 1:
+        if delivered is not None:
+            delivered(step)
+        stats.canary, stats.canary_seconds = trainer_canary.timed(engine)
+    return step
 
 
 def worker_loop(engine: TrainEngine) -> None:

@@ -6,7 +6,8 @@ announced under its own subjects. Per step:
 
     pull B accepted groups -> train_step (groups beyond actor.max_train_infer_kl left out and
       dead-lettered) -> gather adapter -> announce v<N+1>, saying its canary follows (upload,
-      or broadcast with the upload behind it; the canary computed beside it in one process)
+      or broadcast with the upload behind it; the canary computed beside it: in a thread of one
+      process, or by the ranks together)
       -> its canary (AdapterCanary, after the event) -> TrainerStep -> checkpoint (if due) ->
       ack the messages trained
 
@@ -57,7 +58,7 @@ from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
 from services.trainer.publish import ensure_canary, publish_adapter, publish_canary
-from services.trainer.ranks import Followers, Work, run_steps
+from services.trainer.ranks import Followers, Step, Work, run_steps
 from services.trainer.resume import Resume
 
 if TYPE_CHECKING:
@@ -175,23 +176,60 @@ async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
             await asyncio.to_thread(turns[0].ctx.followers.send, works[0])
         # under XCCL the adapter is written straight into the sender's free send set
         members = [(t.ctx.engine, w, t.ctx.sender.fill_views() if t.ctx.sender else None) for t, w in zip(turns, works)]
-        trained = await asyncio.to_thread(run_steps, members)
-        for turn, work, done in zip(turns, works, trained):
-            if isinstance(done, Exception):
-                why = f"step {turn.index} on {len(work.groups)} groups raised {done!r}"
-                results.append(RunFault(why))
-                continue
-            results.append(await _announce(turn, *done))
+        if len(turns) == 1 and turns[0].ctx.engine.world_size > 1:
+            results.append(await _step_over_ranks(turns[0], members))
+        else:
+            trained = await asyncio.to_thread(run_steps, members)
+            for turn, done in zip(turns, trained):
+                results.append(_fault(turn, done) if isinstance(done, Exception) else await _announce(turn, *done))
     finally:
         model.release()
     await asyncio.gather(*(_finish(t) for t in turns if t.announcing is not None))
     return results
 
 
-async def _announce(turn: Turn, stats: StepStats, adapter: dict[str, torch.Tensor], optim: dict | None) -> int:
+def _fault(turn: Turn, exc: Exception) -> RunFault:
+    return RunFault(f"step {turn.index} on {len(turn.groups)} groups raised {exc!r}")
+
+
+async def _step_over_ranks(turn: Turn, members: list) -> int | RunFault:
+    """One run's step over several ranks: the announcement starts as soon as the adapter is
+    gathered (`ranks.run_step`'s `delivered`), while the ranks compute the canary together,
+    and the model is held until they are done (the next step's broadcast must not cross it)."""
+    loop = asyncio.get_running_loop()
+    gathered: asyncio.Future[Step] = loop.create_future()
+
+    def delivered(step: Step) -> None:
+        loop.call_soon_threadsafe(gathered.set_result, step)
+
+    trained = asyncio.ensure_future(asyncio.to_thread(run_steps, members, delivered))
+    await asyncio.wait([gathered, trained], return_when=asyncio.FIRST_COMPLETED)
+    # `delivered` reaches the loop before the thread's end does (both by call_soon_threadsafe,
+    # in order), so a step that gathered an adapter is never taken for one that did not
+    if not gathered.done():  # failed, or refused every group: no adapter, no canary
+        [done] = trained.result()
+        return _fault(turn, done) if isinstance(done, Exception) else await _announce(turn, *done)
+
+    async def canary() -> tuple[Canary | None, float | None]:
+        [done] = await trained
+        if isinstance(done, Exception):  # the version is out: its missing canary is everyone's problem
+            raise done
+        return done[0].canary, done[0].canary_seconds
+
+    return await _announce(turn, *gathered.result(), beside=asyncio.ensure_future(canary()))
+
+
+async def _announce(
+    turn: Turn,
+    stats: StepStats,
+    adapter: dict[str, torch.Tensor],
+    optim: dict | None,
+    beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None,
+) -> int:
     """Under the model lock, after the update: the refusals, then the announcement started and
-    the canary computed beside it (it reads the model with this run's adapter active). Returns
-    the run's version now (unchanged when every group was refused)."""
+    the canary computed beside it (it reads the model with this run's adapter active: in a
+    thread of one process, else `beside`, the ranks' collective). Returns the run's version now
+    (unchanged when every group was refused)."""
     ctx, queue, engine, run = turn.ctx, turn.queue, turn.ctx.engine, turn.ctx.cfg.run
     turn.stats, turn.adapter, turn.optim = stats, adapter, optim
     if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
@@ -209,10 +247,9 @@ async def _announce(turn: Turn, stats: StepStats, adapter: dict[str, torch.Tenso
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
-    # one process: the canary is computed while the version is stored or broadcast and
-    # announced; over several ranks it was computed in the step (a collective)
-    turn.beside = trainer_canary.beside(engine) if engine.world_size == 1 else None
-    follows = trainer_canary.computes(engine) if turn.beside is not None else stats.canary is not None
+    # the canary is computed while the version is stored or broadcast and announced
+    turn.beside = beside if beside is not None else trainer_canary.beside(engine)
+    follows = trainer_canary.computes(engine)
     turn.announcing = asyncio.ensure_future(ctx.announce(turn.version, adapter, canary_follows=follows))
     if turn.beside is not None:
         await asyncio.wait([turn.beside])
@@ -230,8 +267,6 @@ async def _finish(turn: Turn) -> None:
     if turn.beside is not None:
         stats.canary, stats.canary_seconds = await turn.beside
         stats.canary_wait_seconds = 0.0  # the announcement went out without it
-    else:  # computed in the step, before any of the announcement
-        stats.canary_wait_seconds = stats.canary_seconds
     metrics.PUBLISH_SECONDS.labels(run).observe(announced - turn.started)
     if stats.canary is not None:  # after the event, which names the weights it vouches for
         await ctx.send_canary(version, stats.canary, event)

@@ -19,6 +19,8 @@ import torch
 import yaml
 
 from proto import subjects
+from proto.messages import AdapterCanary, Canary, TrainerStep
+from services.common import streams
 from services.common.bus import Bus
 from services.common.models import load_base_model
 from services.common.store import open_store
@@ -100,6 +102,13 @@ async def publish_groups(bus: Bus, run: str, groups) -> None:
         await bus.publish(subjects.accepted(run), traj, msg_id=traj.trajectory_id)
 
 
+def assert_canary_close(got: Canary, want: Canary) -> None:
+    assert got.dtype == want.dtype and len(got.sequences) == len(want.sequences)
+    for a, b in zip(got.sequences, want.sequences):
+        assert a.prompt_token_ids == b.prompt_token_ids and a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-4)
+
+
 def assert_adapter_close(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -130,6 +139,14 @@ async def test_two_ranks_train_like_one_process_fail_fast_and_resume(tmp_path, n
         for version, groups in enumerate(batches[:2], start=1):
             single.train_step(groups, head_version=version - 1)
             assert_adapter_close(sharded[version], single.adapter_state())
+            # the ranks' canary follows the event, never delays it, and is the one-process canary
+            assert events[version].canary_follows and events[version].canary is None
+            sent = await bus.wait_last(streams.CANARIES(run), AdapterCanary, subjects.adapter_canary(run, version),
+                                       timeout=30)  # fmt: skip
+            assert sent is not None and sent.adapter_sha256 == events[version].object_payload().sha256
+            assert_canary_close(sent.canary, single.canary())
+        steps = await bus.read_all(streams.TRAINER(run), TrainerStep)
+        assert [s.canary_wait_seconds for s in steps] == [0.0, 0.0] and all(s.canary_seconds for s in steps)
         assert any(not torch.equal(sharded[0][k], sharded[2][k]) for k in sharded[0])
 
         # SIGKILL of one rank: torchrun stops the other and fails, within the deadline
