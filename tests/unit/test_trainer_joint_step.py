@@ -1,9 +1,13 @@
-"""Several runs' batches in one step (`fsdp2_step`): each run's update equals its solo step's,
-with different ranks, targets, temperatures, minibatches, micro-batch budgets and refusals;
-the adapters' trainable flags come back; a failure before any update says so."""
+"""Several runs' batches in one step (`fsdp2_step`, `ranks.run_steps`, `runs.train_together`):
+each run's update equals its solo step's, with different ranks, targets, temperatures,
+minibatches, micro-batch budgets and refusals; the adapters' trainable flags come back; a
+failure before any update is found run by run, one after an update is every run's; each run
+publishes, checkpoints and acks its own version."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
 import msgspec
@@ -12,10 +16,11 @@ import torch
 
 from proto.messages import Completion, Trajectory
 from services.config.schema import LorabusConfig
-from services.trainer import ranks
+from services.trainer import ranks, runs
 from services.trainer.engines.base import JointStepFailed
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from tests.fixtures.tiny import tiny_qwen2
+from tests.unit.test_canary_follows import event
 
 
 def config(run: str, rank: int, targets: list[str], **actor) -> LorabusConfig:
@@ -205,3 +210,77 @@ def test_a_joint_step_that_fails_after_an_update_is_every_runs_fault():
     batches = [batch("a", 1), batch("b", 2), batch("c", 3)]
     results = ranks.run_steps([(e, ranks.Work(b, 0, save_checkpoint=False), None) for e, b in zip(engines, batches)])
     assert all(isinstance(r, JointStepFailed) and r.updated for r in results)
+
+
+class Bus:
+    """What a step publishes through, recorded (no canary or event was stored before)."""
+
+    def __init__(self) -> None:
+        self.published: list = []
+
+    async def publish(self, subject, msg, msg_id=None):
+        self.published.append(msg)
+
+    async def last(self, stream, msg_type, subject=None):
+        return None
+
+
+class Queue:
+    trained: list = []
+
+    def __init__(self) -> None:
+        self.acked = False
+
+    def mark_trained(self) -> None:
+        pass
+
+    async def ack_held(self) -> None:
+        self.acked = True
+
+    async def next_batch(self, size, stop):  # the next batch never comes in this test
+        await asyncio.Event().wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded(runs.Rank0):
+    """An announcement that records the version's tensors (the delivery itself is instant)."""
+
+    announced: dict = dataclasses.field(default_factory=dict)
+
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False):
+        self.announced[version] = ({k: t.clone() for k, t in tensors.items()}, canary_follows)
+        return msgspec.structs.replace(event(version, follows=canary_follows), run=self.cfg.run)
+
+
+async def test_runs_of_a_fleet_step_together_and_publish_each_its_own_version(tmp_path):
+    configs = [
+        msgspec.structs.replace(c, actor=msgspec.structs.replace(c.actor, checkpoint_dir=str(tmp_path / c.run)))
+        for c in CONFIGS[:2]
+    ]
+    solo, joint = fleet(configs), fleet(configs)
+    batches = [batch("a", 1), batch("b", 2)]
+    for e, b in zip(solo, batches):
+        e.train_step(b, head_version=0)
+    model, workers, contexts = asyncio.Lock(), [], []
+    for engine, b in zip(joint, batches):
+        ctx = Recorded(engine.cfg, engine, Bus(), None, asyncio.Event(), ranks.Followers(1, 5.0), None, "e0")  # type: ignore[arg-type]
+        worker = runs.TrainWorker(ctx, None, model, asyncio.Event(), queue=Queue(), version=0, batch=b)  # type: ignore[arg-type]
+        workers.append(worker)
+        contexts.append(ctx)
+    faults = await runs.train_together(workers, step_index=0)
+    try:
+        assert faults == [None, None] and [w.version for w in workers] == [1, 1] and not model.locked()
+        for ctx, e in zip(contexts, solo):
+            tensors, follows = ctx.announced[1]
+            assert follows and tensors.keys() == e.adapter_state().keys()
+            assert_same([e.adapter_state()], [tensors])
+            kinds = [type(m).__name__ for m in ctx.bus.published]
+            assert kinds == ["AdapterCanary", "TrainerStep"], kinds
+            assert ctx.bus.published[1].run == ctx.cfg.run and ctx.bus.published[1].version == 1
+        assert all(w.queue.acked for w in workers)
+        # each run checkpointed its own step (actor.checkpoint_every 1), in its own directory
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+        assert all((tmp_path / run / "step-00000001").exists() for run in ("a", "b"))
+    finally:
+        for w in workers:
+            w._collector.cancel()
