@@ -3,6 +3,8 @@ share, and the fraction of the HBM-bandwidth limit, per batch size and model sha
 
     python benchmarks/decode_breakdown.py --out benchmarks/results/decode_breakdown_h200.json
     python benchmarks/decode_breakdown.py --tiny --out /tmp/bd.json           # CPU smoke run
+    python benchmarks/decode_breakdown.py --shapes qwen2.5-1.5b --batches 64 \
+        --variants grouped_norm fused_rope fused_kv fused_norm_kernel --out /tmp/bd.json  # side by side
 
 The engine's own decode path (`services.rollout.sampling.decode` with `DecodeGraphs`: static KV
 cache, a CUDA graph per step variant) on a Qwen2-shaped model with random bf16 weights and an
@@ -21,7 +23,9 @@ its position; at the device's bandwidth (`--hbm-tbs`, H200: 4.8 TB/s) that takes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -56,7 +60,8 @@ KINDS: list[tuple[str, re.Pattern]] = [
         ),
     ),  # fmt: skip
     # also the casts (direct_copy, bfloat16_copy: 59 of each a step at 28 layers, 57 of them the
-    # RMSNorms' to float32 and back), which are no KV write; services.rollout.kv_write's is `_kv_write`
+    # RMSNorms' to float32 and back until fused_norm_kernel), which are no KV write;
+    # services.rollout.kv_write's is `_kv_write` (norm_kernel's `_rms_norm` is a norm, above)
     ("kv_write_copy", re.compile(r"copy|memcpy|memset|index_put|scatter|cat|fill|index|kv_write", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|add|mul|where|neg|exp", re.I)),
 ]
@@ -68,7 +73,32 @@ VARIANTS = {
     "grouped_norm": "grouped, and services.rollout.fused_norm in place of the RMSNorms",
     "fused_rope": "grouped_norm, and services.rollout.rope_kernel for the rotary embedding",
     "fused_kv": "fused_rope, and services.rollout.kv_write for the KV-cache write (no module patched)",
+    "fused_norm_kernel": "fused_kv, and services.rollout.norm_kernel for the RMSNorms (one launch each, no casts)",
 }
+"""each variant is the one before it and one change more"""
+
+
+def stacks_on(variant: str, base: str) -> bool:
+    """Whether `variant` includes `base`'s change (it is `base` or comes after it)."""
+    order = list(VARIANTS)
+    return order.index(variant) >= order.index(base)
+
+
+@contextlib.contextmanager
+def norm_kernel_switch(on: bool):
+    """norm_kernel on or off for one variant, the environment as it was after. The switch is read
+    at each norm's call, so a variant's graphs capture what it said; fused_norm's modules stay on
+    the model across variants, and without this the kernel (the default on CUDA) would run in
+    every variant that has them."""
+    before = os.environ.get("LORABUS_FUSED_NORM_KERNEL")
+    os.environ["LORABUS_FUSED_NORM_KERNEL"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LORABUS_FUSED_NORM_KERNEL", None)
+        else:
+            os.environ["LORABUS_FUSED_NORM_KERNEL"] = before
 
 
 def kind_of(name: str) -> str:
@@ -130,11 +160,11 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
     graphs = DecodeGraphs(
         model,
         capture=device.type == "cuda",
-        grouped_attention=variant != "own",
-        fused_norms=variant in ("grouped_norm", "fused_rope", "fused_kv"),
-        fused_rope=variant in ("fused_rope", "fused_kv"),
+        grouped_attention=stacks_on(variant, "grouped"),
+        fused_norms=stacks_on(variant, "grouped_norm"),
+        fused_rope=stacks_on(variant, "fused_rope"),
         # a cache of this DecodeGraphs' own: nothing outlives the variant, unlike the rope's patch
-        fused_kv_write=variant == "fused_kv",
+        fused_kv_write=stacks_on(variant, "fused_kv"),
     )
     versions = [slots.head] * batch
 
@@ -203,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
     ap.add_argument(
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-        help="decode paths side by side, run in this order (grouped_norm, fused_rope and fused_kv change the model "
-        "for good: the norms and the rope's patch; the rope's is undone per shape)",
+        help="decode paths side by side, run in this order (grouped_norm and the ones after it change the model "
+        "for good: the norms and the rope's patch; the rope's is undone per shape, and the norm kernel is switched "
+        "per variant)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -227,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant, batch in [(v, b) for v in VARIANTS if v in args.variants for b in batches]:
             model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
             try:
-                r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant)
+                with norm_kernel_switch(stacks_on(variant, "fused_norm_kernel")):
+                    r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant)
             except torch.OutOfMemoryError as exc:
                 r = {"batch": batch, "variant": variant, "error": f"out of memory: {exc}"[:300]}
                 torch.cuda.empty_cache()
