@@ -29,7 +29,6 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping
 
-import msgspec
 import nats.errors
 
 from proto import subjects
@@ -48,12 +47,6 @@ log = logging.getLogger(__name__)
 
 MakeService = Callable[[LorabusConfig, Engine, Bus], RolloutService]
 """(a run's config, its engine view, its bus) -> the run's service"""
-
-
-def submitted(cfg: LorabusConfig) -> LorabusConfig:
-    """A submitted run's config as a replica serves it: the trainer broadcasts the fleet's own
-    run alone, so the others' versions come as object copies."""
-    return msgspec.structs.replace(cfg, actor=msgspec.structs.replace(cfg.actor, weight_update_mode="disk"))
 
 
 class FleetReplica:
@@ -77,7 +70,7 @@ class FleetReplica:
     async def _worker(self, cfg: LorabusConfig, bus: Bus) -> RolloutService:
         own = cfg.run == self.fleet
         try:
-            service = self.make(cfg if own else submitted(cfg), self.engines.view(cfg.run, cfg.rollout.lora_name), bus)
+            service = self.make(cfg, self.engines.view(cfg.run, cfg.rollout.lora_name), bus)
         except Exception as exc:  # its reward function or data: the run's config, its fault alone
             raise RunFault(
                 f"run {cfg.run!r} cannot be served: {exc!r}; fix its train_dataset and submit it again"

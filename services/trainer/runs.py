@@ -464,6 +464,8 @@ class TrainWorker:
         if self.queue is not None:
             await self.queue.close()
         if self.sibling is not None:
+            if self.ctx.sender is not None:  # its own group (the own run's closes with the trainer)
+                await asyncio.to_thread(self.ctx.sender.close)
             async with self.model:
                 self.sibling.drop()
         log.info("run %s: closed at v%d (%d steps here)", self.run, self.version, self.steps)

@@ -59,8 +59,9 @@ ENDS: tuple[RunStateName, ...] = ("stopping", "stopped", "finished")
 """a run in these states takes no more steps here"""
 
 
-def make_sender(cfg: LorabusConfig, engine: TrainEngine) -> XcclSender | None:
-    """The XCCL group host when `actor.weight_update_mode: xccl` (rank 0 only)."""
+def make_sender(cfg: LorabusConfig, engine: TrainEngine, port: int | None = None) -> XcclSender | None:
+    """The XCCL group host when `actor.weight_update_mode: xccl` (rank 0 only), on `port` (default
+    `actor.xccl_master_port`; 0: a free one, which the events name)."""
     if cfg.actor.weight_update_mode != "xccl":
         return None
     from services.common import xccl
@@ -70,7 +71,7 @@ def make_sender(cfg: LorabusConfig, engine: TrainEngine) -> XcclSender | None:
     backend = xccl.resolve_backend(a.xccl_backend, engine.device)
     sender = XcclSender(
         address=a.xccl_master_address,
-        port=a.xccl_master_port,
+        port=a.xccl_master_port if port is None else port,
         backend=backend,
         bucket_bytes=xccl.bucket_bytes_of(a.xccl_bucket_mb),
         timeout_s=a.xccl_timeout_s,
@@ -173,7 +174,10 @@ def worker_maker(
                 raise RunFault(f"its adapter cannot join the base model: {exc}") from exc
             begin = await resume(sibling, run_cfg, store)
         epoch = await asyncio.to_thread(trainer_epoch, store, run_cfg.run)
-        run_ctx = Rank0(run_cfg, sibling, bus, store, ctx.stop, ctx.followers, None, epoch)
+        # each run its own group, on a free port: its events name it, its replicas' receivers join
+        # it (the configured port is the own run's)
+        sender = make_sender(run_cfg, sibling, port=0)
+        run_ctx = Rank0(run_cfg, sibling, bus, store, ctx.stop, ctx.followers, sender, epoch)
         return TrainWorker(run_ctx, begin, model, wake, sibling=sibling)
 
     return make

@@ -14,12 +14,15 @@ What is asserted and why it cannot pass by chance:
   another run would be), and no trajectory appears in two runs.
 - The stopped run stopped: the run table says so, its head stayed below its steps, and its
   exports end where its training did.
+- Every run has its own XCCL group (`actor.weight_update_mode: xccl`): both replicas loaded
+  versions of each submitted run by broadcast ("via xccl" in their logs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -71,7 +74,7 @@ def test_three_runs_share_one_fleet(tmp_path, nats_url):
     fleet = f"mr{uuid.uuid4().hex[:6]}"
     run_dir = tmp_path / "fleet"
     overrides = [f"run={fleet}", f"run_dir={run_dir}", f"total_train_steps={STEPS}", "fleet.lora_slots=12",
-                 "fleet.max_lora_rank=8"]  # fmt: skip
+                 "fleet.max_lora_rank=8", "actor.weight_update_mode=xccl"]  # fmt: skip
     a, b = f"{fleet}-a", f"{fleet}-b"
     files = {
         a: {"run": a, "total_train_steps": STEPS, "gconfig": {"lora_name": "four"},
@@ -142,3 +145,10 @@ def test_three_runs_share_one_fleet(tmp_path, nats_url):
         assert max(scores.values()) >= base + MARGIN, (run, base, scores)
     heldout(evaluator, exports[b], [stopped_at], 2)  # loads in peft at its own rank
     assert msgspec.json.decode((run_dir / "summary.json").read_bytes())["other_runs"][a]["exported"] == STEPS
+    # every run has its own XCCL group: a submitted run's versions reach the replicas by broadcast
+    # too (v0 and a version around a join come as object copies)
+    for replica in ("rollout-0", "rollout-1"):
+        text = (run_dir / f"{replica}.log").read_text()
+        for name, run in (("four", a), ("two", b)):
+            by_xccl = {int(v) for v in re.findall(rf"loaded {name}-v(\d+) via xccl", text)}
+            assert len(by_xccl) >= 2, (replica, run, by_xccl, text[-3000:])
