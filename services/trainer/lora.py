@@ -160,8 +160,8 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
     adapter named for it, and through that adapter only: the caller sets `route[0]` (the yielded
     list) before each forward and keeps it until that forward's backward is done (a
     checkpointed layer runs its forward again then). A layer without the span's adapter leaves
-    those rows on the base. Spans are views of the batch: routing adds one copy of each
-    layer's output (the spans joined) and no index tensor. Each LoRA linear computes what peft's own
+    those rows on the base. Spans are views of the batch: routing adds one copy of each layer's
+    output (the spans joined) and no index tensor. Each LoRA linear computes what peft's own
     forward does for one active adapter (the input cast to the LoRA dtype, B(A(dropout(x))) x
     scaling added to the base output), per span. `enabled` False: nothing is routed (the active
     adapter serves every row)."""
@@ -169,13 +169,16 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
     if not enabled:
         yield route
         return
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    for m in layers:
+    layers: list[LoraLinear] = []
+    for m in model.modules():
+        if not isinstance(m, LoraLayer):
+            continue
         if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
             raise ValueError(
                 f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
                 "(no DoRA or other variant, unmerged); step these runs one at a time"
             )
+        layers.append(m)
 
     def forward(m: LoraLinear, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         result = m.base_layer(x, *args, **kwargs)
@@ -194,7 +197,7 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     for m in layers:
-        m.forward = functools.partial(forward, m)  # the instance's, over the class's
+        m.forward = functools.partial(forward, m)  # type: ignore[method-assign]  # the instance's, over the class's
     try:
         yield route
     finally:

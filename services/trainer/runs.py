@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -203,7 +203,8 @@ async def _step_over_ranks(turn: Turn, members: list) -> int | RunFault:
         loop.call_soon_threadsafe(gathered.set_result, step)
 
     trained = asyncio.ensure_future(asyncio.to_thread(run_steps, members, delivered))
-    await asyncio.wait([gathered, trained], return_when=asyncio.FIRST_COMPLETED)
+    either: list[asyncio.Future[Any]] = [gathered, trained]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     # `delivered` reaches the loop before the thread's end does (both by call_soon_threadsafe,
     # in order), so a step that gathered an adapter is never taken for one that did not
     if not gathered.done():  # failed, or refused every group: no adapter, no canary
