@@ -1,13 +1,10 @@
 """The KV-cache write kernel (`kv_write`) against torch's writes, and the engine's decodes with it
-on and off, on CPU under Triton's interpreter (in a child process: Triton decides when it is
-imported whether it interprets). On a GPU the same source compiles;
+on and off, on CPU under Triton's interpreter (in one child process for the module:
+tests/fixtures/interpreted.py says why). On a GPU the same source compiles;
 benchmarks/decode_breakdown.py --variants fused_rope fused_kv times it there."""
 
 import asyncio
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,39 +12,42 @@ from transformers import StaticCache
 
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
 
 
-def run_interpreted(function: str) -> str:
+INTERPRETED = checks_in(
+    __file__,
+    {
+        "writes": ("interpreted_writes",),
+        "static cache": ("interpreted_static_cache",),
+        "static engine": ("interpreted_static_engine",),
+        "slab engine": ("interpreted_slab_engine",),
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, Outcome]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for switch in ("LORABUS_FUSED_KV_WRITE", "LORABUS_FUSED_ROPE", "LORABUS_FUSED_SAMPLER"):
-        env.pop(switch, None)
-    run = subprocess.run(
-        [sys.executable, "-c", f"from tests.unit.test_kv_write import {function}; {function}()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout
+    return run_checks(INTERPRETED, drop_env=("LORABUS_FUSED_KV_WRITE", "LORABUS_FUSED_ROPE", "LORABUS_FUSED_SAMPLER"))
 
 
-def test_the_kernel_writes_what_torch_writes():
-    assert "writes checked" in run_interpreted("interpreted_writes")
+def test_the_kernel_writes_what_torch_writes(outcomes):
+    assert "writes checked" in outcomes["writes"].output()
 
 
-def test_the_static_cache_holds_what_transformers_own_holds():
-    assert "static cache checked" in run_interpreted("interpreted_static_cache")
+def test_the_static_cache_holds_what_transformers_own_holds(outcomes):
+    assert "static cache checked" in outcomes["static cache"].output()
 
 
-def test_the_batch_engine_decodes_the_same_with_the_kernel_on_and_off():
-    assert "static engine checked" in run_interpreted("interpreted_static_engine")
+def test_the_batch_engine_decodes_the_same_with_the_kernel_on_and_off(outcomes):
+    assert "static engine checked" in outcomes["static engine"].output()
 
 
-def test_the_slab_engine_decodes_the_same_with_the_kernel_on_and_off():
-    assert "slab engine checked" in run_interpreted("interpreted_slab_engine")
+def test_the_slab_engine_decodes_the_same_with_the_kernel_on_and_off(outcomes):
+    assert "slab engine checked" in outcomes["slab engine"].output()
 
 
 def test_without_triton_on_the_device_the_caches_write_in_torch(monkeypatch):
@@ -169,23 +169,26 @@ def interpreted_static_cache() -> None:
     launch = kv_write._launch
     kv_write._launch = lambda *args: (launches.append(1), launch(*args))
     g = torch.Generator().manual_seed(4)
-    for dtype in (torch.float32, torch.bfloat16):
-        config = tiny_qwen2(seed=0).config
-        fused, own = (
-            kv_write.FusedStaticCache(config=config, max_cache_len=12),
-            StaticCache(config=config, max_cache_len=12),
-        )
-        for b, tokens in [(3, 5), (3, 1), (3, 1), (3, 2), (3, 1)]:
-            for layer in range(config.num_hidden_layers):
-                key, value = (
-                    as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
-                    as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
-                )
-                got, want = fused.update(key, value, layer), own.update(key, value, layer)
-                assert all(torch.equal(x, y) for x, y in zip(got, want)), (dtype, layer, tokens)
-        for mine, theirs in zip(fused.layers, own.layers):
-            assert int(mine.cumulative_length) == int(theirs.cumulative_length) == 10
-            assert mine.cumulative_length.device == theirs.cumulative_length.device
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            config = tiny_qwen2(seed=0).config
+            fused, own = (
+                kv_write.FusedStaticCache(config=config, max_cache_len=12),
+                StaticCache(config=config, max_cache_len=12),
+            )
+            for b, tokens in [(3, 5), (3, 1), (3, 1), (3, 2), (3, 1)]:
+                for layer in range(config.num_hidden_layers):
+                    key, value = (
+                        as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
+                        as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
+                    )
+                    got, want = fused.update(key, value, layer), own.update(key, value, layer)
+                    assert all(torch.equal(x, y) for x, y in zip(got, want)), (dtype, layer, tokens)
+            for mine, theirs in zip(fused.layers, own.layers):
+                assert int(mine.cumulative_length) == int(theirs.cumulative_length) == 10
+                assert mine.cumulative_length.device == theirs.cumulative_length.device
+    finally:  # the module's other checks run after this one, in the same child
+        kv_write._launch = launch
     # the first call of each layer allocates (the cache's own), the four after it are the kernel's
     assert len(launches) == 2 * 2 * 4
     print("static cache checked")

@@ -1,40 +1,28 @@
 """The Triton correction kernel against the torch reference, on CPU under Triton's interpreter.
 
-Triton decides when it is imported whether it interprets, so the checks run in a child process
-started with TRITON_INTERPRET=1. On a GPU the same source compiles;
+Triton decides when it is imported whether it interprets, so the checks run in one child process
+started with TRITON_INTERPRET=1 (tests/fixtures/interpreted.py). On a GPU the same source compiles;
 benchmarks/embedded_engine.py compares its outputs with the reference path there."""
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.interpreted import Outcome, checks_in, run_checks
+
+INTERPRETED = checks_in(__file__, {"correction": ("interpreted",), "merge": ("interpreted_merge",)})
 
 
-def run_interpreted(function: str) -> str:
-    """Run `function` of this module in a child process under TRITON_INTERPRET=1; its stdout."""
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, Outcome]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [sys.executable, "-c", f"from tests.unit.test_lora_kernels import {function}; {function}()"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout
+    return run_checks(INTERPRETED)
 
 
-def test_kernel_matches_the_reference_under_the_interpreter():
-    assert "checked" in run_interpreted("interpreted")
+def test_kernel_matches_the_reference_under_the_interpreter(outcomes):
+    assert "checked" in outcomes["correction"].output()
 
 
 def interpreted() -> None:
@@ -143,8 +131,8 @@ def interpreted() -> None:
     print(f"checked {checks}")
 
 
-def test_merge_kernel_matches_torch_under_the_interpreter():
-    assert "merges checked" in run_interpreted("interpreted_merge")
+def test_merge_kernel_matches_torch_under_the_interpreter(outcomes):
+    assert "merges checked" in outcomes["merge"].output()
 
 
 def interpreted_merge() -> None:

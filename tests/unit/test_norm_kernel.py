@@ -1,6 +1,6 @@
 """The RMSNorm kernel (`norm_kernel`) against transformers' own norm modules, and the engine's
-decodes with it on and off, on CPU under Triton's interpreter (in a child process: Triton decides
-when it is imported whether it interprets). On a GPU the same source compiles;
+decodes with it on and off, on CPU under Triton's interpreter (in one child process for the module:
+tests/fixtures/interpreted.py says why). On a GPU the same source compiles;
 benchmarks/decode_breakdown.py --variants fused_kv fused_norm_kernel times it there.
 
 What "the same" means here: the kernel computes transformers' formula with transformers' order
@@ -13,17 +13,13 @@ squares moved by a few float32 ulps, and nothing else.
 import asyncio
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
 
@@ -36,40 +32,45 @@ ROWS = (1, 3, 64, 256)
 """batch sizes of a decode step"""
 
 
-def run_interpreted(function: str, *args: str) -> str:
+WEIGHTS = ("own", "mixed")
+
+INTERPRETED = checks_in(
+    __file__,
+    {
+        **{f"exact {weights}": ("check_exact", weights) for weights in WEIGHTS},
+        **{f"random {weights}": ("check_random", weights) for weights in WEIGHTS},
+        "static engine": ("interpreted_static_engine",),
+        "slab engine": ("interpreted_slab_engine",),
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, Outcome]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for switch in SWITCHES:
-        env.pop(switch, None)
-    call = f"{function}({', '.join(map(repr, args))})"
-    run = subprocess.run(
-        [sys.executable, "-c", f"from tests.unit.test_norm_kernel import {function}; {call}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout
+    return run_checks(INTERPRETED, drop_env=SWITCHES)
 
 
-@pytest.mark.parametrize("weights", ["own", "mixed"])
-def test_where_the_sums_are_exact_the_kernel_is_transformers_norm_bit_for_bit(weights):
-    assert "exact checked" in run_interpreted("check_exact", weights)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_where_the_sums_are_exact_the_kernel_is_transformers_norm_bit_for_bit(outcomes, weights):
+    assert "exact checked" in outcomes[f"exact {weights}"].output()
 
 
-@pytest.mark.parametrize("weights", ["own", "mixed"])
-def test_on_random_rows_only_the_order_of_the_sum_differs(weights):
-    assert "random checked" in run_interpreted("check_random", weights)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_on_random_rows_only_the_order_of_the_sum_differs(outcomes, weights):
+    assert "random checked" in outcomes[f"random {weights}"].output()
 
 
-def test_the_batch_engine_decodes_the_same_with_the_kernel_on_and_off():
-    assert "static engine checked" in run_interpreted("interpreted_static_engine")
+def test_the_batch_engine_decodes_the_same_with_the_kernel_on_and_off(outcomes):
+    assert "static engine checked" in outcomes["static engine"].output()
 
 
-def test_the_slab_engine_decodes_the_same_with_the_kernel_on_and_off():
-    assert "slab engine checked" in run_interpreted("interpreted_slab_engine")
+def test_the_slab_engine_decodes_the_same_with_the_kernel_on_and_off(outcomes):
+    assert "slab engine checked" in outcomes["slab engine"].output()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreted tests stand for it")
-@pytest.mark.parametrize("weights", ["own", "mixed"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 def test_on_a_gpu_the_compiled_kernel_is_transformers_norm_too(monkeypatch, weights):
     """The same checks on the GPU's compiled kernel, transformers' module on the CPU as reference:
     the GPU sums in its own tree, rounds bfloat16 by the same bits."""

@@ -1,37 +1,30 @@
 """The fused rotary embedding (`rope_kernel`) against transformers' own, on CPU under Triton's
-interpreter (in a child process: Triton decides when it is imported whether it interprets). On a
+interpreter (in one child process for the module: tests/fixtures/interpreted.py says why). On a
 GPU the same source compiles; benchmarks/decode_breakdown.py --variants fused_rope times it."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
 
 
-def run_interpreted(function: str) -> str:
+INTERPRETED = checks_in(__file__, {"rope": ("interpreted",), "model": ("interpreted_model",)})
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, Outcome]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [sys.executable, "-c", f"from tests.unit.test_rope_kernel import {function}; {function}()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout
+    return run_checks(INTERPRETED)
 
 
-def test_the_kernel_rotates_as_transformers_does():
-    assert "rope checked" in run_interpreted("interpreted")
+def test_the_kernel_rotates_as_transformers_does(outcomes):
+    assert "rope checked" in outcomes["rope"].output()
 
 
-def test_a_model_decodes_the_same_with_the_kernel_in_place():
-    assert "model checked" in run_interpreted("interpreted_model")
+def test_a_model_decodes_the_same_with_the_kernel_in_place(outcomes):
+    assert "model checked" in outcomes["model"].output()
 
 
 def test_without_triton_on_the_device_nothing_is_replaced(monkeypatch):
@@ -101,12 +94,15 @@ def interpreted_model() -> None:
     model = tiny_qwen2(seed=5, vocab_size=61).eval()
     plain = copy.deepcopy(model)
     ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = plain(input_ids=ids).logits
-        own = modeling_qwen2.apply_rotary_pos_emb
-        assert rope_kernel.use(model) == 1
-        assert modeling_qwen2.apply_rotary_pos_emb is not own
-        assert rope_kernel.use(model) == 0  # once per module
-        got = model(input_ids=ids).logits
+    own = modeling_qwen2.apply_rotary_pos_emb
+    try:
+        with torch.no_grad():
+            want = plain(input_ids=ids).logits
+            assert rope_kernel.use(model) == 1
+            assert modeling_qwen2.apply_rotary_pos_emb is not own
+            assert rope_kernel.use(model) == 0  # once per module
+            got = model(input_ids=ids).logits
+    finally:  # the swap is for the whole process: a check run after this one must find transformers' own
+        modeling_qwen2.apply_rotary_pos_emb = own
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     print("model checked")

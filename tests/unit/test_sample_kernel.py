@@ -1,33 +1,25 @@
 """The fused sampler (`sample_kernel`) against the torch sampler, on CPU under Triton's interpreter.
 
-Triton decides when it is imported whether it interprets, so the checks run in a child process
-started with TRITON_INTERPRET=1 (as tests/unit/test_lora_kernels.py does). On a GPU the same
+Triton decides when it is imported whether it interprets, so the checks run in one child process
+started with TRITON_INTERPRET=1 (tests/fixtures/interpreted.py). On a GPU the same
 source compiles; benchmarks/sampler.py compares the two there."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.interpreted import Outcome, checks_in, run_checks
+
+INTERPRETED = checks_in(__file__, {"sampler": ("interpreted",)})
 
 
-def run_interpreted(function: str) -> str:
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, Outcome]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [sys.executable, "-c", f"from tests.unit.test_sample_kernel import {function}; {function}()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout
+    return run_checks(INTERPRETED)
 
 
-def test_the_fused_sampler_draws_the_torch_samplers_tokens_and_logprobs():
-    assert "sampler checked" in run_interpreted("interpreted")
+def test_the_fused_sampler_draws_the_torch_samplers_tokens_and_logprobs(outcomes):
+    assert "sampler checked" in outcomes["sampler"].output()
 
 
 def reference(logits, temperature, seeds, step):
