@@ -7,7 +7,8 @@ A fleet's trainer holds one base model and one peft adapter per run (`FSDP2Engin
 For N = 1, 2, 4, 8 runs (mixed ranks 8/16/32, all-linear and attention-only, as
 `benchmarks/multi_run.py` mixes them) it times, side by side in one process, the N runs'
 `train_step`s one after another and one `train_together` of the same batches, from the same
-starting adapters, and checks the joint step's adapters against the solo steps' (max |diff|).
+starting adapters, and checks the joint step's adapters against the solo steps' (max |diff|);
+on a GPU also the peak memory of each.
 The batch per run is the arith3 task's GPU step by default (8 groups x 4 samples, ~24 prompt
 + 8 completion tokens: a step of short sequences, where a run's own work is small next to the
 fixed cost of a pass through the base), and can be made longer. Random weights and tokens: a
@@ -85,6 +86,17 @@ def restore(engines: list[FSDP2Engine], saved: list[tuple]) -> None:
         e.step = step
 
 
+def reset_peak(dev: torch.device) -> None:
+    sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_gib(dev: torch.device) -> float:
+    """The GPU's peak allocation since `reset_peak` (0 on the CPU)."""
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="a small model in float32 on the CPU")
@@ -112,23 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.runs:
         engines = fleet(build_base(shape, adapter_io.DTYPES[dtype], dev), n, dtype, device, args.mb_tokens)
-        solo_s, joint_s, diffs = [], [], []
+        solo_s, joint_s, diffs, peaks = [], [], [], {"one_after_another": 0.0, "joint": 0.0}
         for step in range(1 + args.steps):
             batches = [make_batch(seed=1000 * step + i, **batch) for i in range(n)]
             before = snapshot(engines)
-            sync(dev)
+            reset_peak(dev)
             t0 = time.perf_counter()
             for e, b in zip(engines, batches):
                 e.train_step(b, head_version=step)
             sync(dev)
             t1 = time.perf_counter()
+            peaks["one_after_another"] = max(peaks["one_after_another"], peak_gib(dev))
             alone = [e.adapter_state() for e in engines]
             restore(engines, before)
-            sync(dev)
+            reset_peak(dev)
             t2 = time.perf_counter()
             engines[0].train_together([(e, b, step) for e, b in zip(engines, batches)])
             sync(dev)
             t3 = time.perf_counter()
+            peaks["joint"] = max(peaks["joint"], peak_gib(dev))
             together = [e.adapter_state() for e in engines]
             diffs.append(max(float((a[k].float() - t[k].float()).abs().max()) for a, t in zip(alone, together)
                              for k in a))  # fmt: skip
@@ -142,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             "joint_s": statistics.median(joint_s),
             "speedup": statistics.median(solo_s) / statistics.median(joint_s),
             "max_adapter_diff": max(diffs),
+            "peak_gib": peaks if dev.type == "cuda" else None,
         })  # fmt: skip
         r = rows[-1]
         print(f"{n} runs: one after another {r['one_after_another_s'] * 1e3:8.1f} ms, joint "
@@ -157,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    print("| runs | one after another | joint step | speed-up | max \\|adapter diff\\| |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| runs | one after another | joint step | speed-up | max \\|adapter diff\\| | peak GiB (alone / joint) |")
+    print("|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        p = r["peak_gib"]
+        peak = "-" if p is None else f"{p['one_after_another']:.1f} / {p['joint']:.1f}"
         print(f"| {r['runs']} | {r['one_after_another_s'] * 1e3:.1f} ms | {r['joint_s'] * 1e3:.1f} ms | "
-              f"{r['speedup']:.2f}x | {r['max_adapter_diff']:.1e} |")  # fmt: skip
+              f"{r['speedup']:.2f}x | {r['max_adapter_diff']:.1e} | {peak} |")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

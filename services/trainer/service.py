@@ -112,7 +112,7 @@ def next_runs(workers: Iterable[TrainWorker]) -> list[TrainWorker]:
 def steps_together(engine: TrainEngine) -> bool:
     """Whether ready runs on `engine`'s model step together: a shared base on an accelerator,
     where a pass through the base costs launches and memory reads that a larger batch shares.
-    On the CPU a step is compute-bound and a larger batch is slower per row (8 runs: 0.82x
+    On the CPU a step is compute-bound and a larger batch is slower per row (8 runs: 0.85x
     one after another, `benchmarks/joint_step.py`), so there runs step one at a time."""
     return shares_base(engine) and engine.device.type != "cpu"
 
