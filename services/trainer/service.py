@@ -172,11 +172,17 @@ def worker_maker(
                 sibling = engine.sibling(run_cfg, run_cfg.run)
             except Exception as exc:  # its LoRA shape on this model: the run's config, its fault alone
                 raise RunFault(f"its adapter cannot join the base model: {exc}") from exc
-            begin = await resume(sibling, run_cfg, store)
-        epoch = await asyncio.to_thread(trainer_epoch, store, run_cfg.run)
-        # each run its own group, on a free port: its events name it, its replicas' receivers join
-        # it (the configured port is the own run's)
-        sender = make_sender(run_cfg, sibling, port=0)
+        try:
+            async with model:
+                begin = await resume(sibling, run_cfg, store)
+            epoch = await asyncio.to_thread(trainer_epoch, store, run_cfg.run)
+            # each run its own group, on a free port: its events name it, its replicas' receivers
+            # join it (the configured port is the own run's)
+            sender = make_sender(run_cfg, sibling, port=0)
+        except BaseException:  # a run that cannot start leaves nothing behind on the shared model
+            async with model:
+                sibling.drop()
+            raise
         run_ctx = Rank0(run_cfg, sibling, bus, store, ctx.stop, ctx.followers, sender, epoch)
         return TrainWorker(run_ctx, begin, model, wake, sibling=sibling)
 

@@ -284,3 +284,28 @@ async def test_runs_of_a_fleet_step_together_and_publish_each_its_own_version(tm
     finally:
         for w in workers:
             w._collector.cancel()
+
+
+async def test_a_submitted_run_that_cannot_start_leaves_no_adapter_on_the_shared_model(tmp_path, monkeypatch):
+    from services.common.store import open_store
+    from services.config.schema import StoreConfig
+    from services.trainer import service
+
+    own = fleet(CONFIGS[:1])[0]
+    store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
+    ctx = Recorded(own.cfg, own, Bus(), store, asyncio.Event(), ranks.Followers(1, 5.0), None, "e0")  # type: ignore[arg-type]
+    make = service.worker_maker(own.cfg, ctx, None, store, asyncio.Lock(), asyncio.Event())  # type: ignore[arg-type]
+
+    def no_port(*_args, **_kwargs):
+        raise OSError("[Errno 98] Address already in use")
+
+    monkeypatch.setattr(service, "make_sender", no_port)
+    cfg = msgspec.structs.replace(
+        CONFIGS[1], actor=msgspec.structs.replace(CONFIGS[1].actor, checkpoint_dir=str(tmp_path / "b"))
+    )
+    with pytest.raises(OSError, match="Address already in use"):
+        await make(cfg, Bus())  # type: ignore[arg-type]
+    assert list(own.model.peft_config) == ["default"]
+    monkeypatch.undo()
+    worker = await make(cfg, Bus())  # type: ignore[arg-type]
+    assert worker.sibling is not None and list(own.model.peft_config) == ["default", "b"]
