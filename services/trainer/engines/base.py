@@ -19,11 +19,12 @@ from typing import Any, NoReturn, Protocol, TypeGuard, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from proto.messages import Canary, LoraSpec, Mismatch, Trajectory
-from services.config.schema import ActorConfig, LorabusConfig
-from services.trainer.loss import LossStats
+from services.config.schema import ActorConfig, LorabusConfig, PPOConfig
+from services.trainer import batching
+from services.trainer.loss import LossStats, decoupled_ppo_loss
 
 TIMEOUT_ENV = "LORABUS_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -113,6 +114,26 @@ def step_stats(
         lr=lr,
         step_seconds=time.perf_counter() - started,
         loss_stats=stats.summary(),
+    )
+
+
+def micro_batch_loss(
+    lp: Tensor, prox: Tensor, mb: batching.MicroBatch, head_version: int, ppo: PPOConfig, device: torch.device | str
+) -> tuple[Tensor, LossStats]:
+    """The decoupled PPO loss of one micro-batch (every engine's): its share of the whole batch's loss,
+    with `ppo`'s settings and staleness against `head_version`."""
+    return decoupled_ppo_loss(
+        lp,
+        prox,
+        mb.behave_logprobs.to(device),
+        mb.advantages.to(device),
+        mb.loss_weights.to(device),
+        eps_clip=ppo.eps_clip,
+        eps_clip_higher=ppo.eps_clip_higher,
+        imp_weight_cap=ppo.behav_imp_weight_cap,
+        imp_weight_mode=ppo.behav_imp_weight_mode,
+        use_decoupled_loss=ppo.use_decoupled_loss,
+        staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
     )
 
 

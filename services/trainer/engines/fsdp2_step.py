@@ -32,9 +32,9 @@ from torch import Tensor
 
 from proto.messages import Trajectory
 from services.trainer import batching, mismatch, precision
-from services.trainer.engines.base import JointStepFailed, StepStats, step_stats, summed_over_ranks
+from services.trainer.engines.base import JointStepFailed, StepStats, micro_batch_loss, step_stats, summed_over_ranks
 from services.trainer.lora import Route, rows_by_adapter
-from services.trainer.loss import LossStats, decoupled_ppo_loss
+from services.trainer.loss import LossStats
 
 if TYPE_CHECKING:
     from services.trainer.engines.fsdp2 import FSDP2Engine
@@ -182,19 +182,9 @@ def _update(runs: list[_Run], route: list[Route]) -> None:
             route[0] = fwd.route
             total: Tensor | None = None
             for piece, lp, part in zip(fwd.pieces, _logprobs(fwd), _parts(fwd)):
-                r, ppo, device = piece.run, piece.run.engine.actor.ppo, piece.run.engine.device
-                loss, part_stats = decoupled_ppo_loss(
-                    lp,
-                    r.prox[piece.index],
-                    part.behave_logprobs.to(device),
-                    part.advantages.to(device),
-                    part.loss_weights.to(device),
-                    eps_clip=ppo.eps_clip,
-                    eps_clip_higher=ppo.eps_clip_higher,
-                    imp_weight_cap=ppo.behav_imp_weight_cap,
-                    imp_weight_mode=ppo.behav_imp_weight_mode,
-                    use_decoupled_loss=ppo.use_decoupled_loss,
-                    staleness=(r.batch.head_version - part.versions).clamp(min=0).to(device).float(),
+                r = piece.run
+                loss, part_stats = micro_batch_loss(
+                    lp, r.prox[piece.index], part, r.batch.head_version, r.engine.actor.ppo, r.engine.device
                 )
                 # FSDP2 averages gradients over ranks; the loss weights already divide by the
                 # whole batch's token count, so undo the average

@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from proto.messages import Trajectory
 from services.config.schema import PPOConfig
 from services.trainer import batching, mismatch
-from services.trainer.engines.base import StepStats, step_stats, summed_over_ranks
+from services.trainer.engines.base import StepStats, micro_batch_loss, step_stats, summed_over_ranks
 from services.trainer.engines.megatron.optim import MasterAdapterOptimizer
-from services.trainer.loss import LossStats, decoupled_ppo_loss
+from services.trainer.loss import LossStats
 
 CrossEntropy = Callable[[Tensor, Tensor], Tensor]
 """(logits [..., V or V/tp], targets [...]) -> -log p(target); megatron-core's
@@ -135,25 +135,6 @@ def fixed_shape_plans(
         dist.all_reduce(shape, op=dist.ReduceOp.MAX)
     rows, length = (int(v) for v in shape.tolist())
     return [[pad_micro_batch(mb, rows, length, pad_id) for mb in plan] for plan in plans]
-
-
-def micro_batch_loss(
-    lp: Tensor, prox: Tensor, mb: batching.MicroBatch, head_version: int, ppo: PPOConfig, device: torch.device | str
-) -> tuple[Tensor, LossStats]:
-    """The decoupled PPO loss of one micro-batch: its share of the whole batch's loss."""
-    return decoupled_ppo_loss(
-        lp,
-        prox,
-        mb.behave_logprobs.to(device),
-        mb.advantages.to(device),
-        mb.loss_weights.to(device),
-        eps_clip=ppo.eps_clip,
-        eps_clip_higher=ppo.eps_clip_higher,
-        imp_weight_cap=ppo.behav_imp_weight_cap,
-        imp_weight_mode=ppo.behav_imp_weight_mode,
-        use_decoupled_loss=ppo.use_decoupled_loss,
-        staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
-    )
 
 
 def train_step(
