@@ -33,12 +33,11 @@ truncates (tests/unit/test_kv_write.py checks copies, and casts to float16).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from transformers import StaticCache, cache_utils
 
-from services.rollout.lora_kernels import triton
+from services.rollout.lora_kernels import triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
@@ -56,9 +55,7 @@ _BROKEN: list[str] = []
 def available(device: torch.device) -> bool:
     """Triton on a CUDA device, or its interpreter (TRITON_INTERPRET=1: tests on CPU);
     LORABUS_FUSED_KV_WRITE=0 turns it off."""
-    if triton is None or _BROKEN or os.environ.get("LORABUS_FUSED_KV_WRITE") == "0":
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device, "LORABUS_FUSED_KV_WRITE", _BROKEN)
 
 
 def takes(

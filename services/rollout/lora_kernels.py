@@ -101,6 +101,16 @@ results/embedded_engine_h200.json) it was the fastest per group for q/k/v, o and
 shrink on a side stream, which measured cheaper alone than inside the model)."""
 
 
+def triton_runs(device: torch.device, switch: str, broken: Sequence[str] = ()) -> bool:
+    """Whether one of the decode step's Triton kernels runs for `device`: Triton on a CUDA
+    device, or its interpreter (TRITON_INTERPRET=1: tests on CPU); the environment variable
+    `switch` set to 0 turns that kernel off, and a kernel that failed to build in this process
+    (`broken` holds why) is not tried again."""
+    if triton is None or broken or os.environ.get(switch) == "0":
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `correct_kernel_` runs here: Triton on a CUDA device in half precision, or
     Triton's interpreter (TRITON_INTERPRET=1, tests on CPU)."""

@@ -46,11 +46,10 @@ up to the summation order of the squares; the input and the weight are not writt
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from services.rollout.lora_kernels import triton
+from services.rollout.lora_kernels import triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
@@ -71,9 +70,7 @@ _BROKEN: list[str] = []
 def available(device: torch.device) -> bool:
     """Triton on a CUDA device, or its interpreter (TRITON_INTERPRET=1: tests on CPU);
     LORABUS_FUSED_NORM_KERNEL=0 turns it off."""
-    if triton is None or _BROKEN or os.environ.get("LORABUS_FUSED_NORM_KERNEL") == "0":
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device, "LORABUS_FUSED_NORM_KERNEL", _BROKEN)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -20,7 +20,6 @@ Invariant: outside the rollout's inference the module's own function runs, uncha
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from services.rollout.lora_kernels import triton
+from services.rollout.lora_kernels import triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
@@ -39,9 +38,7 @@ Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def available(device: torch.device) -> bool:
     """Triton on a CUDA device, or its interpreter (TRITON_INTERPRET=1: tests on CPU);
     LORABUS_FUSED_ROPE=0 turns it off."""
-    if triton is None or os.environ.get("LORABUS_FUSED_ROPE") == "0":
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device, "LORABUS_FUSED_ROPE")
 
 
 def _takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:

@@ -17,8 +17,6 @@ import os
 import pytest
 import torch
 
-from proto.messages import LoraSpec
-from services.common.lora_targets import HF_LINEAR
 from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
@@ -233,17 +231,11 @@ def check_random(weights: str, device: str = "cpu") -> None:
           f"{fp32_ulps} ulps from transformers' at most; bfloat16 outputs bit for bit {same}/{total}")  # fmt: skip
 
 
-SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=list(HF_LINEAR), base_model="tiny")
-
-
 async def engine_outputs(slab_rows: int, kernel: bool, dtype: torch.dtype) -> tuple[list, int]:
-    """The engine's answers, rows on versions 1 (head, merged) and 0 (corrected), and how many
-    norms the kernel computed."""
+    """The engine's answers (`kernel_engine.mixed_generation`) and how many norms the kernel computed."""
     from services.rollout import norm_kernel
-    from services.rollout.engines.base import GenRequest
-    from services.rollout.engines.embedded import EmbeddedEngine
-    from services.rollout.sampling import DecodeGraphs
-    from tests.fixtures.tiny import random_lora, tiny_qwen2
+    from tests.fixtures.kernel_engine import mixed_generation
+    from tests.fixtures.tiny import tiny_qwen2
 
     os.environ["LORABUS_FUSED_NORM_KERNEL"] = "1" if kernel else "0"
     launches = []
@@ -254,24 +246,10 @@ async def engine_outputs(slab_rows: int, kernel: bool, dtype: torch.dtype) -> tu
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(7))
-    adapters = [random_lora(model, seed=v, rank=4, std=0.2) for v in (0, 1)]
-    engine = EmbeddedEngine(
-        model, eos_ids=[], pad_id=0, slots=3, slab_rows=slab_rows, slab_length=40, cuda_graphs=False
-    )
-    if not slab_rows:  # the static path the engine takes on a GPU, run eagerly here
-        engine.graphs = DecodeGraphs(engine.model, capture=False)
-    reqs = [
-        GenRequest(prompt_token_ids=[5, 6, 7, 8, 9], n=2, max_new_tokens=6, temperature=0.7, seed=1),
-        GenRequest(prompt_token_ids=[11, 12], n=1, max_new_tokens=4, temperature=1.3, seed=2),
-        GenRequest(prompt_token_ids=[40], n=2, max_new_tokens=6, temperature=0.0, seed=3),
-    ]
     try:
-        for version, adapter in enumerate(adapters):
-            engine.swap_in(version, {k: v.to(dtype) for k, v in adapter.items()}, SPEC)
-        return await engine.generate_mixed(reqs, [1, 0, 1]), len(launches)
+        return await mixed_generation(model, dtype, slab_rows), len(launches)
     finally:
         norm_kernel._launch = launch
-        await engine.close()
 
 
 def same_on_and_off(slab_rows: int) -> None:

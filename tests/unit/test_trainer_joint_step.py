@@ -15,34 +15,12 @@ import pytest
 import torch
 
 from proto.messages import Completion, Trajectory
-from services.config.schema import LorabusConfig
 from services.trainer import ranks, runs
 from services.trainer.engines.base import JointStepFailed
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from tests.fixtures.tiny import tiny_qwen2
 from tests.unit.test_canary_follows import event
-
-
-def config(run: str, rank: int, targets: list[str], **actor) -> LorabusConfig:
-    temperature = actor.pop("temperature", 1.0)
-    return msgspec.convert(
-        {
-            "run": run,
-            "total_train_steps": 10,
-            "gconfig": {"n_samples": 3, "temperature": temperature, "lora_name": run},
-            "actor": {
-                "path": "tiny",
-                "device": "cpu",
-                "lora_rank": rank,
-                "lora_alpha": 2.0 * rank,
-                "target_modules": targets,
-                "optimizer": {"lr": 0.05},
-                **actor,
-            },
-        },
-        LorabusConfig,
-    )
-
+from tests.unit.test_trainer_siblings import config
 
 CONFIGS = [
     config("a", 8, ["all-linear"]),

@@ -18,12 +18,16 @@ from services.trainer.engines.fsdp2 import FSDP2Engine
 from tests.fixtures.tiny import tiny_qwen2
 
 
-def config(run: str, rank: int, targets: list[str], lr: float = 0.05) -> LorabusConfig:
+def config(
+    run: str, rank: int, targets: list[str], lr: float = 0.05, temperature: float = 1.0, **actor
+) -> LorabusConfig:
+    """A run on the tiny model: its rank (alpha twice it), targets, learning rate and sampling
+    temperature; `actor`: more actor keys (they win over these)."""
     return msgspec.convert(
         {
             "run": run,
             "total_train_steps": 10,
-            "gconfig": {"n_samples": 3, "temperature": 1.0, "lora_name": run},
+            "gconfig": {"n_samples": 3, "temperature": temperature, "lora_name": run},
             "actor": {
                 "path": "tiny",
                 "device": "cpu",
@@ -31,6 +35,7 @@ def config(run: str, rank: int, targets: list[str], lr: float = 0.05) -> Lorabus
                 "lora_alpha": 2.0 * rank,
                 "target_modules": targets,
                 "optimizer": {"lr": lr},
+                **actor,
             },
         },
         LorabusConfig,
