@@ -26,10 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import uuid
 from collections.abc import Callable, Mapping
-
-import nats.errors
 
 from proto import subjects
 from proto.messages import AdmissionReply, FleetAdmissionRequest
@@ -41,7 +38,7 @@ from services.config.schema import LorabusConfig
 from services.rollout.engines.base import Engine
 from services.rollout.run_engines import RunEngines
 from services.rollout.service import STARTED_AT, RolloutService
-from services.rollout.work import Run, work_loop
+from services.rollout.work import RequestIds, Run, request_admission, work_loop
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +60,7 @@ class FleetReplica:
         self.cfg, self.fleet, self.replica = cfg, cfg.run, replica
         self.bus, self.engines, self.make = bus, engines, make
         self.admission_timeout_s = admission_timeout_s
+        self.request_ids = RequestIds()
         self.own_ready = asyncio.Event()
         """set once the own run holds a version: the engine's slots are shaped"""
         self.host = RunHost(cfg, bus, self._worker, name=f"rollout {replica}", ready=self.own_ready)
@@ -87,16 +85,13 @@ class FleetReplica:
         request = FleetAdmissionRequest(
             fleet=self.fleet,
             replica=self.replica,
-            request_id=uuid.uuid4().hex,
+            request_id=self.request_ids.next(),
             loaded={run: versions for run, versions in loaded.items() if versions},
             started_at=STARTED_AT,
         )
-        try:
-            return await self.bus.request(
-                subjects.fleet_admission(self.fleet), request, AdmissionReply, timeout=self.admission_timeout_s
-            )
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            return None
+        return await request_admission(
+            self.bus, subjects.fleet_admission(self.fleet), request, self.request_ids, self.admission_timeout_s
+        )
 
     async def _own_loaded(self, own: RolloutService, stop: asyncio.Event) -> None:
         changed = own.adapters.changed

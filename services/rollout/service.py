@@ -30,8 +30,6 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import nats.errors
-
 from proto import subjects
 from proto.messages import (
     AdapterReady,
@@ -53,7 +51,7 @@ from services.rollout.adapters import AdapterFollower
 from services.rollout.engines.base import Engine, GenRequest
 from services.rollout.engines.http import VersionNotLoaded
 from services.rollout.sampling import mix32
-from services.rollout.work import Run, work_loop
+from services.rollout.work import RequestIds, Run, request_admission, work_loop
 
 if TYPE_CHECKING:
     from services.rollout.load_path import Stager
@@ -111,6 +109,7 @@ class RolloutService:
         self.book = self.adapters.book
         """pinned by the work loop for the versions its grants name"""
         self.admission_timeout_s = admission_timeout_s
+        self.request_ids = RequestIds()
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.replica.encode())
         self._seed = seed
         self._prompts = prompt_cycle(prompts, seed, cfg.train_dataset.shuffle)
@@ -155,16 +154,13 @@ class RolloutService:
         req = AdmissionRequest(
             run=self.run_id,
             replica=self.replica,
-            request_id=uuid.uuid4().hex,
+            request_id=self.request_ids.next(),
             loaded_versions=self.adapters.loaded(),
             started_at=STARTED_AT,
         )
-        try:
-            return await self.bus.request(
-                subjects.admission(self.run_id), req, AdmissionReply, timeout=self.admission_timeout_s
-            )
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            return None
+        return await request_admission(
+            self.bus, subjects.admission(self.run_id), req, self.request_ids, self.admission_timeout_s
+        )
 
     def loaded(self) -> list[int]:
         """The run's versions that may be granted (`AdapterFollower.loaded`)."""

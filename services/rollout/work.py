@@ -6,6 +6,12 @@ leave while it runs). How it asks is the caller's `admit`: on the fleet's admiss
 the versions of every run (the registry picks the run), or, for a replica that cannot read the
 run table, on its own run's subject. A run that is draining is neither asked for nor granted.
 
+A request that got no answer is asked again under its own id (`RequestIds`): the registry may
+have granted it and the reply been lost (a bus restart, a timeout on a loaded host), and the
+registry gives a retried request its live grant back; a fresh id would hold a second slot
+while the first stayed taken until its lease passed (60 s of a stalled run when all of them
+were).
+
 After a deny the loop waits the registry's `retry_after_s`, or less: a version loaded by any of
 its runs wakes it at once (`head_moved`), since that is what a synchronous run's deny waits for
 (the next version), and a fixed poll put up to `retry_after_s` of idle into every step.
@@ -24,10 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
-from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply
+import nats.errors
+
+from proto.messages import AdmissionDeny, AdmissionGrant, AdmissionReply, AdmissionRequest, FleetAdmissionRequest
+from services.common.bus import Bus
 from services.rollout.versions import VersionBook
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,34 @@ class Run(Protocol):
     async def head_moved(self, seen: int | None) -> None:
         """Return once the newest version loaded for the run is other than `seen`."""
         ...
+
+
+class RequestIds:
+    """Admission request ids: a new one after an answer, the same one again after none."""
+
+    def __init__(self) -> None:
+        self._unanswered: str | None = None
+
+    def next(self) -> str:
+        if self._unanswered is None:
+            self._unanswered = uuid.uuid4().hex
+        return self._unanswered
+
+    def answered(self) -> None:
+        self._unanswered = None
+
+
+async def request_admission(
+    bus: Bus, subject: str, request: AdmissionRequest | FleetAdmissionRequest, ids: RequestIds, timeout_s: float
+) -> AdmissionReply | None:
+    """Ask on `subject` (`request` carries `ids.next()`); None when no answer came, and then the
+    next request goes out under the same id."""
+    try:
+        reply = await bus.request(subject, request, AdmissionReply, timeout=timeout_s)
+    except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return None
+    ids.answered()
+    return reply
 
 
 Admit = Callable[[Mapping[str, Run]], Awaitable[AdmissionReply | None]]
