@@ -363,6 +363,10 @@ class Streams:
     """(replica, version) of AdapterFailed reports with will_retry false"""
     loaded: dict[str, list[int]] = field(default_factory=dict)
     trainer_backlog: int = 0
+    trainer_consumer: str = ""
+    """the trainer's durable as the server holds it (for a failure's message)"""
+    step_records: list[m.TrainerStep] = field(default_factory=list)
+    """every TrainerStep stored, duplicates of a step included (for a failure's message)"""
 
 
 async def _read(run_dir: Path, url: str | None) -> Streams:
@@ -390,6 +394,7 @@ async def _read(run_dir: Path, url: str | None) -> Streams:
             s.accepted_ids.append(t.trajectory_id)
         async for step in each(streams.TRAINER(RUN), m.TrainerStep):
             s.steps[step.step] = step
+            s.step_records.append(step)
         async for ev in each(streams.EVALS(RUN), m.EvalResult):
             s.evals[ev.version] = ev.score
         async for done in each(streams.EXPORTS(RUN), m.ExportDone):
@@ -401,6 +406,11 @@ async def _read(run_dir: Path, url: str | None) -> Streams:
                 s.loaded.setdefault(r.replica, []).append(r.version)
         trainer = streams.consumer(RUN, "trainer")
         s.trainer_backlog = await bus.consumer_backlog(trainer.stream, trainer.durable) or 0
+        info = await bus.js.consumer_info(trainer.stream, trainer.durable)
+        s.trainer_consumer = (
+            f"pending {info.num_pending}, ack pending {info.num_ack_pending}, redelivered {info.num_redelivered}, "
+            f"delivered up to seq {info.delivered.stream_seq}, acked up to seq {info.ack_floor.stream_seq}"
+        )
     finally:
         await bus.close()
         if server is not None:

@@ -22,6 +22,7 @@ evidence that each fault was survived is printed.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -64,7 +65,12 @@ def check_run(run: Run, proc, streams: Streams) -> dict:
     assert set(streams.accepted_ids) == accepted
     trained = sum(s.groups for s in streams.steps.values())
     assert sorted(streams.steps) == list(range(steps)), sorted(streams.steps)
-    assert trained + streams.trainer_backlog == len(accepted), (trained, streams.trainer_backlog, len(accepted))
+    assert trained + streams.trainer_backlog == len(accepted), (
+        f"trained {trained} + backlog {streams.trainer_backlog} != accepted {len(accepted)}; the trainer's "
+        f"durable: {streams.trainer_consumer}; step records (step, version, groups): "
+        f"{[(r.step, r.version, r.groups) for r in streams.step_records]}; the trainer's restarts:\n"
+        + restart_lines(run)
+    )
     # the summary says what the streams hold
     verdicts: dict[str, int] = {}
     for verdict in streams.decisions.values():
@@ -76,6 +82,13 @@ def check_run(run: Run, proc, streams: Streams) -> dict:
     assert {int(v): s for v, s in summary["eval_by_version"].items()} == evals
     assert summary["max_accepted_staleness"] <= summary["max_head_offpolicyness"]
     return summary
+
+
+def restart_lines(run: Run) -> str:
+    """What the trainer logged about its starts, resumptions and lost acks."""
+    log = (run.run_dir / "trainer.log").read_text(errors="replace")
+    start = re.compile(r"resuming from|: v\d+ (announced|was already announced)$|trained already|before the restart")
+    return "\n".join(line[:200] for line in log.splitlines() if start.search(line))
 
 
 def summary_batch(run: Run) -> int:
