@@ -68,11 +68,9 @@ docker-engine:
 	@command -v dockerd >/dev/null && command -v mmdebstrap >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io mmdebstrap >/dev/null)
 
-# unit and integration on two workers, then the whole-deployment tiers one at a time
-# (tests/conftest.py says why)
+# on two workers, a test module at a time, unit modules first (tests/conftest.py says why)
 test: install vllm-env megatron-env prometheus docker-engine
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/unit tests/integration
-	$(BIN)/python -m pytest -q tests/deploy tests/e2e tests/chaos
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the deploy tier only: compose files, NATS permissions, Prometheus, and `docker compose up`
 # for real (a fresh machine builds the images first: 2-9 minutes on 2 cores, by load)

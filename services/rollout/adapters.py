@@ -22,6 +22,13 @@ and unloaded once unpinned; after a failed sha256 it is loaded again by the veri
 after a failed canary it is given up (the same weights fail again), as after a canary that never
 came or is not the event's.
 
+A canary that follows its event can only come from the trainer that announced the version. A
+later event whose trainer step did not rise past the version's says that trainer is gone and its
+successor resumed from an older checkpoint (announced, not checkpointed: the version is out of
+the lineage): its canary never comes, so the wait for it ends there (`canary.obtain`'s `orphaned`,
+after one more read of the stream) instead of holding the version's output for
+rollout.canary_wait_s (60 s of a stalled run, in CI's chaos run).
+
 Server engines forget (a restarted server): `watch_engine_loop` and `restore()` load again the
 versions still admissible, so a grant's version is served again rather than dropped. A version
 loaded again is checked against its canary as on its first load, before `restore()` returns
@@ -107,6 +114,10 @@ class AdapterFollower:
         """notified when a version is loaded or unpinned"""
         self._events: dict[int, AdapterReady] = {}
         """the event of every loaded version: what re-loading a version the engine lost reads"""
+        self._steps: dict[int, int] = {}
+        """the trainer step of each version followed, within the keep window (`orphaned_by`)"""
+        self._canary_waits: dict[int, asyncio.Future[str]] = {}
+        """versions whose canary is awaited -> set (to the reason) once it never can come"""
         self._loading: int | None = None
         self._restore_failures: dict[int, int] = {}
         self._restoring = asyncio.Lock()
@@ -225,6 +236,7 @@ class AdapterFollower:
                 raise Refused(f"{ev.adapter_name}: {problem}")
             self.epoch = ev.trainer_epoch
             self.newest_seen = max(self.newest_seen, ev.version)
+            self._follow_steps(ev)
             if ev.version in self.book.loaded():
                 return
             if ev.version <= self.newest_seen - self.keep:
@@ -248,6 +260,30 @@ class AdapterFollower:
             finally:
                 self._loading = None
             await self.collect()
+
+    def _follow_steps(self, ev: AdapterReady) -> None:
+        """Note `ev`'s trainer step, and end the canary waits it orphans."""
+        self._steps[ev.version] = ev.trainer_step
+        for version in [v for v in self._steps if v < self.newest_seen - self.keep]:
+            del self._steps[version]
+        for version, orphaned in self._canary_waits.items():
+            if not orphaned.done() and (reason := self.orphaned_by(version)) is not None:
+                orphaned.set_result(reason)
+
+    def orphaned_by(self, version: int) -> str | None:
+        """Why `version`'s canary can never come (a later version's trainer step did not rise
+        past its own: its trainer was replaced by one resumed from an older checkpoint), or None."""
+        step = self._steps.get(version)
+        if step is None:
+            return None
+        for later, later_step in self._steps.items():
+            if later > version and later_step <= step:
+                return (
+                    f"v{later} was announced at trainer step {later_step}, not after v{version}'s step {step}: "
+                    f"the trainer that announced v{version} is gone and its successor resumed from an "
+                    f"older checkpoint, so no canary of v{version} can come"
+                )
+        return None
 
     async def _load_with_retries(self, ev: AdapterReady, verify_first: bool = False) -> bool:
         """Load `ev` by the first of the loaders that takes it (True), give it up when its
@@ -331,7 +367,14 @@ class AdapterFollower:
         `CanaryFailed` with the figures beyond the tolerance, or when no canary bound to the event
         came in time, or the engine's error when it cannot answer `load_attempts` times in a row."""
         t_wait = time.perf_counter()
-        want = await canary.obtain(self.bus, ev, self.cfg.rollout.canary_wait_s)
+        orphaned = asyncio.get_running_loop().create_future()
+        if (reason := self.orphaned_by(ev.version)) is not None:
+            orphaned.set_result(reason)
+        self._canary_waits[ev.version] = orphaned
+        try:
+            want = await canary.obtain(self.bus, ev, self.cfg.rollout.canary_wait_s, orphaned)
+        finally:
+            self._canary_waits.pop(ev.version, None)
         t0 = time.perf_counter()
         if ev.canary is None:
             log.debug("rollout %s: %s's canary came %.1f ms into its check", self.replica, ev.adapter_name,

@@ -31,6 +31,7 @@ served.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -142,19 +143,35 @@ def binding_problem(ev: AdapterReady, msg: AdapterCanary) -> str | None:
     return None
 
 
-async def obtain(bus: Bus, ev: AdapterReady, wait_s: float) -> Canary:
+async def obtain(bus: Bus, ev: AdapterReady, wait_s: float, orphaned: asyncio.Future[str] | None = None) -> Canary:
     """The canary to check `ev`'s version against: the event's own, or the AdapterCanary that
-    follows it, waited for up to `wait_s`. Raises `CanaryFailed` saying why there is none to
-    trust (it never came, does not decode, or is another version's or other weights')."""
+    follows it, waited for up to `wait_s`, or until `orphaned` says it never can come (then the
+    stream is read once more: what its trainer stored before it went still counts). Raises
+    `CanaryFailed` saying why there is none to trust (it never came, can never come, does not
+    decode, or is another version's or other weights')."""
     if ev.canary is not None:
         return ev.canary
     if not ev.canary_follows:
         raise ValueError(f"{ev.adapter_name}: its event carries no canary and says none follows")
     subject = subjects.adapter_canary(ev.run, ev.version)
+    stream = streams.CANARIES(ev.run)
+    waiting = asyncio.ensure_future(bus.wait_last(stream, AdapterCanary, subject, timeout=wait_s))
+    given_up = asyncio.ensure_future(asyncio.shield(orphaned)) if orphaned is not None else None
     try:
-        msg = await bus.wait_last(streams.CANARIES(ev.run), AdapterCanary, subject, timeout=wait_s)
+        await asyncio.wait([f for f in (waiting, given_up) if f is not None], return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done() or given_up is None:
+            msg = await waiting
+        else:
+            waiting.cancel()
+            msg = await bus.last(stream, AdapterCanary, subject)
+            if msg is None:
+                raise CanaryFailed(f"{ev.adapter_name}: {given_up.result()}; {WITHDRAWN}")
     except codec.DecodeError as exc:
         raise CanaryFailed(f"{ev.adapter_name}: the canary on {subject} does not decode ({exc}); {WITHDRAWN}") from exc
+    finally:
+        for f in (waiting, given_up):
+            if f is not None and not f.done():
+                f.cancel()
     if msg is None:
         raise CanaryFailed(
             f"{ev.adapter_name}: its event says a canary follows, but none came on {subject} within "

@@ -85,7 +85,7 @@ async def request_admission(
     """Ask on `subject` (`request` carries `ids.next()`); None when no answer came, and then the
     next request goes out under the same id."""
     try:
-        reply = await bus.request(subject, request, AdmissionReply, timeout=timeout_s)
+        reply: AdmissionReply = await bus.request(subject, request, AdmissionReply, timeout=timeout_s)
     except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return None
     ids.answered()

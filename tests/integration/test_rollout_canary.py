@@ -92,20 +92,22 @@ def publisher(run, base):
     adapter announced saying its canary follows, then (as the trainer does, after the event) the
     trainer's canary of adapter `canary_of` (its own by default) `after` seconds later; `after`
     None: never sent. `embedded`: carried on the event instead, as trainers before
-    `canary_follows` did. `sent[version]`: when each canary was published (time.time())."""
+    `canary_follows` did. `step`: the event's trainer step (default: the version).
+    `sent[version]`: when each canary was published (time.time())."""
     prompt_ids = trainer_canary.prompts(base.config.vocab_size, seed=run.cfg.seed)
     sending: list[asyncio.Task] = []
     sent: dict[int, float] = {}
 
     async def publish(version: int, canary_of: int | None = None, after: float | None = 0.0,
-                      embedded: bool = False) -> None:  # fmt: skip
+                      embedded: bool = False, step: int | None = None) -> None:  # fmt: skip
         data = peft_version(base, seed=50 + version)[1]
         model = peft_version(base, seed=50 + (version if canary_of is None else canary_of))[0]
         reference = trainer_canary.reference(model, prompt_ids, "float32")
         ref = run.store.put_bytes(f"{run.run}/adapters/v{version}/adapter_model.safetensors", data)
         ev = AdapterReady(
             run=run.run, trainer_epoch="e0", lora_name="tiny", version=version,
-            parent_version=version - 1 if version else None, trainer_step=version, created_at=time.time(), lora=SPEC,
+            parent_version=version - 1 if version else None, trainer_step=version if step is None else step,
+            created_at=time.time(), lora=SPEC,
             payloads=[ObjectPayload(uri=ref.uri, bytes=ref.bytes, sha256=ref.sha256)],
             canary=reference if embedded else None, canary_follows=not embedded,
         )  # fmt: skip
@@ -242,6 +244,41 @@ async def test_a_version_whose_canary_never_comes_or_is_not_its_own_is_withdrawn
         n = len(rec.trajectories)
         await wait_until(lambda: len(rec.trajectories) >= n + 2, what="trajectories after the refusal")
         assert {v for t in rec.trajectories for c in t.completions for v in c.versions} == {1}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_version_whose_trainer_was_replaced_before_its_canary_is_withdrawn_at_once(start_run, base):
+    """v2 is announced and its trainer dies before sending its canary; its successor resumed from
+    v1's checkpoint and announces v3 at v1's trainer step. No canary of v2 can come any more, so
+    the replica stops waiting at v3's event, not after rollout.canary_wait_s (60 s here: the
+    stall CI's chaos run showed), withdraws v2 and goes on with v3."""
+    run = await start_run("corph", seed=9, max_new_tokens=3, batch_groups=1)
+    run.cfg = msgspec.structs.replace(run.cfg, rollout=msgspec.structs.replace(run.cfg.rollout, canary_wait_s=60.0))
+    rec, publish = run.rec, publisher(run, base)
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    calls = Calls(engine, slow={})
+    name = "norph"
+    service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await publish(1)
+        await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
+        await publish(2, after=None)
+        await wait_until(lambda: rec.of(AdapterLoaded, name, version=2), what="v2 marked loaded")
+        await wait_until(lambda: calls.batches(2), what="a grant on v2 while it waits for its canary")
+        replaced = time.time()
+        await publish(3, step=1)
+        await wait_until(lambda: rec.of(AdapterFailed, name, version=2), what="v2 given up", timeout=20.0)
+        assert time.time() - replaced < 20.0
+        [failed] = rec.of(AdapterFailed, name, version=2)
+        assert not failed.will_retry and "its successor resumed from an older checkpoint" in failed.reason
+        assert "v3 was announced at trainer step 1, not after v2's step 2" in failed.reason
+        await wait_until(lambda: any(3 in c.versions for t in rec.trajectories for c in t.completions),
+                         what="a v3 trajectory", timeout=30.0)  # fmt: skip
+        assert not any(2 in c.versions for t in rec.trajectories for c in t.completions)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
