@@ -223,7 +223,8 @@ class RolloutService:
         work, outs = [w for w, o in zip(work, outs) if o is not None], [o for o in outs if o is not None]
         if not await self.adapters.trusted(since, {g.version for g in grants}):
             # a version served meanwhile failed its sha256 or canary check: nothing of this batch
-            # may be accepted; the grants' leases expire at the registry
+            # may be accepted; the registry frees the grants on a version given up when its
+            # AdapterFailed comes, the others when their leases pass
             log.warning("rollout %s: %d groups dropped: generated beside weights that failed a check", self.replica,
                         len(work))  # fmt: skip
             metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(0)

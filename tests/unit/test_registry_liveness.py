@@ -7,7 +7,7 @@ import random
 
 import msgspec
 
-from proto.messages import AdmissionGrant, ReplicaHeartbeat
+from proto.messages import AdapterFailed, AdmissionGrant, ReplicaHeartbeat
 from services.common import ranges
 from services.registry import persistence as j
 from services.registry import policy as p
@@ -258,3 +258,29 @@ def test_capacity_follows_the_trainers_steps_when_a_restart_skipped_a_version() 
     assert led.head == 3 and p.capacity(led, c) == (0 + 1 + 1) * 4 - 8 == 0
     j.apply(led, j.AdapterOp(ready(4, step=2)), c)  # the redelivered batch trained again
     assert p.capacity(led, c) == (0 + 2 + 1) * 4 - 8 == 4
+
+
+def failed(replica: str, version: int, will_retry: bool) -> j.ReportOp:
+    report = AdapterFailed(run=RUN, replica=replica, version=version, reason="canary: gap 3.2 beyond 0.002", attempt=1,
+                           will_retry=will_retry, failed_at=101.0)  # fmt: skip
+    return j.ReportOp(report, 101.0)
+
+
+def test_a_version_given_up_frees_that_replicas_grants_on_it_at_once() -> None:
+    """Nothing a replica generated on a version it gave up is published (its canary failed, or
+    never came): the grants it holds there are freed when it says so, not 60 s later at their
+    leases' end; its grants on other versions, and the other replicas', stay."""
+    c = p.PolicyConfig(max_head_offpolicyness=1, consumer_batch_size=4, max_concurrent_rollouts=8, lease_seconds=60.0)
+    led = p.new_ledger(RUN)
+    j.apply(led, j.AdapterOp(ready(0)), c)
+    j.apply(led, j.AdapterOp(ready(1)), c)
+    on = {}
+    for rid, replica, loaded in (("a", "r1", (0,)), ("b", "r1", (1,)), ("c", "r1", (1,)), ("d", "r2", (1,))):
+        grant = j.apply(led, j.AdmitOp(request(replica, rid, loaded=loaded), 100.0), c)
+        assert isinstance(grant, AdmissionGrant), grant
+        on[rid] = grant.grant_id
+    j.apply(led, failed("r1", 1, will_retry=True), c)  # to be loaded again: its grants stay
+    assert len(led.grants) == 4
+    j.apply(led, failed("r1", 1, will_retry=False), c)
+    assert sorted(led.grants) == sorted([on["a"], on["d"]])
+    assert led.running == 2

@@ -4,7 +4,8 @@ reports (the replicas) and exports (the exporter).
 Invariant: the head only rises, by bounded steps, within the run's trainer epoch (`lineage`);
 an identical event replayed is a no-op and a conflicting one is refused, so a replay of the
 journal and a redelivery by JetStream both leave the ledger as it was. A report changes only
-what its replica holds, and only to versions it may plausibly hold.
+what its replica holds (the versions it serves, the grants on a version it gave up), and only to
+versions it may plausibly hold.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from services.registry.policy.ledger import (
     Ledger,
     ReplicaState,
     VersionRecord,
+    drop_grant,
 )
 from services.registry.policy.liveness import new_incarnation
 
@@ -173,6 +175,14 @@ def on_report(ledger: Ledger, report: RolloutReport) -> Applied:
     elif isinstance(report, AdapterFailed):
         state.failures += 1
         state.last_seen = max(state.last_seen, report.failed_at)
+        if not report.will_retry:
+            # given up (a failed canary, or a load that never worked): nothing the replica
+            # generated on the version is ever published (rollout.canary's invariant), so its
+            # grants there are free now, not when their leases pass (a late trajectory for one
+            # is rejected-invalid)
+            for gid, g in list(ledger.grants.items()):
+                if g.replica == report.replica and g.version == report.version:
+                    drop_grant(ledger, gid)
     elif isinstance(report, ReplicaHeartbeat):
         if report.incarnation is not None and report.incarnation != state.incarnation:
             if report.incarnation in state.replaced:
