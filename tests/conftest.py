@@ -7,7 +7,7 @@ directly under tests/ would get no tier, so none is.
 `make test` runs on two pytest-xdist workers, a test module at a time (`--dist loadfile`), the
 modules handed out in `testpaths` order (unit first): a module's fixtures (an interpreter child,
 a Megatron model, a vLLM CPU server) are built once, not once per worker. The whole suite took
-17 min here that way against 22.5 min one test at a time (2 cores), with the deployment tiers
+18.6 min here that way against about 22.5 min one test at a time (2 cores), with the deployment tiers
 sharing the machine two at a time: their waits are gated on the run's state, not on the clock.
 """
 
