@@ -208,7 +208,9 @@ class RolloutConfig(Section):
     publishes it once computed, `AdapterCanary`) waits for that canary; the version serves
     meanwhile and its output is held. A canary that does not come within it withdraws the
     version on the replica, as a failed canary does (a trainer that died between the two
-    publishes it when it re-announces the version at restart, if it is back within it)"""
+    publishes it when it re-announces the version at restart, if it is back within it; one that
+    resumed from an older checkpoint announces a later version at an earlier step instead, and
+    that event ends the wait at once)"""
     cuda_graphs: bool = True
     """embedded engine on CUDA: decode on a static KV cache with CUDA graphs (false: eager)"""
     slab_rows: int = 0
