@@ -272,8 +272,10 @@ async def _finish(turn: Turn) -> None:
     if stats.canary is not None:  # after the event, which names the weights it vouches for
         await ctx.send_canary(version, stats.canary, event)
     # the step's record before the checkpoint: a crash after a checkpoint resumes past this
-    # step and would never publish it; a crash before one redoes the step, and its record's
-    # msg_id makes the second publish a duplicate the stream drops
+    # step and would never publish it. A crash before one redoes the step on a new version
+    # (version numbers are never reused): the record's msg_id names step and version, so the
+    # redo's record is stored beside the lost attempt's, and readers keep the later one per
+    # step; a publish retried as it is stays one message
     await bus.publish(
         subjects.trainer_step(run),
         TrainerStep(
@@ -292,7 +294,7 @@ async def _finish(turn: Turn) -> None:
             canary_wait_seconds=stats.canary_wait_seconds,
             mismatch=stats.mismatch,
         ),
-        msg_id=f"trainer-step-{turn.index}",
+        msg_id=f"trainer-step-{turn.index}-v{version}",
     )
     if turn.optim is not None:  # gathered by run_step because this step is checkpoint_due
         await asyncio.to_thread(

@@ -203,5 +203,8 @@ async def test_the_step_announces_before_its_canary_is_computed_and_sends_it_aft
     assert await asyncio.wait_for(stepping, 10) == 4
     kinds = [type(msg).__name__ for _, msg, _ in bus.published]
     assert kinds == ["AdapterReady", "AdapterCanary", "TrainerStep"]
-    step = bus.published[2][1]
+    _, step, step_id = bus.published[2]
     assert step.canary_wait_seconds == 0.0 and step.canary_seconds is not None and step.canary_seconds > 0
+    # a step redone after a crash before its checkpoint publishes on a new version: its record
+    # must not be dropped as a duplicate of the lost attempt's
+    assert step_id == f"trainer-step-{step.step}-v4"
