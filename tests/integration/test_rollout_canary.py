@@ -203,6 +203,20 @@ async def test_a_version_generates_before_its_canary_ends_and_its_output_waits_f
         await asyncio.wait_for(task, 30)
 
 
+def canary_replica(run, base, name: str, canary_wait_s: float):
+    """Replica `name` of `run` (embedded, its generates recorded) with `rollout.canary_wait_s`,
+    running: (rec, publish, engine, calls, service, stop, task)."""
+    run.cfg = msgspec.structs.replace(
+        run.cfg, rollout=msgspec.structs.replace(run.cfg.rollout, canary_wait_s=canary_wait_s)
+    )
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    calls = Calls(engine, slow={})
+    service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    return run.rec, publisher(run, base), engine, calls, service, stop, task
+
+
 @pytest.mark.parametrize("how", ["never-sent", "other-weights"])
 async def test_a_version_whose_canary_never_comes_or_is_not_its_own_is_withdrawn(start_run, base, how):
     """v2's event says its canary follows; it never comes within rollout.canary_wait_s (the
@@ -210,14 +224,8 @@ async def test_a_version_whose_canary_never_comes_or_is_not_its_own_is_withdrawn
     canary of another adapter's bytes). v2 serves meanwhile, yet nothing it generated is
     published: it is withdrawn, reported, unloaded, and the replica goes on with v1."""
     run = await start_run(f"cn{how[:2]}", seed=9, max_new_tokens=3, batch_groups=1)
-    run.cfg = msgspec.structs.replace(run.cfg, rollout=msgspec.structs.replace(run.cfg.rollout, canary_wait_s=1.5))
-    rec, publish = run.rec, publisher(run, base)
-    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
-    calls = Calls(engine, slow={})
     name = f"n{how[:2]}"
-    service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
-    stop = asyncio.Event()
-    task = asyncio.create_task(service.run(stop))
+    rec, publish, engine, calls, service, stop, task = canary_replica(run, base, name, canary_wait_s=1.5)
     try:
         await publish(1)
         await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
@@ -255,14 +263,8 @@ async def test_a_version_whose_trainer_was_replaced_before_its_canary_is_withdra
     the replica stops waiting at v3's event, not after rollout.canary_wait_s (60 s here: the
     stall CI's chaos run showed), withdraws v2 and goes on with v3."""
     run = await start_run("corph", seed=9, max_new_tokens=3, batch_groups=1)
-    run.cfg = msgspec.structs.replace(run.cfg, rollout=msgspec.structs.replace(run.cfg.rollout, canary_wait_s=60.0))
-    rec, publish = run.rec, publisher(run, base)
-    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
-    calls = Calls(engine, slow={})
     name = "norph"
-    service = run.service(name, engine, reward_fn=lambda prompt, completion, answer: 0.0)
-    stop = asyncio.Event()
-    task = asyncio.create_task(service.run(stop))
+    rec, publish, engine, calls, service, stop, task = canary_replica(run, base, name, canary_wait_s=60.0)
     try:
         await publish(1)
         await wait_until(lambda: rec.trajectories, what="a v1 trajectory")
