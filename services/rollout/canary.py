@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from proto import codec, subjects
 from proto.messages import AdapterCanary, AdapterReady, Canary, CanarySequence, Dtype
@@ -156,22 +156,21 @@ async def obtain(bus: Bus, ev: AdapterReady, wait_s: float, orphaned: asyncio.Fu
     subject = subjects.adapter_canary(ev.run, ev.version)
     stream = streams.CANARIES(ev.run)
     waiting = asyncio.ensure_future(bus.wait_last(stream, AdapterCanary, subject, timeout=wait_s))
-    given_up = asyncio.ensure_future(asyncio.shield(orphaned)) if orphaned is not None else None
     try:
-        await asyncio.wait([f for f in (waiting, given_up) if f is not None], return_when=asyncio.FIRST_COMPLETED)
-        if waiting.done() or given_up is None:
+        # `orphaned` is the follower's: waited on, never cancelled here
+        either: list[asyncio.Future[Any]] = [waiting] if orphaned is None else [waiting, orphaned]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done() or orphaned is None:
             msg = await waiting
         else:
             waiting.cancel()
             msg = await bus.last(stream, AdapterCanary, subject)
             if msg is None:
-                raise CanaryFailed(f"{ev.adapter_name}: {given_up.result()}; {WITHDRAWN}")
+                raise CanaryFailed(f"{ev.adapter_name}: {orphaned.result()}; {WITHDRAWN}")
     except codec.DecodeError as exc:
         raise CanaryFailed(f"{ev.adapter_name}: the canary on {subject} does not decode ({exc}); {WITHDRAWN}") from exc
     finally:
-        for f in (waiting, given_up):
-            if f is not None and not f.done():
-                f.cancel()
+        waiting.cancel()
     if msg is None:
         raise CanaryFailed(
             f"{ev.adapter_name}: its event says a canary follows, but none came on {subject} within "
