@@ -55,6 +55,18 @@ def interpreted() -> None:
             assert got_t.tolist() == want_t.tolist(), (vocab, step, got_t, want_t)
             assert torch.allclose(got_lp, want_lp, atol=1e-5, rtol=1e-5), (vocab, got_lp, want_lp)
         assert got_t[5].item() == 7
+    # a row split into chunks (3 of BLOCK, the last one short) gives the one-chunk answer; a
+    # greedy tie across chunks goes to the lower id
+    block = sample_kernel.BLOCK
+    logits = torch.randn(4, 2 * block + 100, generator=g) * 3
+    logits[3, 5] = logits[3, block + 9] = logits[3].max() + 1
+    temperature, keys = torch.tensor([1.0, 0.5, 2.0, 0.0]), sampling.row_keys(torch.arange(4), 2)
+    whole_t, whole_lp = sample_kernel.sample_fused(logits, temperature, keys)
+    split_t, split_lp = sample_kernel.sample_fused(logits, temperature, keys, chunk=block)
+    want_t, want_lp = reference(logits, temperature, torch.arange(4), 2)
+    assert split_t.tolist() == whole_t.tolist() == want_t.tolist() and split_t[3].item() == 5
+    assert torch.allclose(split_lp, whole_lp, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(split_lp, want_lp, atol=1e-5, rtol=1e-5)
     # a row's tokens do not depend on the other rows in its batch
     logits = torch.randn(4, 300, generator=g)
     t, s = torch.ones(4), torch.arange(4)
