@@ -4,7 +4,7 @@ share, and the fraction of the HBM-bandwidth limit, per batch size and model sha
     python benchmarks/decode_breakdown.py --out benchmarks/results/decode_breakdown_h200.json
     python benchmarks/decode_breakdown.py --tiny --out /tmp/bd.json           # CPU smoke run
     python benchmarks/decode_breakdown.py --shapes qwen2.5-1.5b --batches 64 \
-        --variants grouped_norm fused_rope fused_kv fused_norm_kernel --out /tmp/bd.json  # side by side
+        --variants fused_rope fused_kv fused_norm_kernel fused_swiglu --out /tmp/bd.json  # side by side
 
 The engine's own decode path (`services.rollout.sampling.decode` with `DecodeGraphs`: static KV
 cache, a CUDA graph per step variant) on a Qwen2-shaped model with random bf16 weights and an
@@ -49,12 +49,13 @@ KINDS: list[tuple[str, re.Pattern]] = [
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|splitK|sm90|Kernel2", re.I)),
     ("lora_correction", re.compile(r"shrink|expand|lora|_stacked|_fused", re.I)),
     # RMSNorm's mean is a reduce kernel too: norms first
-    ("norm_rope_act", re.compile(r"rms|norm|rotary|rope|silu|gelu|act_and_mul|pow|rsqrt|mean", re.I)),
-    # the sampler's integer hash (int32 since the breakdown first ran; int64 before)
+    ("norm_rope_act", re.compile(r"rms|norm|rotary|rope|silu|swiglu|gelu|act_and_mul|pow|rsqrt|mean", re.I)),
+    # the sampler's integer hash (int32 since the breakdown first ran; int64 before), and
+    # sample_kernel's two launches (`_sample` was one, counted as "other" until they were two)
     (
         "sampling",
         re.compile(
-            r"sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce|"
+            r"_sample_chunk|_combine|sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce|"
             r"bitwise|rshift|<long, long|<int, int|log_kernel",
             re.I,
         ),
@@ -74,6 +75,7 @@ VARIANTS = {
     "fused_rope": "grouped_norm, and services.rollout.rope_kernel for the rotary embedding",
     "fused_kv": "fused_rope, and services.rollout.kv_write for the KV-cache write (no module patched)",
     "fused_norm_kernel": "fused_kv, and services.rollout.norm_kernel for the RMSNorms (one launch each, no casts)",
+    "fused_swiglu": "fused_norm_kernel, and services.rollout.swiglu_kernel for the MLPs' silu(gate) * up",
 }
 """each variant is the one before it and one change more"""
 
@@ -84,21 +86,27 @@ def stacks_on(variant: str, base: str) -> bool:
     return order.index(variant) >= order.index(base)
 
 
+SWITCHED = {"fused_norm_kernel": "LORABUS_FUSED_NORM_KERNEL", "fused_swiglu": "LORABUS_FUSED_SWIGLU"}
+"""the variants whose kernel is switched by the environment, read at each call"""
+
+
 @contextlib.contextmanager
-def norm_kernel_switch(on: bool):
-    """norm_kernel on or off for one variant, the environment as it was after. The switch is read
-    at each norm's call, so a variant's graphs capture what it said; fused_norm's modules stay on
-    the model across variants, and without this the kernel (the default on CUDA) would run in
-    every variant that has them."""
-    before = os.environ.get("LORABUS_FUSED_NORM_KERNEL")
-    os.environ["LORABUS_FUSED_NORM_KERNEL"] = "1" if on else "0"
+def kernel_switches(variant: str):
+    """The switched kernels on or off for one variant, the environment as it was after. A switch
+    is read at each call, so a variant's graphs capture what it said; fused_norm's modules and
+    the MLPs' routed forwards stay on the model across variants, and without this the kernels
+    (the default on CUDA) would run in every variant that has them."""
+    before = {env: os.environ.get(env) for env in SWITCHED.values()}
+    for base, env in SWITCHED.items():
+        os.environ[env] = "1" if stacks_on(variant, base) else "0"
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("LORABUS_FUSED_NORM_KERNEL", None)
-        else:
-            os.environ["LORABUS_FUSED_NORM_KERNEL"] = before
+        for env, value in before.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
 
 
 def kind_of(name: str) -> str:
@@ -165,6 +173,7 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
         fused_rope=stacks_on(variant, "fused_rope"),
         # a cache of this DecodeGraphs' own: nothing outlives the variant, unlike the rope's patch
         fused_kv_write=stacks_on(variant, "fused_kv"),
+        fused_mlp=stacks_on(variant, "fused_swiglu"),
     )
     versions = [slots.head] * batch
 
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, batch in [(v, b) for v in VARIANTS if v in args.variants for b in batches]:
             model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
             try:
-                with norm_kernel_switch(stacks_on(variant, "fused_norm_kernel")):
+                with kernel_switches(variant):
                     r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant)
             except torch.OutOfMemoryError as exc:
                 r = {"batch": batch, "variant": variant, "error": f"out of memory: {exc}"[:300]}

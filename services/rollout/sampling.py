@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention, fused_norm, kv_write, rope_kernel, sample_kernel
+from services.rollout import decode_attention, fused_norm, kv_write, rope_kernel, sample_kernel, swiglu_kernel
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ class DecodeGraphs:
     reads the cache without repeating K/V per query head; `fused_norms` (default) puts
     `fused_norm.RMSNorm` in place of the model's equal RMSNorms. False keeps the model's own.
     `fused_kv_write` (default) writes each layer's keys and values into the cache with
-    `kv_write`'s kernel where Triton runs (a cache of this object's, not a change to the model).
+    `kv_write`'s kernel where Triton runs (a cache of this object's, not a change to the model);
+    `fused_mlp` (default) computes each gated MLP's `silu(gate) * up` with `swiglu_kernel`'s.
     """
 
     def __init__(
@@ -172,13 +173,20 @@ class DecodeGraphs:
         fused_norms: bool = True,
         fused_rope: bool = True,
         fused_kv_write: bool = True,
+        fused_mlp: bool = True,
     ):
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"static decoding: {reason}")
         if capture and not torch.cuda.is_available():
             raise ValueError("capture: CUDA graphs need a CUDA device; pass capture=False")
-        prepare(model, grouped_attention=grouped_attention, fused_norms=fused_norms, fused_rope=fused_rope)
+        prepare(
+            model,
+            grouped_attention=grouped_attention,
+            fused_norms=fused_norms,
+            fused_rope=fused_rope,
+            fused_mlp=fused_mlp,
+        )
         self.model = model
         self.capture = capture
         self.max_states = max_states
@@ -201,17 +209,25 @@ class DecodeGraphs:
 
 
 def prepare(
-    model: PreTrainedModel, *, grouped_attention: bool = True, fused_norms: bool = True, fused_rope: bool = True
+    model: PreTrainedModel,
+    *,
+    grouped_attention: bool = True,
+    fused_norms: bool = True,
+    fused_rope: bool = True,
+    fused_mlp: bool = True,
 ) -> None:
     """Make `model` ready for the static decode paths (this module's and `continuous`'s):
     `decode_attention` for the one-token step, `fused_norm` in place of its RMSNorms,
-    `rope_kernel` for its rotary embedding where Triton runs."""
+    `rope_kernel` for its rotary embedding and `swiglu_kernel` for its gated MLPs where Triton
+    runs."""
     if grouped_attention:
         decode_attention.use(model)
     if fused_norms:
         fused_norm.fuse(model)
     if fused_rope:
         rope_kernel.use(model)
+    if fused_mlp:
+        swiglu_kernel.use(model)
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:

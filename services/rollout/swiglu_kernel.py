@@ -1,0 +1,180 @@
+"""The gated MLP's `act_fn(gate) * up` as one Triton kernel, for SiLU (Qwen2, Llama, Qwen3).
+
+transformers writes the MLP as `down_proj(act_fn(gate_proj(x)) * up_proj(x))`. In the rollout's
+graphed decode step the gate and up projections come out of one matmul (`lora_slots.SlotGroup`),
+so `gate` and `up` are column slices of one [rows, 2 * intermediate] tensor, and torch runs the
+SiLU and the product as two kernels on strided views, neither of them vectorised: 28 + 28
+launches and 0.09 + ~0.1 ms of a 3.47 ms Qwen2.5-1.5B step at batch 64 on an H100, 0.24 + ~0.13
+ms of 5.18 at batch 256 (decode_breakdown_rope_h100.json). Here one program reads a block of
+one row's gate and up once and writes the product once.
+
+Semantics (torch's, in its order of roundings): `s = round(g / (1 + exp(-g)))` in float32 from
+the gate, rounded to the gate's dtype; `out = round(float32(s) * float32(up))` in the dtype torch
+gives the product. bfloat16 is rounded by its bits (`norm_kernel._round`: the interpreter's own
+cast truncates). Only `exp` is the kernel's own: Triton's, where torch's CUDA SiLU calls `expf`;
+they can differ in the last float32 bits, which a half-precision rounding almost always hides.
+
+`use(model)` routes the forward of each of `model`'s gated MLPs (a `gate_proj`, `up_proj`,
+`down_proj` and a SiLU `act_fn`) through `gated_forward`, only where a probe shows the result is
+the module's own; `silu_times` returns None for a call the kernel does not take (a tensor that
+needs its gradient, a CPU tensor outside Triton's interpreter, another layout or dtype), and the
+MLP then computes its own way. LORABUS_FUSED_SWIGLU=0 turns the kernel off (read at each call);
+a kernel that fails to build is given up once, with a log line. The launch reads no device value
+on the host, so a CUDA graph captures it as it is.
+
+Invariant: the MLP's output is its own up to the last bits of `exp`; its modules, their paths and
+their weights are not changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.rollout.lora_kernels import triton, triton_runs
+from services.rollout.norm_kernel import DTYPES
+
+if triton is not None:
+    import triton.language as tl
+
+    from services.rollout.norm_kernel import _round
+
+log = logging.getLogger(__name__)
+
+BLOCK = 1024
+"""columns per program: 9 programs a row for Qwen2.5-1.5B's 8,960, 4 warps of 8 bfloat16 each"""
+
+_BROKEN: list[str] = []
+"""why the kernel failed in this process (then it is not tried again)"""
+
+
+def available(device: torch.device) -> bool:
+    """Triton on a CUDA device, or its interpreter (TRITON_INTERPRET=1: tests on CPU);
+    LORABUS_FUSED_SWIGLU=0 turns it off."""
+    return triton_runs(device, "LORABUS_FUSED_SWIGLU", _BROKEN)
+
+
+def takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the kernel computes this product: `gate` and `up` of one shape, dtype and device,
+    float32, bfloat16 or float16, each row's last dim contiguous and the rows evenly strided
+    (the column slices of one matmul's output are), nothing that needs a gradient."""
+    if gate.shape != up.shape or gate.dim() < 1 or gate.numel() == 0 or gate.dtype != up.dtype:
+        return False
+    if gate.dtype not in DTYPES or gate.device != up.device or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return False
+    if _row_stride(gate) is None or _row_stride(up) is None:
+        return False
+    grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    return not grad and available(gate.device)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of `t` seen as [numel / width, width], or None where
+    its leading dims do not collapse to one evenly strided row index."""
+    if t.dim() == 1:
+        return t.shape[0]
+    stride = t.stride(-2)
+    expect = stride
+    for size, step in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1 and step != expect:
+            return None
+        expect = step * size if size != 1 else expect
+    return stride
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`silu(gate) * up` (see the module docstring) in one launch, or None where the kernel does
+    not take the call or cannot be built, and then the caller computes its own way."""
+    if not takes(gate, up):
+        return None
+    try:
+        return _launch(gate, up)
+    except Exception as exc:  # a Triton that cannot build it: torch's path, said once
+        _BROKEN.append(f"{type(exc).__name__}: {exc}")
+        log.warning("fused SwiGLU kernel unavailable, computing the MLP in torch from now on: %s", _BROKEN[0][:500])
+        return None
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    assert triton is not None
+    width = gate.shape[-1]
+    rows = gate.numel() // width
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _swiglu[(rows, triton.cdiv(width, BLOCK))](
+        gate, up, out, _row_stride(gate), _row_stride(up), width, block=BLOCK, num_warps=4
+    )
+    return out
+
+
+def gated_forward(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`mlp`'s forward with the kernel where it applies; the projections are called as the
+    module calls them (the gate's first: siblings of one matmul keep its output for the up's)."""
+
+    # looked up at each call, as the module's own forward does: the rollout's LoRA slots may
+    # replace the projections after this
+    m: Any = mlp
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = m.gate_proj(x), m.up_proj(x)
+        h = silu_times(gate, up)
+        return m.down_proj(m.act_fn(gate) * up if h is None else h)
+
+    forward.lorabus_swiglu = True  # type: ignore[attr-defined]
+    return forward
+
+
+SILU = ("SiLU", "SiLUActivation")
+"""torch's and transformers' SiLU modules (ACT2FN's "silu" and "swish")"""
+
+
+def _candidate(module: nn.Module) -> bool:
+    projections = all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+    return projections and type(getattr(module, "act_fn", None)).__name__ in SILU
+
+
+@torch.no_grad()
+def _same(mlp: nn.Module, fused: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether the fused forward gives the module's own output on a probe (to half-precision
+    rounding; an MLP that is not `down(silu(gate) * up)` differs by far more)."""
+    weight = next(mlp.parameters())
+    width = getattr(mlp.gate_proj, "in_features", None) or weight.shape[-1]
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(3, width, generator=g).to(weight.device, weight.dtype)
+    want, got = mlp(probe), fused(probe)
+    tol = 1e-4 if weight.dtype == torch.float32 else 3e-2
+    return want.shape == got.shape and bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
+
+
+def use(model: nn.Module) -> int:
+    """Route the forward of each gated SiLU MLP of `model` through the kernel where it runs on the
+    model's device and computes the same; returns how many MLPs. Idempotent."""
+    param = next(model.parameters())
+    if not available(param.device):
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if not _candidate(module) or hasattr(module.__dict__.get("forward"), "lorabus_swiglu"):
+            continue
+        fused = gated_forward(module)
+        if _same(module, fused):
+            module.forward = fused
+            swapped += 1
+    return swapped
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu(g_ptr, u_ptr, o_ptr, g_row, u_row, width, block: tl.constexpr):
+        """One program per (row, block of columns): `o = round(round(silu(g)) * u)`."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * block + tl.arange(0, block)
+        m = offs < width
+        g = tl.load(g_ptr + row * g_row + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_row + offs, mask=m, other=0.0).to(tl.float32)
+        s = _round(g / (1.0 + tl.exp(-g)), g_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptr + row * width + offs, _round(s * u, o_ptr.dtype.element_ty), mask=m)
