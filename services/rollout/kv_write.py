@@ -32,12 +32,10 @@ truncates (tests/unit/test_kv_write.py checks copies, and casts to float16).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from transformers import StaticCache, cache_utils
 
-from services.rollout.lora_kernels import triton, triton_runs
+from services.rollout.lora_kernels import give_up, triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
@@ -46,7 +44,6 @@ _LAYER_UPDATE = getattr(getattr(cache_utils, "StaticLayer", None), "update", Non
 """the write `FusedStaticCache` replaces; None before transformers 4.56 (no cache layers: the
 cache writes its own way)"""
 
-log = logging.getLogger(__name__)
 
 _BROKEN: list[str] = []
 """why the kernel failed in this process (then it is not tried again)"""
@@ -103,8 +100,7 @@ def fused(
     try:
         _launch(keys, values, key, value, start)
     except Exception as exc:  # a Triton that cannot build it: torch's path, said once
-        _BROKEN.append(f"{type(exc).__name__}: {exc}")
-        log.warning("fused KV-cache write unavailable, writing in torch from now on: %s", _BROKEN[0][:500])
+        give_up(_BROKEN, exc, "fused KV-cache write", "writing in torch")
         return False
     return True
 

@@ -39,6 +39,7 @@ interpreter on CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -50,6 +51,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs without Triton: the reference path only
     triton = None
+
+log = logging.getLogger(__name__)
 
 BLOCK_M = 16
 """rows per program: the skip unit (tl.dot needs at least 16)"""
@@ -109,6 +112,15 @@ def triton_runs(device: torch.device, switch: str, broken: Sequence[str] = ()) -
     if triton is None or broken or os.environ.get(switch) == "0":
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def give_up(broken: list[str], exc: Exception, kernel: str, instead: str) -> None:
+    """A decode kernel that failed (a Triton that cannot build it): record why in `broken`, so
+    `triton_runs` says no to it in this process from now on, and say so once, naming what runs
+    `instead`."""
+    broken.append(f"{type(exc).__name__}: {exc}")
+    if len(broken) == 1:
+        log.warning("%s unavailable, %s from now on: %s", kernel, instead, broken[0][:500])
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:

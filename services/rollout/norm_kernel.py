@@ -45,16 +45,13 @@ up to the summation order of the squares; the input and the weight are not writt
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from services.rollout.lora_kernels import triton, triton_runs
+from services.rollout.lora_kernels import give_up, triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
 
-log = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """what the kernel reads and writes"""
@@ -95,8 +92,7 @@ def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     try:
         return _launch(x, weight, eps)
     except Exception as exc:  # a Triton that cannot build it: torch's path, said once
-        _BROKEN.append(f"{type(exc).__name__}: {exc}")
-        log.warning("fused RMSNorm kernel unavailable, normalising in torch from now on: %s", _BROKEN[0][:500])
+        give_up(_BROKEN, exc, "fused RMSNorm kernel", "normalising in torch")
         return None
 
 

@@ -36,7 +36,15 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from proto.messages import FinishReason
-from services.rollout import decode_attention, fused_norm, kv_write, rope_kernel, sample_kernel, swiglu_kernel
+from services.rollout import (
+    decode_attention,
+    fused_norm,
+    kv_write,
+    lora_kernels,
+    rope_kernel,
+    sample_kernel,
+    swiglu_kernel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +134,7 @@ def sample(
         try:
             return sample_kernel.sample_fused(logits, temperature, row_keys(seeds, step))
         except Exception as exc:  # a Triton that cannot build it: torch's path, said once
-            _FUSED_BROKEN.append(f"{type(exc).__name__}: {exc}")
-            log.warning("fused sampler unavailable, sampling in torch from now on: %s", _FUSED_BROKEN[0][:500])
+            lora_kernels.give_up(_FUSED_BROKEN, exc, "fused sampler", "sampling in torch")
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]

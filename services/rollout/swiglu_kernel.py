@@ -28,14 +28,13 @@ their weights are not changed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from services.rollout.lora_kernels import triton, triton_runs
+from services.rollout.lora_kernels import give_up, triton, triton_runs
 from services.rollout.norm_kernel import DTYPES
 
 if triton is not None:
@@ -43,7 +42,6 @@ if triton is not None:
 
     from services.rollout.norm_kernel import _round
 
-log = logging.getLogger(__name__)
 
 BLOCK = 1024
 """columns per program: 9 programs a row for Qwen2.5-1.5B's 8,960, 4 warps of 8 bfloat16 each"""
@@ -94,8 +92,7 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     try:
         return _launch(gate, up)
     except Exception as exc:  # a Triton that cannot build it: torch's path, said once
-        _BROKEN.append(f"{type(exc).__name__}: {exc}")
-        log.warning("fused SwiGLU kernel unavailable, computing the MLP in torch from now on: %s", _BROKEN[0][:500])
+        give_up(_BROKEN, exc, "fused SwiGLU kernel", "computing the MLP in torch")
         return None
 
 

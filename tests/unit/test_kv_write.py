@@ -3,7 +3,6 @@ on and off, on CPU under Triton's interpreter (in one child process for the modu
 tests/fixtures/interpreted.py says why). On a GPU the same source compiles;
 benchmarks/decode_breakdown.py --variants fused_rope fused_kv times it there."""
 
-import asyncio
 import os
 
 import pytest
@@ -192,34 +191,18 @@ def interpreted_static_cache() -> None:
     print("static cache checked")
 
 
-async def engine_outputs(slab_rows: int, kernel: bool, dtype: torch.dtype) -> tuple[list, int]:
-    """The engine's answers (`kernel_engine.mixed_generation`) and how many writes the kernel made."""
+def same_on_and_off(slab_rows: int) -> None:
     from services.rollout import kv_write
-    from tests.fixtures.kernel_engine import mixed_generation
+    from tests.fixtures.kernel_engine import off_and_on
     from tests.fixtures.tiny import tiny_qwen2
 
-    os.environ["LORABUS_FUSED_KV_WRITE"] = "1" if kernel else "0"
-    launches = []
-    launch = kv_write._launch
-    kv_write._launch = lambda *args: (launches.append(1), launch(*args))
-    model = tiny_qwen2(seed=6).to(dtype)
-    try:
-        return await mixed_generation(model, dtype, slab_rows), len(launches)
-    finally:
-        kv_write._launch = launch
-
-
-def same_on_and_off(slab_rows: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         # bfloat16 with every kernel a GPU runs, the rotary one's K going into this one; float32
         # with transformers' rotation (and its K's layout), which also halves the interpreter's time
         os.environ["LORABUS_FUSED_ROPE"] = "0" if dtype == torch.float32 else "1"
-        off, none = asyncio.run(engine_outputs(slab_rows, False, dtype))
-        on, used = asyncio.run(engine_outputs(slab_rows, True, dtype))
-        assert none == 0 and used > 0, (dtype, slab_rows, none, used)
+        off, on = off_and_on(kv_write, "LORABUS_FUSED_KV_WRITE", lambda: tiny_qwen2(seed=6), dtype, slab_rows)
         # bit for bit: the kernel writes the very values torch writes
         assert on == off, (dtype, slab_rows)
-        assert sum(len(r.token_ids) for group in on for r in group) == 2 * 6 + 4 + 2 * 6
 
 
 def interpreted_static_engine() -> None:
