@@ -4,7 +4,7 @@ share, and the fraction of the HBM-bandwidth limit, per batch size and model sha
     python benchmarks/decode_breakdown.py --out benchmarks/results/decode_breakdown_h200.json
     python benchmarks/decode_breakdown.py --tiny --out /tmp/bd.json           # CPU smoke run
     python benchmarks/decode_breakdown.py --shapes qwen2.5-1.5b --batches 64 \
-        --variants fused_rope fused_kv fused_norm_kernel fused_swiglu --out /tmp/bd.json  # side by side
+        --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention --out /tmp/bd.json
 
 The engine's own decode path (`services.rollout.sampling.decode` with `DecodeGraphs`: static KV
 cache, a CUDA graph per step variant) on a Qwen2-shaped model with random bf16 weights and an
@@ -55,7 +55,7 @@ KINDS: list[tuple[str, re.Pattern]] = [
     (
         "sampling",
         re.compile(
-            r"_sample_chunk|_combine|sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce|"
+            r"_sample_chunk|_sample_combine|sort|topk|multinomial|argmax|cumsum|gumbel|log_softmax|logsoftmax|max_|reduce|"
             r"bitwise|rshift|<long, long|<int, int|log_kernel",
             re.I,
         ),
@@ -76,6 +76,7 @@ VARIANTS = {
     "fused_kv": "fused_rope, and services.rollout.kv_write for the KV-cache write (no module patched)",
     "fused_norm_kernel": "fused_kv, and services.rollout.norm_kernel for the RMSNorms (one launch each, no casts)",
     "fused_swiglu": "fused_norm_kernel, and services.rollout.swiglu_kernel for the MLPs' silu(gate) * up",
+    "fused_attention": "fused_swiglu, and services.rollout.attention_kernel for the one-token attention",
 }
 """each variant is the one before it and one change more"""
 
@@ -86,7 +87,11 @@ def stacks_on(variant: str, base: str) -> bool:
     return order.index(variant) >= order.index(base)
 
 
-SWITCHED = {"fused_norm_kernel": "LORABUS_FUSED_NORM_KERNEL", "fused_swiglu": "LORABUS_FUSED_SWIGLU"}
+SWITCHED = {
+    "fused_norm_kernel": "LORABUS_FUSED_NORM_KERNEL",
+    "fused_swiglu": "LORABUS_FUSED_SWIGLU",
+    "fused_attention": "LORABUS_FUSED_ATTENTION",
+}
 """the variants whose kernel is switched by the environment, read at each call"""
 
 

@@ -10,8 +10,12 @@ with the padding mask broadcast over the group. Any other call (prefill, multi-q
 grouping) goes to transformers' own SDPA attention unchanged, so numerics differ from `sdpa`
 only by the kernel's reduction order.
 
+Where Triton runs, `attention_kernel` computes the one-token step (a split-cache kernel made for
+one query position; cuDNN's, which SDPA picks, is made for many); elsewhere SDPA does.
+
 `use(model)` registers the function under `NAME` (attention and mask interfaces, the mask being
-SDPA's) and switches the model to it; torch and transformers only (the GPU image has no more).
+SDPA's) and switches the model to it; torch, transformers and Triton only (the GPU image has no
+more).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from services.rollout import attention_kernel
 
 NAME = "lorabus_decode"
 """the attention implementation's registered name"""
@@ -48,7 +54,9 @@ def grouped_decode_attention(
     packed = query.reshape(batch, heads // groups, groups, dim)
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    out = attention_kernel.attend(packed, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
+    if out is None:
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     # [b, kv_heads, g, d] lists query heads in order (head h uses KV head h // g), so it is
     # already [b, 1, heads, d] in memory
     return out.reshape(batch, 1, heads, dim), None

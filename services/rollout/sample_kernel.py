@@ -64,7 +64,7 @@ def sample_fused(
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _combine[(rows,)](temperature, floats, ids, tokens, logprobs, chunks, C=triton.next_power_of_2(chunks))
+    _sample_combine[(rows,)](temperature, floats, ids, tokens, logprobs, chunks, C=triton.next_power_of_2(chunks))
     return tokens, logprobs
 
 
@@ -128,7 +128,7 @@ if triton is not None:
         tl.store(ids_ptr + at * 2 + 1, drawn_i)
 
     @triton.jit
-    def _combine(temp_ptr, floats_ptr, ids_ptr, tok_ptr, lp_ptr, chunks, C: tl.constexpr):
+    def _sample_combine(temp_ptr, floats_ptr, ids_ptr, tok_ptr, lp_ptr, chunks, C: tl.constexpr):
         """One program per row: its chunks' partials into the token and its logprob."""
         row = tl.program_id(0)
         greedy = tl.load(temp_ptr + row) <= 0.0
