@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import msgspec
 
 from proto.messages import Trajectory
 from services.common import ranges, streams
 from services.common.bus import Bus
-from services.common.pull import Delivery, Puller
+from services.common.pull import Delivery, Puller, ack_all
 from services.config.schema import LorabusConfig
 from services.trainer import batching
 
@@ -107,12 +107,16 @@ class AcceptedQueue:
                 await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {why}")
         self.held = kept
 
-    def mark_trained(self) -> None:
-        """The held batch is trained: remember its sequences (before the checkpoint is saved)."""
+    def mark_trained(self, ids: Collection[str]) -> None:
+        """The held trajectories `ids` (a batch) are trained: remember their sequences (before
+        the checkpoint is saved)."""
         for d in self.held:
-            ranges.add(self.trained, d.meta.stream_seq)
+            if d.msg.trajectory_id in ids:
+                ranges.add(self.trained, d.meta.stream_seq)
 
-    async def ack_held(self) -> None:
-        for d in self.held:
-            await d.ack()
-        self.held = []
+    async def ack(self, ids: Collection[str]) -> None:
+        """Ack the held trajectories `ids` (a batch whose step is published) and let go of them;
+        the rest stay held (the next batch, collected while this one was trained)."""
+        done = [d for d in self.held if d.msg.trajectory_id in ids]
+        self.held = [d for d in self.held if d.msg.trajectory_id not in ids]
+        await ack_all(done)

@@ -18,8 +18,12 @@ a crash between the two resumes from the previous checkpoint as a new version ab
 store holds N), and the redelivered batch is trained again; no version number ever names two
 adapters, and the cost of that crash is one step of compute.
 
-A run collects its next batch in the background, and only while it is not training (a batch's
-acks come after its step, so collection never overlaps its own step). Runs other than the
+A run collects its next batch in the background while its current batch trains (acks are per
+batch, so the next batch's deliveries are never acked with this one's). Where a step saves no
+checkpoint (and the run is one process without XCCL), its publication (the event, canary,
+record and acks) goes on behind the run's next step, which trains meanwhile: the next
+announcement begins only once this one is published, so a run's events, records and acks keep
+step order, and one that fails fails those after it (nothing after it is announced). Runs other than the
 fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model for its
 update and canary only, so a run's adapter leaves it (`drop`) only between steps, and the next
 run trains while this one's version is uploaded or broadcast, announced and checkpointed. A
@@ -42,8 +46,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -66,6 +71,8 @@ if TYPE_CHECKING:
     from services.trainer.xccl_sender import XcclSender
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def checkpoint_due(cfg: LorabusConfig, step: int) -> bool:
@@ -96,10 +103,12 @@ class Rank0:
         *,
         weights: bytes | None = None,
         canary_follows: bool = False,
+        trainer_step: int | None = None,
     ) -> AdapterReady | None:
         """Store (or broadcast) and announce `version`, saying whether its canary follows
         (`send_canary`); None when it was announced already. `weights`: its serialised form when at
-        hand (else serialised where `deliver` says)."""
+        hand (else serialised where `deliver` says). `trainer_step`: the engine's step count that
+        made it (default: the engine's now; a step announced behind the next one passes its own)."""
         return await publish_adapter(
             self.bus,
             self.store,
@@ -109,7 +118,7 @@ class Rank0:
             version=version,
             tensors=tensors,
             lora=self.engine.lora_spec(),
-            trainer_step=self.engine.step,
+            trainer_step=self.engine.step if trainer_step is None else trainer_step,
             sender=self.sender,
             weights=weights,
             canary_follows=canary_follows,
@@ -143,12 +152,27 @@ class Turn:
     announcing: asyncio.Future[AdapterReady | None] | None = None
     beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None
     started: float = 0.0
+    after: asyncio.Future[None] | None = None
+    """the run's previous step's publication, while it is still on its way: this step's
+    announcement waits for its end (a run's events, records and acks stay in step order)"""
+    finishing: asyncio.Future[None] | None = None
+    """this step's publication, when it goes on behind the next step (`behind`)"""
+
+    def behind(self) -> bool:
+        """Whether this step's publication (event, canary, record, acks) may go on while the
+        run's next step trains: not when it saves a checkpoint (the engine's and the queue's
+        state at this step), not under XCCL (the next step writes the sender's other send set,
+        which this one's broadcast must have left), not over several ranks."""
+        return self.optim is None and self.ctx.sender is None and self.ctx.engine.world_size == 1
 
 
 async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int, model: asyncio.Lock) -> int:
     """One step of `ctx`'s run on `groups` (held by `queue`); returns the version it published
     (`steps` of one run; its `RunFault` raised)."""
-    [result] = await steps([Turn(ctx, queue, groups, version)], model)
+    turn = Turn(ctx, queue, groups, version)
+    [result] = await steps([turn], model)
+    if turn.finishing is not None:  # published in full before it returns
+        await turn.finishing
     if isinstance(result, RunFault):
         raise result
     return result
@@ -184,7 +208,11 @@ async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
                 results.append(_fault(turn, done) if isinstance(done, Exception) else await _announce(turn, *done))
     finally:
         model.release()
-    await asyncio.gather(*(_finish(t) for t in turns if t.announcing is not None))
+    published = [t for t in turns if t.announcing is not None]
+    for t in published:
+        if t.behind():
+            t.finishing = asyncio.ensure_future(_finish(t))
+    await asyncio.gather(*(_finish(t) for t in published if t.finishing is None))
     return results
 
 
@@ -244,17 +272,30 @@ async def _announce(
     turn.version += 1
     turn.started = time.perf_counter()
     turn.ids = [g.trajectory_id for g in turn.groups if g.trajectory_id not in stats.refused]
-    queue.mark_trained()
+    queue.mark_trained(turn.ids)
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
     # the canary is computed while the version is stored or broadcast and announced
     turn.beside = beside if beside is not None else trainer_canary.beside(engine)
     follows = trainer_canary.computes(engine)
-    turn.announcing = asyncio.ensure_future(ctx.announce(turn.version, adapter, canary_follows=follows))
+    turn.announcing = asyncio.ensure_future(
+        _after(turn.after, ctx.announce(turn.version, adapter, canary_follows=follows, trainer_step=engine.step))
+    )
     if turn.beside is not None:
         await asyncio.wait([turn.beside])
     return turn.version
+
+
+async def _after(previous: asyncio.Future[None] | None, announce: Coroutine[Any, Any, T]) -> T:
+    """`announce` once the run's previous publication has ended (its failure is this one's)."""
+    if previous is not None:
+        try:
+            await previous
+        except BaseException:
+            announce.close()  # never started: nothing of this version went out
+            raise
+    return await announce
 
 
 async def _finish(turn: Turn) -> None:
@@ -316,7 +357,7 @@ async def _finish(turn: Turn) -> None:
         (announced - turn.started) * 1e3,
         (time.perf_counter() - announced) * 1e3,
     )
-    await queue.ack_held()
+    await queue.ack([g.trajectory_id for g in turn.groups])
     record(stats, version, run)
     log.info(
         "step %d -> v%d loss %.4f reward %.3f tokens %d %.2fs grad_norm %.3g lr %.3g "
@@ -407,6 +448,8 @@ class TrainWorker:
     _busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     _collector: asyncio.Task | None = None
     _keep_alive: asyncio.Task | None = None
+    _finishing: asyncio.Future[None] | None = None
+    """the last step's publication while it goes on behind the next step (`Turn.behind`)"""
 
     @property
     def run(self) -> str:
@@ -432,9 +475,12 @@ class TrainWorker:
         self._keep_alive = asyncio.create_task(queue.keep_alive(), name=f"keep-alive:{self.run}")
         self.collect()
 
-    def collect(self) -> None:
-        """Collect the next batch in the background (none once the run is done)."""
-        if self.done:
+    def collect(self, ahead: bool = False) -> None:
+        """Collect the next batch in the background, unless one is held or on its way, or the
+        run is done; `ahead`: while the current batch trains (none when it is the last)."""
+        if self.done or self.batch is not None or (self._collector is not None and not self._collector.done()):
+            return
+        if ahead and self.ctx.engine.step + 1 >= self.ctx.cfg.total_train_steps:
             return
         queue = self.queue
         assert queue is not None  # started
@@ -453,12 +499,13 @@ class TrainWorker:
             raise fault
 
     async def drain(self) -> None:
-        """No step after the current one, whose end this waits for."""
+        """No step after the current one, whose end (its publication too) this waits for."""
         self.ending = True
         self.wake.set()
         await _cancel(self._collector)
         async with self._busy:
-            pass
+            if self._finishing is not None:
+                await self._finishing
 
     async def close(self) -> None:
         """Stop reading the run's stream (what it holds un-acked comes back after ack_wait);
@@ -481,9 +528,12 @@ async def train_together(workers: list[TrainWorker], step_index: int) -> list[Ru
     tie-break)."""
     turns = []
     for w in workers:
+        if w._finishing is not None and w._finishing.done():
+            w._finishing.result()  # the last step's publication failed: everyone's fault, raised
         groups, w.batch = w.batch, None
         assert groups is not None and w.queue is not None  # picked because it holds a batch
-        turns.append(Turn(w.ctx, w.queue, groups, w.version))
+        turns.append(Turn(w.ctx, w.queue, groups, w.version, after=w._finishing))
+        w.collect(ahead=True)  # its acks are its own batch's: the next one is pulled meanwhile
     if len(workers) > 1:
         log.info("runs %s step together", ", ".join(w.run for w in workers))
     async with contextlib.AsyncExitStack() as busy:
@@ -491,7 +541,9 @@ async def train_together(workers: list[TrainWorker], step_index: int) -> list[Ru
             await busy.enter_async_context(w._busy)
         results = await steps(turns, workers[0].model)
     faults: list[RunFault | None] = []
-    for w, result in zip(workers, results):
+    for w, turn, result in zip(workers, turns, results):
+        if turn.announcing is not None:  # a version: the next one is announced after its end
+            w._finishing = turn.finishing
         if isinstance(result, RunFault):
             faults.append(result)
             continue

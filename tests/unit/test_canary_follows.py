@@ -175,7 +175,7 @@ class CanaryEngine:
 class Announcing(runs.Rank0):
     """An announcement that publishes its event at once (the delivery is instant)."""
 
-    async def announce(self, version, tensors, *, weights=None, canary_follows=False):
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False, trainer_step=None):
         ev = event(version, follows=canary_follows)
         await self.bus.publish(subjects.adapter_ready("r", version), ev, msg_id=None)
         return ev

@@ -1,13 +1,15 @@
 """`runs.steps` holds the fleet's shared model for the update and the canary only: the next run's
 step may start while this one's version is still being stored or broadcast, and never while
-the model is being read. A joint step publishes each run on its own and faults only the run
-that failed; the scheduler steps every ready run of a shared model with the one the share picks."""
+the model is being read; a run's own next step may too, its publications kept in order. A
+joint step publishes each run on its own and faults only the run that failed; the scheduler
+steps every ready run of a shared model with the one the share picks."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -45,10 +47,10 @@ class Queue:
     async def refuse(self, refused) -> None:
         pass
 
-    def mark_trained(self) -> None:
+    def mark_trained(self, ids) -> None:
         pass
 
-    async def ack_held(self) -> None:
+    async def ack(self, ids) -> None:
         self.acked = True
 
 
@@ -59,7 +61,7 @@ class SlowAnnounce(runs.Rank0):
     entered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     go: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
-    async def announce(self, version, tensors, *, weights=None, canary_follows=False):
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False, trainer_step=None):
         self.entered.set()
         await self.go.wait()
         return None
@@ -154,3 +156,93 @@ def test_every_ready_run_on_a_shared_model_steps_with_the_one_the_share_picks(mo
     monkeypatch.setattr(Engine, "device", torch.device("cpu"), raising=False)  # compute-bound there
     assert [w.run for w in service.next_runs(workers)] == ["b"]
     assert service.next_runs([Worker("c", 0, ready=False)]) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedAnnounce(runs.Rank0):
+    """Announcements that end when their version's gate opens; records (version, trainer step)
+    in the order they begin."""
+
+    gates: dict = dataclasses.field(default_factory=dict)
+    begun: list = dataclasses.field(default_factory=list)
+
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False, trainer_step=None):
+        self.begun.append((version, trainer_step))
+        await self.gates.setdefault(version, asyncio.Event()).wait()
+        return None
+
+
+class OrderedQueue(Queue):
+    def __init__(self) -> None:
+        super().__init__()
+        self.acks: list[list[str]] = []
+
+    async def ack(self, ids) -> None:
+        self.acks.append(list(ids))
+
+
+@pytest.mark.asyncio
+async def test_the_next_step_trains_while_the_last_ones_publication_is_on_its_way_and_order_is_kept(monkeypatch):
+    """Without a checkpoint due, a step's publication (event, record, acks) goes on behind the
+    run's next step; each announcement begins only once the one before is published, with the
+    trainer step that made it, and the records and acks come in step order."""
+    engine, trained = Engine(), []
+
+    def run_steps(members):
+        [(e, work, _)] = members
+        e.step += 1
+        trained.append(work.groups[0].trajectory_id)
+        stats = StepStats(step=e.step, loss=0.0, reward_mean=0.5, groups=1, tokens=10, grad_norm=0.0, lr=1e-4,
+                          step_seconds=0.1, trained_at=1.0)  # fmt: skip
+        return [(stats, {}, None)]
+
+    monkeypatch.setattr(runs, "run_steps", run_steps)
+    cfg = load_config("examples/tiny.yaml", ["actor.checkpoint_every=0"])
+    bus, queue, model = Bus(), OrderedQueue(), asyncio.Lock()
+    ctx = GatedAnnounce(cfg, engine, bus, None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
+    turns: list[runs.Turn] = []
+    for version, tid in zip((3, 4, 5), "abc"):
+        after = turns[-1].finishing if turns else None
+        turn = runs.Turn(ctx, queue, [types.SimpleNamespace(trajectory_id=tid)], version, after=after)  # type: ignore[arg-type]
+        assert await asyncio.wait_for(runs.steps([turn], model), 10) == [version + 1]
+        assert turn.finishing is not None and not turn.finishing.done()
+        turns.append(turn)
+    await asyncio.sleep(0.05)
+    # three steps trained; v4's announcement alone has begun, and nothing is published yet
+    assert trained == ["a", "b", "c"] and ctx.begun == [(4, 1)] and not bus.published and not queue.acks
+    for version in (4, 5, 6):
+        ctx.gates.setdefault(version, asyncio.Event()).set()
+    await asyncio.wait_for(asyncio.gather(*(t.finishing for t in turns)), 10)
+    assert ctx.begun == [(4, 1), (5, 2), (6, 3)]
+    assert [m.version for m in bus.published if isinstance(m, TrainerStep)] == [4, 5, 6]
+    assert queue.acks == [["a"], ["b"], ["c"]]
+
+
+@pytest.mark.asyncio
+async def test_a_publication_that_failed_fails_the_next_ones_and_announces_nothing_more(monkeypatch):
+    engine = Engine()
+
+    def run_steps(members):
+        [(e, _, _)] = members
+        e.step += 1
+        stats = StepStats(step=e.step, loss=0.0, reward_mean=0.5, groups=1, tokens=10, grad_norm=0.0, lr=1e-4,
+                          step_seconds=0.1, trained_at=1.0)  # fmt: skip
+        return [(stats, {}, None)]
+
+    class Broken(GatedAnnounce):
+        async def announce(self, version, tensors, *, weights=None, canary_follows=False, trainer_step=None):
+            self.begun.append((version, trainer_step))
+            raise ConnectionError("store unreachable")
+
+    monkeypatch.setattr(runs, "run_steps", run_steps)
+    cfg = load_config("examples/tiny.yaml", ["actor.checkpoint_every=0"])
+    ctx = Broken(cfg, engine, Bus(), None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
+    queue, model = OrderedQueue(), asyncio.Lock()
+    first = runs.Turn(ctx, queue, [types.SimpleNamespace(trajectory_id="a")], 3)  # type: ignore[arg-type]
+    await runs.steps([first], model)
+    second = runs.Turn(ctx, queue, [types.SimpleNamespace(trajectory_id="b")], 4, after=first.finishing)  # type: ignore[arg-type]
+    await runs.steps([second], model)
+    for turn in (first, second):
+        with pytest.raises(ConnectionError, match="store unreachable"):
+            await asyncio.wait_for(turn.finishing, 10)
+    assert ctx.begun == [(4, 1)] and not queue.acks  # v5 never announced; nothing acked

@@ -209,10 +209,10 @@ class Queue:
     def __init__(self) -> None:
         self.acked = False
 
-    def mark_trained(self) -> None:
+    def mark_trained(self, ids) -> None:
         pass
 
-    async def ack_held(self) -> None:
+    async def ack(self, ids) -> None:
         self.acked = True
 
     async def next_batch(self, size, stop):  # the next batch never comes in this test
@@ -225,7 +225,7 @@ class Recorded(runs.Rank0):
 
     announced: dict = dataclasses.field(default_factory=dict)
 
-    async def announce(self, version, tensors, *, weights=None, canary_follows=False):
+    async def announce(self, version, tensors, *, weights=None, canary_follows=False, trainer_step=None):
         self.announced[version] = ({k: t.clone() for k, t in tensors.items()}, canary_follows)
         return msgspec.structs.replace(event(version, follows=canary_follows), run=self.cfg.run)
 
