@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -149,6 +150,9 @@ class Turn:
     ids: list[str] = field(default_factory=list)
     """the trajectories trained (a checkpoint's record of them)"""
     optim: dict | None = None
+    checkpoint: Callable[..., checkpoint.Checkpoint] | None = None
+    """this step's checkpoint, all but the adapter's bytes (serialised on the way), taken as
+    the step left the engine, the RNG and the queue: the next step may have moved them since"""
     announcing: asyncio.Future[AdapterReady | None] | None = None
     beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None
     started: float = 0.0
@@ -159,11 +163,10 @@ class Turn:
     """this step's publication, when it goes on behind the next step (`behind`)"""
 
     def behind(self) -> bool:
-        """Whether this step's publication (event, canary, record, acks) may go on while the
-        run's next step trains: not when it saves a checkpoint (the engine's and the queue's
-        state at this step), not under XCCL (the next step writes the sender's other send set,
-        which this one's broadcast must have left), not over several ranks."""
-        return self.optim is None and self.ctx.sender is None and self.ctx.engine.world_size == 1
+        """Whether this step's publication (event, canary, record, checkpoint, acks) may go on
+        while the run's next step trains: not under XCCL (the next step writes the sender's other
+        send set, which this one's broadcast must have left), not over several ranks."""
+        return self.ctx.sender is None and self.ctx.engine.world_size == 1
 
 
 async def step(ctx: Rank0, queue: AcceptedQueue, groups: list[Trajectory], version: int, model: asyncio.Lock) -> int:
@@ -273,6 +276,16 @@ async def _announce(
     turn.started = time.perf_counter()
     turn.ids = [g.trajectory_id for g in turn.groups if g.trajectory_id not in stats.refused]
     queue.mark_trained(turn.ids)
+    if optim is not None:  # gathered by run_step because this step is checkpoint_due
+        turn.checkpoint = functools.partial(
+            checkpoint.Checkpoint,
+            step=engine.step,
+            version=turn.version,
+            optimizer=optim,
+            rng=checkpoint.rng_state(),
+            trained_ids=turn.ids,
+            trained_seqs=list(queue.trained),
+        )
     # announced before the checkpoint: under XCCL nothing is serialised before the event. A
     # crash between the two resumes from an older checkpoint above N (the store has N's
     # marker), so N never names two adapters.
@@ -302,7 +315,7 @@ async def _finish(turn: Turn) -> None:
     """After the model lock: the event, the canary after it, the step's record, the checkpoint
     (if due), the acks."""
     ctx, bus, queue, run, version = turn.ctx, turn.ctx.bus, turn.queue, turn.ctx.cfg.run, turn.version
-    stats, engine = turn.stats, turn.ctx.engine
+    stats = turn.stats
     assert stats is not None and turn.announcing is not None
     event = await turn.announcing
     announced = time.perf_counter()
@@ -337,19 +350,10 @@ async def _finish(turn: Turn) -> None:
         ),
         msg_id=f"trainer-step-{turn.index}-v{version}",
     )
-    if turn.optim is not None:  # gathered by run_step because this step is checkpoint_due
+    if turn.checkpoint is not None:
+        adapter_bytes = await asyncio.to_thread(adapter_io.to_bytes, turn.adapter)
         await asyncio.to_thread(
-            checkpoint.save,
-            ctx.cfg.actor.checkpoint_dir,
-            checkpoint.Checkpoint(
-                step=engine.step,
-                version=version,
-                adapter_bytes=await asyncio.to_thread(adapter_io.to_bytes, turn.adapter),
-                optimizer=turn.optim,
-                rng=checkpoint.rng_state(),
-                trained_ids=turn.ids,
-                trained_seqs=list(queue.trained),
-            ),
+            checkpoint.save, ctx.cfg.actor.checkpoint_dir, turn.checkpoint(adapter_bytes=adapter_bytes)
         )
     log.info(
         "v%d announced in %.1f ms; step event and checkpoint %.1f ms after",

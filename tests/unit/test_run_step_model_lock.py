@@ -176,6 +176,10 @@ class OrderedQueue(Queue):
     def __init__(self) -> None:
         super().__init__()
         self.acks: list[list[str]] = []
+        self.trained = []
+
+    def mark_trained(self, ids) -> None:
+        self.trained.extend(ids)
 
     async def ack(self, ids) -> None:
         self.acks.append(list(ids))
@@ -183,10 +187,11 @@ class OrderedQueue(Queue):
 
 @pytest.mark.asyncio
 async def test_the_next_step_trains_while_the_last_ones_publication_is_on_its_way_and_order_is_kept(monkeypatch):
-    """Without a checkpoint due, a step's publication (event, record, acks) goes on behind the
-    run's next step; each announcement begins only once the one before is published, with the
-    trainer step that made it, and the records and acks come in step order."""
-    engine, trained = Engine(), []
+    """A step's publication (event, record, checkpoint, acks) goes on behind the run's next
+    step; each announcement begins only once the one before is published, with the trainer step
+    that made it; the records, checkpoints and acks come in step order, and each checkpoint
+    holds its own step's state, not the state of the steps trained since."""
+    engine, trained, saved = Engine(), [], []
 
     def run_steps(members):
         [(e, work, _)] = members
@@ -194,10 +199,11 @@ async def test_the_next_step_trains_while_the_last_ones_publication_is_on_its_wa
         trained.append(work.groups[0].trajectory_id)
         stats = StepStats(step=e.step, loss=0.0, reward_mean=0.5, groups=1, tokens=10, grad_norm=0.0, lr=1e-4,
                           step_seconds=0.1, trained_at=1.0)  # fmt: skip
-        return [(stats, {}, None)]
+        return [(stats, {}, {"state": {"moments": e.step}} if work.save_checkpoint else None)]
 
     monkeypatch.setattr(runs, "run_steps", run_steps)
-    cfg = load_config("examples/tiny.yaml", ["actor.checkpoint_every=0"])
+    monkeypatch.setattr(runs.checkpoint, "save", lambda root, ckpt: saved.append(ckpt))
+    cfg = load_config("examples/tiny.yaml", ["actor.checkpoint_every=1"])
     bus, queue, model = Bus(), OrderedQueue(), asyncio.Lock()
     ctx = GatedAnnounce(cfg, engine, bus, None, asyncio.Event(), Followers(), None, "epoch")  # type: ignore[arg-type]
     turns: list[runs.Turn] = []
@@ -216,6 +222,11 @@ async def test_the_next_step_trains_while_the_last_ones_publication_is_on_its_wa
     assert ctx.begun == [(4, 1), (5, 2), (6, 3)]
     assert [m.version for m in bus.published if isinstance(m, TrainerStep)] == [4, 5, 6]
     assert queue.acks == [["a"], ["b"], ["c"]]
+    assert [(c.step, c.version, c.optimizer, c.trained_ids, c.trained_seqs) for c in saved] == [
+        (1, 4, {"state": {"moments": 1}}, ["a"], ["a"]),
+        (2, 5, {"state": {"moments": 2}}, ["b"], ["a", "b"]),
+        (3, 6, {"state": {"moments": 3}}, ["c"], ["a", "b", "c"]),
+    ]
 
 
 @pytest.mark.asyncio

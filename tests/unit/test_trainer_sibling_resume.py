@@ -29,3 +29,18 @@ def test_a_sibling_resumes_from_its_checkpoint_while_another_adapter_is_active()
     again.train_step(batch("b", 2), head_version=1)
     got = again.adapter_state()
     assert all(torch.allclose(want[k], t, atol=1e-6) for k, t in got.items())
+
+
+def test_the_optimizer_state_a_checkpoint_takes_is_not_moved_by_later_steps():
+    """A checkpoint is saved while the next step trains: what `optimizer_state` returned must be
+    a copy (on the CPU, offloading copies nothing)."""
+    engine = FSDP2Engine(config("a", 8, ["all-linear"]), base=tiny_qwen2())
+    engine.train_step(batch("a", 1), head_version=0)
+    state = engine.optimizer_state()
+    before = copy.deepcopy(state)
+    engine.train_step(batch("a", 2), head_version=1)
+    moved = engine.optimizer_state()
+    tensors = [(k, name) for k, s in before["state"].items() for name, t in s.items() if torch.is_tensor(t)]
+    assert tensors
+    assert all(torch.equal(state["state"][k][n], before["state"][k][n]) for k, n in tensors)
+    assert any(not torch.equal(moved["state"][k][n], before["state"][k][n]) for k, n in tensors)

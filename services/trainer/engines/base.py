@@ -164,7 +164,8 @@ class TrainEngine(Protocol):
         ...
 
     def optimizer_state(self) -> dict[str, Any]:
-        """What a checkpoint stores to resume the optimizer; collective."""
+        """What a checkpoint stores to resume the optimizer, as it is now: later steps do not
+        change what was returned (it is saved while the next step trains); collective."""
         ...
 
     def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, step: int) -> None:

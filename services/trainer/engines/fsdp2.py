@@ -9,6 +9,7 @@ gradients, which the loss compensates for so that the update equals the single-p
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -186,7 +187,8 @@ class FSDP2Engine:
         return self.lora
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter name (on rank 0; empty on the others)."""
+        """Full optimizer state keyed by parameter name (on rank 0; empty on the others), copied
+        off the optimizer (`TrainEngine.optimizer_state`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         state: dict[str, Any] = get_optimizer_state_dict(
@@ -194,6 +196,8 @@ class FSDP2Engine:
             self.optimizer,
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
+        if self.device.type == "cpu":  # offloading copied nothing: these are the live tensors
+            state = copy.deepcopy(state)
         if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
             masters = adapter_state(self.model, adapter=self.adapter)  # a collective too
             if self.rank == 0:
