@@ -19,14 +19,18 @@ store holds N), and the redelivered batch is trained again; no version number ev
 adapters, and the cost of that crash is one step of compute.
 
 A run collects its next batch in the background while its current batch trains (acks are per
-batch, so the next batch's deliveries are never acked with this one's). Where a step saves no
-checkpoint (and the run is one process without XCCL), its publication (the event, canary,
-record and acks) goes on behind the run's next step, which trains meanwhile: the next
-announcement begins only once this one is published, so a run's events, records and acks keep
-step order, and one that fails fails those after it (nothing after it is announced). Runs other than the
-fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the model for its
-update and canary only, so a run's adapter leaves it (`drop`) only between steps, and the next
-run trains while this one's version is uploaded or broadcast, announced and checkpointed. A
+batch, so the next batch's deliveries are never acked with this one's). In one process without
+XCCL, a step's publication (event, canary, record, checkpoint, acks) goes on behind the run's
+next step, which trains meanwhile; the checkpoint's state is taken as the step leaves the
+engine. The next announcement begins only once this publication has ended, so a run's events,
+records, checkpoints and acks keep step order, and one that fails fails those after it
+(nothing after it is announced). A crash with a publication on its way costs the steps whose
+batches were not yet acked, which are redelivered and trained again, as above.
+
+Runs other than the fleet's own share its model (`SharedBaseEngine.sibling`); a step holds the
+model for its update and canary only, so a run's adapter leaves it (`drop`) only between steps,
+and the next run trains while this one's version is uploaded or broadcast, announced and
+checkpointed. A
 step that raises is the run's `RunFault` (`services.common.run_faults`): the scheduler stops
 that run and the others go on; what fails after it (the store, the bus) is everyone's and
 raised as it is.
@@ -149,7 +153,6 @@ class Turn:
     adapter: dict[str, torch.Tensor] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
     """the trajectories trained (a checkpoint's record of them)"""
-    optim: dict | None = None
     checkpoint: Callable[..., checkpoint.Checkpoint] | None = None
     """this step's checkpoint, all but the adapter's bytes (serialised on the way), taken as
     the step left the engine, the RNG and the queue: the next step may have moved them since"""
@@ -263,7 +266,7 @@ async def _announce(
     thread of one process, else `beside`, the ranks' collective). Returns the run's version now
     (unchanged when every group was refused)."""
     ctx, queue, engine, run = turn.ctx, turn.queue, turn.ctx.engine, turn.ctx.cfg.run
-    turn.stats, turn.adapter, turn.optim = stats, adapter, optim
+    turn.stats, turn.adapter = stats, adapter
     if stats.refused:  # beyond actor.max_train_infer_kl: dead-lettered, never trained
         await queue.refuse(stats.refused)
         metrics.REFUSED_GROUPS.labels(run, mismatch.REASON).inc(len(stats.refused))

@@ -248,6 +248,8 @@ async def test_runs_of_a_fleet_step_together_and_publish_each_its_own_version(tm
     faults = await runs.train_together(workers, step_index=0)
     try:
         assert faults == [None, None] and [w.version for w in workers] == [1, 1] and not model.locked()
+        for w in workers:  # each publication goes on behind the run's next step: wait for its end
+            await w.drain()
         for ctx, e in zip(contexts, solo):
             tensors, follows = ctx.announced[1]
             assert follows and tensors.keys() == e.adapter_state().keys()
