@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures.broken_kernel import ERROR, break_kernel
 from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
@@ -97,16 +98,7 @@ def test_a_kernel_that_fails_is_left_for_sdpa_once_and_said(monkeypatch, caplog)
     pytest.importorskip("triton")
     from services.rollout import attention_kernel, decode_attention
 
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("LORABUS_FUSED_ATTENTION", raising=False)
-    monkeypatch.setattr(attention_kernel, "_launch", broken)
-    monkeypatch.setattr(attention_kernel, "_BROKEN", [])
+    calls = break_kernel(monkeypatch, attention_kernel, "LORABUS_FUSED_ATTENTION")
     g = torch.Generator().manual_seed(1)
     module = torch.nn.Module()
     module.num_key_value_groups = 3
@@ -116,7 +108,7 @@ def test_a_kernel_that_fails_is_left_for_sdpa_once_and_said(monkeypatch, caplog)
         for _ in range(3):
             out, _ = decode_attention.grouped_decode_attention(module, q, k, v, None)
             torch.testing.assert_close(out, want.transpose(1, 2))
-    assert calls == [1] and caplog.text.count("PassManager::run failed") == 1
+    assert calls == [1] and caplog.text.count(ERROR) == 1
 
 
 # --- run in the interpreted child process (the step check also on a GPU) ---
@@ -168,7 +160,7 @@ def check_steps(device: str = "cpu") -> None:
 
 def same_on_and_off(slab_rows: int) -> None:
     from services.rollout import attention_kernel
-    from tests.fixtures.kernel_engine import off_and_on
+    from tests.fixtures.kernel_engine import assert_same_answers, off_and_on
     from tests.fixtures.tiny import tiny_qwen2
 
     def model():  # head size 16: the kernel's smallest
@@ -178,11 +170,7 @@ def same_on_and_off(slab_rows: int) -> None:
         for switch in SWITCHES[1:]:
             os.environ[switch] = "0" if dtype == torch.float32 else "1"
         off, on = off_and_on(attention_kernel, "LORABUS_FUSED_ATTENTION", model, dtype, slab_rows)
-        assert [[r.token_ids for r in group] for group in on] == [[r.token_ids for r in group] for group in off]
-        tol = 1e-5 if dtype == torch.float32 else 3e-2
-        for group_on, group_off in zip(on, off):
-            for a, b in zip(group_on, group_off):
-                torch.testing.assert_close(a.logprobs, b.logprobs, atol=tol, rtol=tol)
+        assert_same_answers(on, off, tol=1e-5 if dtype == torch.float32 else 3e-2)
 
 
 def interpreted_static_engine() -> None:

@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures.broken_kernel import ERROR, break_kernel
 from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
@@ -109,23 +110,14 @@ def test_a_kernel_that_fails_is_left_for_torch_once_and_said(monkeypatch, caplog
 
     from services.rollout import fused_norm, norm_kernel
 
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("LORABUS_FUSED_NORM_KERNEL", raising=False)
-    monkeypatch.setattr(norm_kernel, "_launch", broken)
-    monkeypatch.setattr(norm_kernel, "_BROKEN", [])
+    calls = break_kernel(monkeypatch, norm_kernel, "LORABUS_FUSED_NORM_KERNEL")
     own = Qwen2RMSNorm(16, eps=1e-6)
     norm = fused_norm.RMSNorm(own.weight, own.variance_epsilon)
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
     with caplog.at_level(logging.WARNING), torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(norm(x), own(x))  # torch's rms_norm, every time
-    assert calls == [1] and caplog.text.count("PassManager::run failed") == 1
+    assert calls == [1] and caplog.text.count(ERROR) == 1
     assert not norm_kernel.available(torch.device("cuda"))
 
 
@@ -244,7 +236,7 @@ def norms_not_ones() -> torch.nn.Module:
 
 def same_on_and_off(slab_rows: int) -> None:
     from services.rollout import norm_kernel
-    from tests.fixtures.kernel_engine import off_and_on
+    from tests.fixtures.kernel_engine import assert_same_answers, off_and_on
 
     for dtype in (torch.float32, torch.bfloat16):
         # bfloat16 with every kernel a GPU runs; float32 with torch's rotation, cache write and
@@ -252,14 +244,9 @@ def same_on_and_off(slab_rows: int) -> None:
         for switch in SWITCHES[1:]:
             os.environ[switch] = "0" if dtype == torch.float32 else "1"
         off, on = off_and_on(norm_kernel, "LORABUS_FUSED_NORM_KERNEL", norms_not_ones, dtype, slab_rows)
-        assert [[r.token_ids for r in group] for group in on] == [[r.token_ids for r in group] for group in off]
         # bfloat16 bit for bit (the norms' outputs are); float32 not: torch's rms_norm sums the
         # squares in its own order, and a logprob moves in its last bits (4.8e-7 at most here)
-        tol = 2e-6 if dtype == torch.float32 else 0.0
-        for group_on, group_off in zip(on, off):
-            for a, b in zip(group_on, group_off):
-                torch.testing.assert_close(a.logprobs, b.logprobs, atol=tol, rtol=tol)
-                assert a.finish_reason == b.finish_reason
+        assert_same_answers(on, off, tol=2e-6 if dtype == torch.float32 else 0.0)
 
 
 def interpreted_static_engine() -> None:

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures.broken_kernel import ERROR, break_kernel
 from tests.fixtures.interpreted import Outcome, checks_in, run_checks
 
 pytestmark = pytest.mark.unit
@@ -93,23 +94,14 @@ def test_a_kernel_that_fails_is_left_for_torch_once_and_said(monkeypatch, caplog
     from services.rollout import swiglu_kernel
     from tests.fixtures.tiny import tiny_qwen2
 
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("LORABUS_FUSED_SWIGLU", raising=False)
-    monkeypatch.setattr(swiglu_kernel, "_launch", broken)
-    monkeypatch.setattr(swiglu_kernel, "_BROKEN", [])
+    calls = break_kernel(monkeypatch, swiglu_kernel, "LORABUS_FUSED_SWIGLU")
     mlp = Qwen2MLP(tiny_qwen2().config)
     forward = swiglu_kernel.gated_forward(mlp)
     x = torch.randn(3, mlp.hidden_size, generator=torch.Generator().manual_seed(2))
     with caplog.at_level(logging.WARNING), torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(forward(x), mlp(x))  # torch's product, every time
-    assert calls == [1] and caplog.text.count("PassManager::run failed") == 1
+    assert calls == [1] and caplog.text.count(ERROR) == 1
     assert not swiglu_kernel.available(torch.device("cuda"))
 
 
@@ -194,7 +186,7 @@ def check_mlps() -> None:
 
 def same_on_and_off(slab_rows: int) -> None:
     from services.rollout import swiglu_kernel
-    from tests.fixtures.kernel_engine import off_and_on
+    from tests.fixtures.kernel_engine import assert_same_answers, off_and_on
     from tests.fixtures.tiny import tiny_qwen2
 
     # bfloat16 with every other kernel a GPU runs; float32 with torch's beside it, which halves
@@ -203,12 +195,7 @@ def same_on_and_off(slab_rows: int) -> None:
         for switch in SWITCHES[1:]:
             os.environ[switch] = "0" if dtype == torch.float32 else "1"
         off, on = off_and_on(swiglu_kernel, "LORABUS_FUSED_SWIGLU", lambda: tiny_qwen2(seed=6), dtype, slab_rows)
-        assert [[r.token_ids for r in group] for group in on] == [[r.token_ids for r in group] for group in off]
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        for group_on, group_off in zip(on, off):
-            for a, b in zip(group_on, group_off):
-                torch.testing.assert_close(a.logprobs, b.logprobs, atol=tol, rtol=tol)
-                assert a.finish_reason == b.finish_reason
+        assert_same_answers(on, off, tol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def interpreted_static_engine() -> None:
