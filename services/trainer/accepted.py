@@ -65,6 +65,11 @@ class AcceptedQueue:
             if stop.is_set():
                 return None
             for d in await reader.burst(max_n=size - len(groups), timeout=FETCH_TIMEOUT_S):
+                # first: a batch in flight is marked trained before its step is published, and
+                # a copy of it redelivered meanwhile (a restarted nats-server) must not be acked
+                # here: a crash before that publication would lose it
+                if any(h.msg.trajectory_id == d.msg.trajectory_id for h in self.held):
+                    continue  # redelivered while held (a late pull): the held copy settles it
                 if ranges.contains(self.trained, d.meta.stream_seq):
                     log.info("trajectory %s was trained already (its ack was lost); acking", d.msg.trajectory_id)
                     await d.ack()
@@ -73,8 +78,6 @@ class AcceptedQueue:
                     log.info("trajectory %s was trained before the restart; acking", d.msg.trajectory_id)
                     await d.ack()
                     continue
-                if any(h.msg.trajectory_id == d.msg.trajectory_id for h in self.held):
-                    continue  # redelivered while held (a late pull): the held copy settles it
                 if (problem := self._problem(d.msg)) is not None:
                     await d.reject("validation", f"trajectory {d.msg.trajectory_id}: {problem}")
                     continue
