@@ -109,6 +109,8 @@ class Record:
     scores: dict[int, float]
     loaded: dict[tuple[str, int], float]
     """(replica, version) -> first loaded_at"""
+    load_began: dict[tuple[str, int], float]
+    """(replica, version) -> when that first load began (loaded_at less its load_seconds)"""
     batches: set[tuple[str, float, float]]
     """(replica, started_at, finished_at) of every generated batch"""
     verdicts: dict[str, int]
@@ -134,15 +136,18 @@ async def read_streams(run_dir: Path, run: str) -> Record:
     for v in first.values():
         verdicts[v] = verdicts.get(v, 0) + 1
     loaded: dict[tuple[str, int], float] = {}
+    load_began: dict[tuple[str, int], float] = {}
     for r in reports:
-        if isinstance(r, m.AdapterLoaded):
-            loaded.setdefault((r.replica, r.version), r.loaded_at)
+        if isinstance(r, m.AdapterLoaded) and (r.replica, r.version) not in loaded:
+            loaded[(r.replica, r.version)] = r.loaded_at
+            load_began[(r.replica, r.version)] = r.loaded_at - r.load_seconds
     return Record(
         run=run,
         ready={e.version: e.created_at for e in ready},
         steps=list({s.step: s for s in steps}.values()),
         scores={e.version: e.score for e in evals if e.evaluator == "heldout"},
         loaded=loaded,
+        load_began=load_began,
         batches={(t.replica, t.started_at, t.finished_at) for t in trajectories},
         verdicts=verdicts,
     )
@@ -240,11 +245,31 @@ def timeline(rec: Record, publish_s: dict[int, float], evals: list[tuple[float, 
             "publish_s": round(publish_s.get(nxt, 0.0), 4),
             "canary_s": None if canary.get(nxt) is None else round(canary[nxt], 4),
             "load_s": round(loads[v], 4) if v in loads else None,
+            **arrival(rec, v, replicas),
         })  # fmt: skip
     mean_step = (
         {k: round(statistics.fmean(s[k] for s in per_step), 4) for k in ("seconds", *CATEGORIES)} if per_step else {}
     )
     return {"busy": busy, "mean_step": mean_step, "per_step": per_step}
+
+
+def arrival(rec: Record, version: int, replicas: list[str]) -> dict[str, float | None]:
+    """How `version` reached the replicas, in seconds after its announcement, each the slowest
+    replica's: `delivery_s` until its load began (the event's way to the replica and the
+    replica's turn to take it), `loaded_s` until it was servable, `first_batch_s` until a batch
+    began after that (the grant and the replica's next turn). None where a replica never did."""
+    created = rec.ready[version]
+    began = [rec.load_began.get((r, version)) for r in replicas]
+    loaded = [rec.loaded.get((r, version)) for r in replicas]
+    first = []
+    for r, at in zip(replicas, loaded):
+        starts = [a for q, a, _ in rec.batches if q == r and at is not None and a >= at]
+        first.append(min(starts) if starts else None)
+
+    def slowest(times: list[float | None]) -> float | None:
+        return None if not times or None in times else round(max(times) - created, 4)
+
+    return {"delivery_s": slowest(began), "loaded_s": slowest(loaded), "first_batch_s": slowest(first)}
 
 
 def time_to(curve: list[list[float]], target: float) -> tuple[float | None, int | None]:

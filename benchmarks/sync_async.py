@@ -25,7 +25,9 @@ training time, and each k's final score against k = 0's.
 
 Where the time goes (benchmarks/rl_runs.py says how each is read from what the services record):
 per step, the seconds between two announcements split into generation, transfer (publish and
-load), training, both at once (overlap) and idle; and over the run, the fraction of wall-clock
+load), training, both at once (overlap) and idle, and the version's way to the rollouts (the
+trainer's publish; the event's delivery until a replica's load begins, the load, and the wait
+for that replica's next batch); and over the run, the fraction of wall-clock
 in which the trainer, the rollouts and the evaluator each have work on the GPU.
 
 Each run is written to <out>_runs/k<k>_seed<s>.json as it ends; a rerun with the same settings
@@ -54,6 +56,16 @@ DEFAULTS = {
 }
 
 
+ARRIVAL = ("publish_s", "delivery_s", "loaded_s", "first_batch_s")
+"""a version's way from the trainer to the rollouts, per step (rl_runs.arrival)"""
+
+
+def mean_of(per_step: list[dict], key: str) -> float | None:
+    """The mean of `key` over the steps that have it."""
+    xs = [s[key] for s in per_step if s.get(key) is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def aggregate(runs: list[dict], targets: list[float]) -> dict:
     """Per k: mean and spread over seeds; and the issue's targets."""
     by_k: dict[int, list[dict]] = {}
@@ -72,6 +84,7 @@ def aggregate(runs: list[dict], targets: list[float]) -> dict:
             row[key] = spread([r[key] for r in rs])
         row["busy"] = {b: spread([r["busy"][b] for r in rs]) for b in ("trainer", "rollouts", "both", "evaluator")}
         row["mean_step"] = {c: spread([r["mean_step"][c] for r in rs]) for c in ("seconds", *CATEGORIES)}
+        row["arrival"] = {a: spread([x for r in rs if (x := mean_of(r["per_step"], a)) is not None]) for a in ARRIVAL}
         row["stale_rejected"] = spread([r["trajectories"].get("rejected-stale", 0) for r in rs])
         out["by_k"][str(k)] = row
     sync = out["by_k"].get("0")
@@ -126,6 +139,9 @@ def table(agg: dict, targets: list[float], steps: int, task: str, seeds_wanted: 
                      *(pm(row["busy"][b], ".2f") for b in ("trainer", "rollouts", "both", "evaluator")),
                      pm(row["stale_rejected"], ".0f")])  # fmt: skip
     show(head, rows)
+    print("\na version's way to the rollouts, per step (seconds: the trainer's publish; then after the announcement, "
+          "the slowest replica's load beginning, loaded, and next batch beginning)")  # fmt: skip
+    show(["k", *ARRIVAL], [[k, *(pm(row["arrival"][a], ".3f") for a in ARRIVAL)] for k, row in agg["by_k"].items()])
     t34 = agg.get("issue_34")
     if t34:
         print(f"\n#34: time to the synchronous runs' mean final score {t34['sync_final_mean']:.3f}, as a fraction of "
