@@ -354,6 +354,12 @@ class FleetConfig(Section):
     parameters (rank x (in + out) per targeted linear layer x layers, sized from the base
     model's config.json), their gradients and the optimizer's moments (two for adam/adamw); a
     submit or resume beyond it is refused. Unset: unbounded"""
+    step_together: Literal["auto", "always", "never"] = "auto"
+    """whether the runs holding a batch at the same moment train in one joint step on the
+    trainer's shared base (one forward and backward over all their rows, each run's update its
+    own solo step's): `auto` where the trainer runs on an accelerator, where a small step is
+    launch-bound and a larger batch costs little more (on a CPU it is slower per row: 0.85x at 8
+    runs, benchmarks/joint_step.py); `always`; `never` (each run steps alone, in fair-share order)"""
 
 
 class LorabusConfig(Section):

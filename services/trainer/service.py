@@ -11,8 +11,8 @@ ranks) serves the own run only, on the same loop.
 One loop steps them (`serve`): every run collects its next batch in the background, and among
 the runs holding a full batch the one with the fewest steps per unit of share leads the next
 step, ties to the one that waited longest (`share.pick` with steps done in place of groups in
-flight); on a shared model on an accelerator every other run holding a batch steps with it, in
-the same forwards and backwards (`runs.steps`, `steps_together`). A run without a full batch
+flight); on a shared model every other run holding a batch steps with it, in the same forwards
+and backwards (`runs.steps`; `fleet.step_together`, by default on an accelerator only). A run without a full batch
 never holds the trainer, and a ready run never waits for another's step; the shares are kept
 where batches are made (the registry grants rollout slots by share), so a run's steps follow its
 share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A
@@ -106,15 +106,19 @@ def next_runs(workers: Iterable[TrainWorker]) -> list[TrainWorker]:
     if chosen is None:
         return []
     lead = ready.pop(chosen)
-    return [lead, *ready.values()] if steps_together(lead.ctx.engine) else [lead]
+    together = steps_together(lead.ctx.engine, lead.ctx.cfg.fleet.step_together)
+    return [lead, *ready.values()] if together else [lead]
 
 
-def steps_together(engine: TrainEngine) -> bool:
-    """Whether ready runs on `engine`'s model step together: a shared base on an accelerator,
-    where a pass through the base costs launches and memory reads that a larger batch shares.
-    On the CPU a step is compute-bound and a larger batch is slower per row (8 runs: 0.85x
-    one after another, `benchmarks/joint_step.py`), so there runs step one at a time."""
-    return shares_base(engine) and engine.device.type != "cpu"
+def steps_together(engine: TrainEngine, mode: str = "auto") -> bool:
+    """Whether ready runs on `engine`'s model step together (`fleet.step_together`): only on a
+    shared base; under `auto` on an accelerator, where a pass through the base costs launches
+    and memory reads that a larger batch shares. On the CPU a step is compute-bound and a
+    larger batch is slower per row (8 runs: 0.85x one after another, `benchmarks/joint_step.py`),
+    so there runs step one at a time unless `always`."""
+    if mode == "never" or not shares_base(engine):
+        return False
+    return mode == "always" or engine.device.type != "cpu"
 
 
 async def _woken(wake: asyncio.Event, stop: asyncio.Event) -> None:

@@ -16,6 +16,8 @@ What is asserted and why it cannot pass by chance:
   exports end where its training did.
 - Every run has its own XCCL group (`actor.weight_update_mode: xccl`): both replicas loaded
   versions of each submitted run by broadcast ("via xccl" in their logs).
+- The runs step together (`fleet.step_together: always`, what `auto` does on a GPU): the trainer
+  trained batches of several runs in one step, and each run still learned on its own.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def test_three_runs_share_one_fleet(tmp_path, nats_url):
     fleet = f"mr{uuid.uuid4().hex[:6]}"
     run_dir = tmp_path / "fleet"
     overrides = [f"run={fleet}", f"run_dir={run_dir}", f"total_train_steps={STEPS}", "fleet.lora_slots=12",
-                 "fleet.max_lora_rank=8", "actor.weight_update_mode=xccl"]  # fmt: skip
+                 "fleet.max_lora_rank=8", "actor.weight_update_mode=xccl",
+                 "fleet.step_together=always"]  # fmt: skip
     a, b = f"{fleet}-a", f"{fleet}-b"
     files = {
         a: {"run": a, "total_train_steps": STEPS, "gconfig": {"lora_name": "four"},
@@ -145,6 +148,8 @@ def test_three_runs_share_one_fleet(tmp_path, nats_url):
         assert max(scores.values()) >= base + MARGIN, (run, base, scores)
     heldout(evaluator, exports[b], [stopped_at], 2)  # loads in peft at its own rank
     assert msgspec.json.decode((run_dir / "summary.json").read_bytes())["other_runs"][a]["exported"] == STEPS
+    joint = re.findall(r"runs (.+) step together", (run_dir / "trainer.log").read_text())
+    assert joint, "no two runs stepped together in the trainer's log"
     # every run has its own XCCL group: a submitted run's versions reach the replicas by broadcast
     # too (v0 and a version around a join come as object copies)
     for replica in ("rollout-0", "rollout-1"):

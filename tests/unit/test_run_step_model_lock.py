@@ -136,10 +136,10 @@ async def test_a_joint_step_publishes_each_run_and_faults_only_the_one_that_fail
 
 
 class Worker:
-    def __init__(self, run: str, steps: int, *, ready: bool = True, engine=None):
+    def __init__(self, run: str, steps: int, *, ready: bool = True, engine=None, step_together: str = "auto"):
         self.run, self.steps, self.last_step, self.done = run, steps, -1, False
         self.batch = ["g"] if ready else None
-        cfg = load_config("examples/tiny.yaml", [])
+        cfg = load_config("examples/tiny.yaml", [f"fleet.step_together={step_together}"])
         self.ctx = runs.Rank0(cfg, engine or Engine(), None, None, None, None, None, "")  # type: ignore[arg-type]
 
 
@@ -156,6 +156,18 @@ def test_every_ready_run_on_a_shared_model_steps_with_the_one_the_share_picks(mo
     monkeypatch.setattr(Engine, "device", torch.device("cpu"), raising=False)  # compute-bound there
     assert [w.run for w in service.next_runs(workers)] == ["b"]
     assert service.next_runs([Worker("c", 0, ready=False)]) == []
+
+
+def test_fleet_step_together_decides_it_for_any_device(monkeypatch):
+    from services.trainer import service
+
+    monkeypatch.setattr(service, "shares_base", lambda engine: True)
+    for device, mode, team in [("cpu", "always", ["b", "a"]), ("cuda", "never", ["b"]), ("cuda", "auto", ["b", "a"])]:
+        monkeypatch.setattr(Engine, "device", torch.device(device), raising=False)
+        workers = [Worker("a", 5, step_together=mode), Worker("b", 1, step_together=mode)]
+        assert [w.run for w in service.next_runs(workers)] == team, (device, mode)
+    monkeypatch.setattr(service, "shares_base", lambda engine: False)  # one model per run: never together
+    assert [w.run for w in service.next_runs([Worker("a", 5, step_together="always"), Worker("b", 1)])] == ["b"]
 
 
 @dataclasses.dataclass(frozen=True)
