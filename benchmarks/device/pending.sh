@@ -1,0 +1,43 @@
+# The device calls that the open issues' figures wait for (27, 34, 33), in the order to run them:
+# one stage per call, back to back on one warm machine. Every output goes straight under $OUT,
+# so a call cut short at its limit still brings back what it finished.
+#
+# Here, before the first call:
+#   bash benchmarks/device/snapshot.sh                      # .device/src.tgz: what runs is a commit
+#   pip download -d .device/pyw --no-deps pytest pluggy iniconfig packaging   # the image has no pytest
+# Each call (carry [".device/src.tgz", ".device/pyw"]; timeout_s 595):
+#   source benchmarks/h200_env.sh && TREE=$_tree STAGE=kernels bash benchmarks/device/pending.sh
+# (TREE: the carried tree, where .device/pyw is; h200_env.sh has moved into the snapshot)
+# then STAGE=sync_async (twice: a run already recorded under /tmp/pending is not run again),
+# then STAGE=fleet.
+set -u
+L=h100 HBM=3.35
+nvidia-smi | grep -q H200 && L=h200 HBM=4.8
+KEEP=/tmp/pending  # survives between calls while the machine stays warm
+mkdir -p "$KEEP"
+case "${STAGE:?STAGE: kernels, sync_async or fleet}" in
+kernels)  # issue 27: the new decode kernels compiled for the card, then the step they make
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyt "${TREE:?TREE: the carried tree}"/.device/pyw/*.whl
+  PYTHONPATH="$PYTHONPATH:/tmp/pyt" timeout 120 python -m pytest -q -p no:cacheprovider --noconftest \
+    -o addopts="" -rs -k gpu tests/unit/test_norm_kernel.py tests/unit/test_kv_write.py \
+    tests/unit/test_swiglu_kernel.py tests/unit/test_attention_kernel.py tests/unit/test_sample_kernel.py \
+    >"$OUT/gpu_kernel_tests_$L.txt" 2>&1
+  tail -5 "$OUT/gpu_kernel_tests_$L.txt"
+  grep -i unavailable "$OUT/gpu_kernel_tests_$L.txt" | head -3  # a kernel that fell back to torch
+  timeout $((570 - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
+    --shapes qwen2.5-1.5b --batches 64 256 1 16 \
+    --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
+    --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
+  ;;
+sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trainer
+  timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task arith3 --ks 0 1 2 4 --seeds 1 2 3 \
+    --max-wall-s 470 --out "$KEEP/sync_async_arith3_$L.json" 2>&1 | tail -40
+  cp -r "$KEEP"/. "$OUT"/
+  ;;
+fleet)  # issue 33: the joint step alone, then 8 runs one after another and together
+  timeout 120 python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -15
+  timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase all \
+    --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
+  ;;
+*) echo "STAGE: $STAGE is not one of kernels, sync_async, fleet" >&2; exit 2 ;;
+esac
