@@ -261,10 +261,10 @@ def arrival(rec: Record, version: int, replicas: list[str]) -> dict[str, float |
     created = rec.ready[version]
     began = [rec.load_began.get((r, version)) for r in replicas]
     loaded = [rec.loaded.get((r, version)) for r in replicas]
-    first = []
-    for r, at in zip(replicas, loaded):
-        starts = [a for q, a, _ in rec.batches if q == r and at is not None and a >= at]
-        first.append(min(starts) if starts else None)
+    first = [
+        None if at is None else min((a for q, a, _ in rec.batches if q == r and a >= at), default=None)
+        for r, at in zip(replicas, loaded)
+    ]
 
     def slowest(times: list[float | None]) -> float | None:
         return None if not times or None in times else round(max(times) - created, 4)

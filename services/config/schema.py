@@ -331,6 +331,9 @@ class EvaluatorConfig(Section):
     long for scores still missing, then stop with the scores it has"""
 
 
+StepTogether = Literal["auto", "always", "never"]
+
+
 class FleetConfig(Section):
     """Many runs on one fleet (docs/multi-run.md). `share` is a run's own; the rest is the fleet's."""
 
@@ -354,7 +357,7 @@ class FleetConfig(Section):
     parameters (rank x (in + out) per targeted linear layer x layers, sized from the base
     model's config.json), their gradients and the optimizer's moments (two for adam/adamw); a
     submit or resume beyond it is refused. Unset: unbounded"""
-    step_together: Literal["auto", "always", "never"] = "auto"
+    step_together: StepTogether = "auto"
     """whether the runs holding a batch at the same moment train in one joint step on the
     trainer's shared base (one forward and backward over all their rows, each run's update its
     own solo step's): `auto` where the trainer runs on an accelerator, where a small step is

@@ -12,10 +12,10 @@ One loop steps them (`serve`): every run collects its next batch in the backgrou
 the runs holding a full batch the one with the fewest steps per unit of share leads the next
 step, ties to the one that waited longest (`share.pick` with steps done in place of groups in
 flight); on a shared model every other run holding a batch steps with it, in the same forwards
-and backwards (`runs.steps`; `fleet.step_together`, by default on an accelerator only). A run without a full batch
-never holds the trainer, and a ready run never waits for another's step; the shares are kept
-where batches are made (the registry grants rollout slots by share), so a run's steps follow its
-share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A
+and backwards (`runs.steps`; `fleet.step_together`, by default on an accelerator only). A run
+without a full batch never holds the trainer, and a ready run never waits for another's step;
+the shares are kept where batches are made (the registry grants rollout slots by share), so a
+run's steps follow its share of the rollouts. While no run holds a batch, rank 0 heartbeats the other ranks. A
 submitted run whose adapter cannot join the model or whose step raises (`run_faults.RunFault`)
 is retired and reported to the registry, which stops it with the reason; the other runs go on.
 
@@ -40,7 +40,7 @@ from services.common import run_faults, share
 from services.common.bus import Bus
 from services.common.run_faults import RunFault
 from services.common.run_host import MakeWorker, RunHost
-from services.config.schema import LorabusConfig
+from services.config.schema import LorabusConfig, StepTogether
 from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint
 from services.trainer.engines.base import TrainEngine, shares_base
@@ -110,7 +110,7 @@ def next_runs(workers: Iterable[TrainWorker]) -> list[TrainWorker]:
     return [lead, *ready.values()] if together else [lead]
 
 
-def steps_together(engine: TrainEngine, mode: str = "auto") -> bool:
+def steps_together(engine: TrainEngine, mode: StepTogether = "auto") -> bool:
     """Whether ready runs on `engine`'s model step together (`fleet.step_together`): only on a
     shared base; under `auto` on an accelerator, where a pass through the base costs launches
     and memory reads that a larger batch shares. On the CPU a step is compute-bound and a
