@@ -20,8 +20,10 @@ serve, never from what a replica loaded; equal weights give equal canaries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -109,6 +111,25 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int, cached: bo
         logprobs.append(lp.gather(-1, token)[:, 0].clamp(max=0.0))
         ids = torch.cat([ids, token], dim=1)
     return torch.cat([torch.stack(tokens, 1).double(), torch.stack(logprobs, 1).double()], dim=1)
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """`model` and each of its modules in eval mode (dropout off, the KV cache on under
+    gradient checkpointing) for the block, then each back in its own mode.
+
+    The flag is set in each module's `__dict__`, where `nn.Module.__setattr__` (which `.eval()`
+    and `.train()` go through) would store it: that costs ~2.5 us a module, ~10 ms a canary on a
+    1.5B model with all-linear LoRA (2,300 modules), and the canary holds the shared model."""
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.__dict__["training"] = False
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes, strict=True):
+            m.__dict__["training"] = mode
 
 
 def computes(engine: object) -> bool:

@@ -156,3 +156,18 @@ def test_the_cached_reference_equals_a_plain_greedy_decode():
         for seq, (tokens, lps) in zip(canary.sequences, want):
             assert seq.token_ids == tokens and seq.logprobs == pytest.approx(lps, abs=1e-5)
             assert all(isinstance(t, int) for t in seq.token_ids)
+
+
+def test_evaluating_turns_dropout_off_and_gives_each_module_its_own_mode_back():
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Sequential(nn.Dropout(0.5)))
+    model.train()
+    model[2].eval()  # a submodule the caller left in eval mode stays there
+    x = torch.ones(2, 4)
+    with trainer_canary.evaluating(model):
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model(x), model(x))  # dropout off: the same answer twice
+    assert [m.training for m in model.modules()] == [True, True, True, False, False]
+    with pytest.raises(RuntimeError), trainer_canary.evaluating(model):
+        raise RuntimeError("a canary that fails")
+    assert [m.training for m in model.modules()] == [True, True, True, False, False]

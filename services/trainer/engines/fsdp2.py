@@ -167,13 +167,8 @@ class FSDP2Engine:
         (autocast, as the step's forwards), dropout off; collective under FSDP2."""
         self.activate()
         prompt_ids = trainer_canary.prompts(self.vocab_size, seed=self.actor.seed)
-        training = self.model.training
-        self.model.eval()
-        try:
-            with precision.forward_context(self.device, self.dtype):
-                return trainer_canary.reference(self.model, prompt_ids, self.actor.dtype)
-        finally:
-            self.model.train(training)
+        with trainer_canary.evaluating(self.model), precision.forward_context(self.device, self.dtype):
+            return trainer_canary.reference(self.model, prompt_ids, self.actor.dtype)
 
     # --- adapter and checkpoint state ----------------------------------------------------
 

@@ -46,10 +46,6 @@ def megatron_canary(
     model: nn.Module, vocab_size: int, seed: int, dtype: Dtype, tp_gather: object | None = None
 ) -> Canary:
     """`tp_gather`: megatron-core's `gather_from_tensor_model_parallel_region` under TP > 1."""
-    training = model.training
-    model.eval()
-    try:
+    with trainer_canary.evaluating(model):
         prompt_ids = trainer_canary.prompts(vocab_size, seed=seed)
         return trainer_canary.reference(_HFCall(model, vocab_size, tp_gather), prompt_ids, dtype)
-    finally:
-        model.train(training)
