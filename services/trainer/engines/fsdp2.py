@@ -24,7 +24,7 @@ from services.trainer import canary as trainer_canary
 from services.trainer import precision, startup
 from services.trainer.engines import fsdp2_step
 from services.trainer.engines.base import StepStats, init_distributed, make_optimizer
-from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, wrap_lora
+from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, set_active_adapter, wrap_lora
 from services.trainer.schedule import make_scheduler
 
 if TYPE_CHECKING:
@@ -135,8 +135,8 @@ class FSDP2Engine:
 
     def activate(self) -> None:
         # peft runs (and trains) only the active adapter; with one adapter it always is
-        if len(self.model.peft_config) > 1 and self.model.active_adapter != self.adapter:
-            self.model.set_adapter(self.adapter)
+        if len(self.model.peft_config) > 1:
+            set_active_adapter(self.model, self.adapter)
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
