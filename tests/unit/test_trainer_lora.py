@@ -5,7 +5,7 @@ from transformers import Qwen2ForCausalLM
 
 from services.common import adapter_io
 from services.config.schema import ActorConfig
-from services.trainer.lora import adapter_state, lora_spec, wrap_lora
+from services.trainer.lora import adapter_state, lora_parameters, lora_spec, wrap_lora
 from tests.fixtures.tiny import tiny_qwen2 as fixture_qwen2
 
 HF_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -18,7 +18,7 @@ def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
 def test_adapter_keys_shapes_and_zero_b():
     actor = ActorConfig(path="tiny", lora_rank=4, lora_alpha=8.0)
     model = wrap_lora(tiny_qwen2(), actor)
-    state = adapter_state(model)
+    state = adapter_state(lora_parameters(model))
     # 2 layers x 7 linear modules x (A, B); lm_head is not all-linear
     assert len(state) == 2 * 7 * 2
     for key, t in state.items():
@@ -46,8 +46,8 @@ def test_base_stays_in_compute_dtype_adapter_is_fp32_and_leaves_in_serving_dtype
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     spec = lora_spec(model, actor)
     assert spec.target_modules == ["q_proj", "v_proj"] and spec.dtype == "bfloat16"
-    assert {t.dtype for t in adapter_state(model, torch.bfloat16).values()} == {torch.bfloat16}
-    assert {t.dtype for t in adapter_state(model).values()} == {torch.float32}
+    assert {t.dtype for t in adapter_state(lora_parameters(model), torch.bfloat16).values()} == {torch.bfloat16}
+    assert {t.dtype for t in adapter_state(lora_parameters(model)).values()} == {torch.float32}
 
 
 def test_saved_adapter_reloads_with_peft_and_gives_same_logits(tmp_path):
@@ -57,7 +57,7 @@ def test_saved_adapter_reloads_with_peft_and_gives_same_logits(tmp_path):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    weights = adapter_io.to_bytes(adapter_state(model))
+    weights = adapter_io.to_bytes(adapter_state(lora_parameters(model)))
     adapter_io.write_peft_dir(tmp_path, weights, lora_spec(model, actor))
 
     ids = torch.tensor([[1, 5, 9, 17, 33, 2]])
@@ -162,10 +162,10 @@ def test_adapter_state_into_the_send_set_writes_what_it_would_return_and_ignores
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.5)
-    reference = adapter_state(model, torch.bfloat16)
+    reference = adapter_state(lora_parameters(model), torch.bfloat16)
     plan = xccl.plan_buckets(xccl.manifest_of(reference), 256)  # several buckets, gaps between
     into = xccl.unpack(plan, xccl.alloc_buckets(plan))
-    got = adapter_state(model, torch.bfloat16, into=into)
+    got = adapter_state(lora_parameters(model), torch.bfloat16, into=into)
     assert list(got) == list(reference)
     assert all(got[k] is into[k] for k in got)  # written in place, nothing new
     assert all(torch.equal(got[k], reference[k]) for k in reference)
@@ -173,11 +173,11 @@ def test_adapter_state_into_the_send_set_writes_what_it_would_return_and_ignores
     wrong = dict(into)
     wrong.popitem()  # one tensor short: not this adapter's layout
     before = {k: t.clone() for k, t in wrong.items()}
-    fresh = adapter_state(model, torch.bfloat16, into=wrong)
+    fresh = adapter_state(lora_parameters(model), torch.bfloat16, into=wrong)
     assert all(fresh[k] is not wrong.get(k) for k in fresh)
     assert all(torch.equal(fresh[k], reference[k]) for k in reference)
     assert all(torch.equal(wrong[k], before[k]) for k in wrong)
-    fp32 = adapter_state(model, into=into)  # the masters' dtype is not the set's: ignored
+    fp32 = adapter_state(lora_parameters(model), into=into)  # the masters' dtype is not the set's: ignored
     assert {t.dtype for t in fp32.values()} == {torch.float32}
 
 

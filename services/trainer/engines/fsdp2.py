@@ -100,7 +100,8 @@ class FSDP2Engine:
         self._train_state()
 
     def _train_state(self) -> None:
-        self.params = [p for _, p in lora_parameters(self.model, self.adapter)]
+        self.named_params = lora_parameters(self.model, self.adapter)
+        self.params = [p for _, p in self.named_params]
         self.optimizer = make_optimizer(self.params, self.cfg)
         self.scheduler = make_scheduler(self.optimizer, self.actor.optimizer, self.cfg.total_train_steps)
         self.step = 0
@@ -131,7 +132,7 @@ class FSDP2Engine:
         if self.adapter == "default":
             raise ValueError("adapter: the model's first adapter stays; drop siblings only")
         self.model.delete_adapter(self.adapter)
-        self.params, self.optimizer = [], None  # type: ignore[assignment]
+        self.named_params, self.params, self.optimizer = [], [], None  # type: ignore[assignment]
 
     def activate(self) -> None:
         # peft runs (and trains) only the active adapter; with one adapter it always is
@@ -176,7 +177,7 @@ class FSDP2Engine:
         """The full adapter on CPU in the serving dtype (`lora_spec().dtype`), cast once from
         the fp32 masters (a collective under FSDP2: call on every rank); written into `into`
         when it fits (`lora.adapter_state`)."""
-        return adapter_state(self.model, self.dtype, self.adapter, into)
+        return adapter_state(self.named_params, self.dtype, into)
 
     def lora_spec(self) -> LoraSpec:
         return self.lora
@@ -194,7 +195,7 @@ class FSDP2Engine:
         if self.device.type == "cpu":  # offloading copied nothing: these are the live tensors
             state = copy.deepcopy(state)
         if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
-            masters = adapter_state(self.model, adapter=self.adapter)  # a collective too
+            masters = adapter_state(self.named_params)  # a collective too
             if self.rank == 0:
                 state[precision.MASTERS_KEY] = masters
         return state
