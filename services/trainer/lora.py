@@ -214,9 +214,7 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
         yield route
         return
     layers: list[LoraLinear] = []
-    for m in model.modules():
-        if not isinstance(m, LoraLayer):
-            continue
+    for m in _lora_layers(model):
         if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
             raise ValueError(
                 f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
