@@ -7,8 +7,10 @@ each continuation token's log-probability at temperature 1: the `Canary` publish
 version, that every replica checks its load against (`services.rollout.canary`).
 
 The trainer computes it in each step, after the update, from the model it trains (`timed`:
-in a thread beside the upload or broadcast and the announcement in one process, `beside`; in
-`ranks.run_step` over several ranks, where it is a collective; the first version's at start),
+in a thread beside the upload or broadcast and the announcement in one process, `beside`; for
+every run of a fleet's joint step in one decode, each run's rows through its own adapter,
+`beside_together`; in `ranks.run_step` over several ranks, where it is a collective; the first
+version's at start),
 and publishes it as its own message after the version's AdapterReady, which says it follows
 (`publish.publish_canary`), on either path (object store or XCCL): the announcement never
 waits for it.
@@ -20,15 +22,20 @@ serve, never from what a replica loaded; equal weights give equal canaries.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from proto.messages import Canary, CanarySequence, Dtype
-from services.trainer.engines.base import CanaryEngine
+from services.trainer.engines.base import CanaryEngine, SharedBaseEngine
+from services.trainer.lora import Route
+
+Timed = tuple[Canary | None, float | None]
+"""a canary and the seconds it took to compute; (None, None) for an engine that computes none"""
 
 # Its cost is its sequential forwards (the trainer's decode, which the replicas' check waits
 # for; the replica's, which the version's first trajectories wait for): many short sequences in one
@@ -55,24 +62,56 @@ def reference(model: torch.nn.Module, prompt_ids: list[list[int]], dtype: Dtype,
     adapter applied, already in `dtype`), each token's temperature-1 logprob beside it. Prompts
     of one length are decoded as one batch (the run's prompts are: `n_tokens` forwards in all),
     the tokens after the first from the KV cache where the model keeps one (`_keeps_cache`)."""
+    [canary] = references(model, [prompt_ids], [dtype], n_tokens)
+    return canary
+
+
+@torch.no_grad()
+def references(
+    model: torch.nn.Module,
+    prompt_sets: Sequence[list[list[int]]],
+    dtypes: Sequence[Dtype],
+    n_tokens: int = CONTINUATION_TOKENS,
+    route: list[Route] | None = None,
+    adapters: Sequence[str] = (),
+) -> list[Canary]:
+    """`reference` of each prompt set (labelled with its dtype) in the same forwards. With
+    `route` (`lora.rows_by_adapter`'s, open around the call) each set's rows go through the
+    adapter of the same index in `adapters`: a fleet's joint step checks every run's version in
+    `n_tokens` forwards, where one canary per run took `n_tokens` each."""
     device = next(model.parameters()).device
-    by_length: dict[int, list[int]] = {}
-    for i, prompt in enumerate(prompt_ids):
-        by_length.setdefault(len(prompt), []).append(i)
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for s, prompts_ in enumerate(prompt_sets):
+        for i, prompt in enumerate(prompts_):
+            by_length.setdefault(len(prompt), []).append((s, i))
     cached = _keeps_cache(model)
-    order = [i for rows in by_length.values() for i in rows]
-    decoded = [_decode(model, torch.tensor([prompt_ids[i] for i in rows], device=device), n_tokens, cached)
-               for rows in by_length.values()]  # fmt: skip
+    decoded = []
+    for rows in by_length.values():  # each set's rows are contiguous (sets in order): one span each
+        if route is not None:
+            route[0] = _spans(rows, adapters)
+        ids = torch.tensor([prompt_sets[s][i] for s, i in rows], device=device)
+        decoded.append(_decode(model, ids, n_tokens, cached))
     # one copy to the host for every token and logprob (float64 holds any token id exactly)
     host = torch.cat(decoded).tolist()
-    sequences: list[CanarySequence | None] = [None] * len(prompt_ids)
-    for i, row in zip(order, host):
-        sequences[i] = CanarySequence(
-            prompt_token_ids=list(prompt_ids[i]),
+    sequences: list[list[CanarySequence | None]] = [[None] * len(p) for p in prompt_sets]
+    for (s, i), row in zip((r for rows in by_length.values() for r in rows), host, strict=True):
+        sequences[s][i] = CanarySequence(
+            prompt_token_ids=list(prompt_sets[s][i]),
             token_ids=[int(t) for t in row[:n_tokens]],
             logprobs=row[n_tokens:],
         )
-    return Canary(dtype=dtype, sequences=[s for s in sequences if s is not None])
+    return [
+        Canary(dtype=d, sequences=[q for q in seqs if q is not None]) for d, seqs in zip(dtypes, sequences, strict=True)
+    ]
+
+
+def _spans(rows: list[tuple[int, int]], adapters: Sequence[str]) -> Route:
+    """The route of a batch of (set, prompt) rows, each set's rows contiguous."""
+    spans, lo = [], 0
+    for s, n in collections.Counter(s for s, _ in rows).items():  # in the rows' order
+        spans.append((adapters[s], lo, lo + n))
+        lo += n
+    return spans
 
 
 def _keeps_cache(model: torch.nn.Module) -> bool:
@@ -137,7 +176,7 @@ def computes(engine: object) -> bool:
     return isinstance(engine, CanaryEngine)
 
 
-def timed(engine: object) -> tuple[Canary | None, float | None]:
+def timed(engine: object) -> Timed:
     """(the canary of the adapter `engine` holds now, seconds it took); (None, None) for an
     engine that computes none (`CanaryEngine`): its versions are then served unchecked.
     A collective under FSDP2: every rank calls it at the same point."""
@@ -148,8 +187,32 @@ def timed(engine: object) -> tuple[Canary | None, float | None]:
     return canary, time.perf_counter() - t0
 
 
-def beside(engine: object) -> asyncio.Future[tuple[Canary | None, float | None]]:
+def beside(engine: object) -> asyncio.Future[Timed]:
     """A one-process trainer's `timed` canary, computed in a thread while the version is stored
     or broadcast and announced; the caller holds the model until it is done (it reads the
     model with this run's adapter active) and publishes it after the event."""
     return asyncio.ensure_future(asyncio.to_thread(timed, engine))
+
+
+def timed_together(engines: Sequence[object]) -> list[Timed]:
+    """`timed` for each of `engines`, runs on one shared model that has just stepped together:
+    one joint decode (`SharedBaseEngine.canary_together`), its seconds each run's; an engine
+    that computes none gets (None, None)."""
+    lead = engines[0]
+    if not isinstance(lead, SharedBaseEngine) or not all(isinstance(e, CanaryEngine) for e in engines):
+        return [timed(e) for e in engines]
+    t0 = time.perf_counter()
+    canaries = lead.canary_together(list(engines))
+    seconds = time.perf_counter() - t0
+    return [(c, seconds) for c in canaries]
+
+
+def beside_together(engines: Sequence[object]) -> list[asyncio.Future[Timed]]:
+    """`beside` for the runs of a joint step: one thread computes them all (`timed_together`);
+    a future per engine, in order."""
+    together = asyncio.ensure_future(asyncio.to_thread(timed_together, engines))
+
+    async def nth(i: int) -> Timed:
+        return (await together)[i]
+
+    return [asyncio.ensure_future(nth(i)) for i in range(len(engines))]

@@ -157,7 +157,7 @@ class Turn:
     """this step's checkpoint, all but the adapter's bytes (serialised on the way), taken as
     the step left the engine, the RNG and the queue: the next step may have moved them since"""
     announcing: asyncio.Future[AdapterReady | None] | None = None
-    beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None
+    beside: asyncio.Future[trainer_canary.Timed] | None = None
     started: float = 0.0
     after: asyncio.Future[None] | None = None
     """the run's previous step's publication, while it is still on its way: this step's
@@ -210,8 +210,12 @@ async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
             results.append(await _step_over_ranks(turns[0], members))
         else:
             trained = await asyncio.to_thread(run_steps, members)
-            for turn, done in zip(turns, trained):
-                results.append(_fault(turn, done) if isinstance(done, Exception) else await _announce(turn, *done))
+            canaries = _canaries_together(turns, trained)
+            for i, (turn, done) in enumerate(zip(turns, trained)):
+                if isinstance(done, Exception):
+                    results.append(_fault(turn, done))
+                else:
+                    results.append(await _announce(turn, *done, beside=canaries.get(i)))
     finally:
         model.release()
     published = [t for t in turns if t.announcing is not None]
@@ -220,6 +224,17 @@ async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
             t.finishing = asyncio.ensure_future(_finish(t))
     await asyncio.gather(*(_finish(t) for t in published if t.finishing is None))
     return results
+
+
+def _canaries_together(turns: list[Turn], trained: list) -> dict[int, asyncio.Future[trainer_canary.Timed]]:
+    """The canaries of a joint step's runs that made a version, by turn index: one decode for
+    all of them (`trainer_canary.beside_together`), started before the first announcement;
+    none for a step of one run (`_announce` starts its own)."""
+    made = [i for i, done in enumerate(trained) if not isinstance(done, Exception) and done[0].groups > 0]
+    if len(turns) < 2 or len(made) < 2:
+        return {}
+    besides = trainer_canary.beside_together([turns[i].ctx.engine for i in made])
+    return dict(zip(made, besides, strict=True))
 
 
 def _fault(turn: Turn, exc: Exception) -> RunFault:
@@ -245,7 +260,7 @@ async def _step_over_ranks(turn: Turn, members: list) -> int | RunFault:
         [done] = trained.result()
         return _fault(turn, done) if isinstance(done, Exception) else await _announce(turn, *done)
 
-    async def canary() -> tuple[Canary | None, float | None]:
+    async def canary() -> trainer_canary.Timed:
         [done] = await trained
         if isinstance(done, Exception):  # the version is out: its missing canary is everyone's problem
             raise done
@@ -259,11 +274,12 @@ async def _announce(
     stats: StepStats,
     adapter: dict[str, torch.Tensor],
     optim: dict | None,
-    beside: asyncio.Future[tuple[Canary | None, float | None]] | None = None,
+    beside: asyncio.Future[trainer_canary.Timed] | None = None,
 ) -> int:
     """Under the model lock, after the update: the refusals, then the announcement started and
     the canary computed beside it (it reads the model with this run's adapter active: in a
-    thread of one process, else `beside`, the ranks' collective). Returns the run's version now
+    thread of one process, else `beside`: the ranks' collective, or the one decode of every run
+    of a joint step). Returns the run's version now
     (unchanged when every group was refused)."""
     ctx, queue, engine, run = turn.ctx, turn.queue, turn.ctx.engine, turn.ctx.cfg.run
     turn.stats, turn.adapter = stats, adapter

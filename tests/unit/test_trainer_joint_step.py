@@ -190,6 +190,29 @@ def test_a_joint_step_that_fails_after_an_update_is_every_runs_fault():
     assert all(isinstance(r, JointStepFailed) and r.updated for r in results)
 
 
+def assert_same_canary(got, want) -> None:
+    assert got.dtype == want.dtype and len(got.sequences) == len(want.sequences)
+    for g, w in zip(got.sequences, want.sequences):
+        assert (g.prompt_token_ids, g.token_ids) == (w.prompt_token_ids, w.token_ids)
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def test_the_canaries_of_runs_that_stepped_together_are_each_runs_own():
+    engines = fleet()
+    for e, b in zip(engines, [batch("a", 1), batch("b", 2), batch("c", 3)]):
+        e.train_step(b, head_version=0)  # B no longer zero: each adapter answers differently
+    alone = [e.canary() for e in engines]
+    together = engines[0].canary_together(engines)
+    for got, want in zip(together, alone):
+        assert_same_canary(got, want)
+    # the same prompts (one seed), answered apart by the adapters: rows sent through the wrong
+    # adapter would not pass the comparison above
+    a, b = alone[0].sequences, alone[1].sequences
+    assert [q.prompt_token_ids for q in a] == [q.prompt_token_ids for q in b]
+    assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) > 1e-2
+    assert not any(hasattr(m, "forward") and "forward" in m.__dict__ for m in engines[0].model.modules())
+
+
 class Bus:
     """What a step publishes through, recorded (no canary or event was stored before)."""
 
@@ -256,6 +279,7 @@ async def test_runs_of_a_fleet_step_together_and_publish_each_its_own_version(tm
             assert_same([e.adapter_state()], [tensors])
             kinds = [type(m).__name__ for m in ctx.bus.published]
             assert kinds == ["AdapterCanary", "TrainerStep"], kinds
+            assert_same_canary(ctx.bus.published[0].canary, e.canary())  # one decode for both runs
             assert ctx.bus.published[1].run == ctx.cfg.run and ctx.bus.published[1].version == 1
         assert all(w.queue.acked for w in workers)
         # each run checkpointed its own step (actor.checkpoint_every 1), in its own directory

@@ -213,6 +213,11 @@ class SharedBaseEngine(TrainEngine, Protocol):
         run's update its solo step's; the stats in that order. Raises `JointStepFailed`."""
         ...
 
+    def canary_together(self, engines: list[Any]) -> list[Canary]:
+        """`CanaryEngine.canary` of each of `engines` (distinct runs on this engine's model),
+        computed in the same forwards; in that order."""
+        ...
+
 
 def shares_base(engine: TrainEngine) -> TypeGuard[SharedBaseEngine]:
     """Whether other runs can join `engine`'s model: a `SharedBaseEngine` in one process."""

@@ -24,7 +24,15 @@ from services.trainer import canary as trainer_canary
 from services.trainer import precision, startup
 from services.trainer.engines import fsdp2_step
 from services.trainer.engines.base import StepStats, init_distributed, make_optimizer
-from services.trainer.lora import adapter_state, add_lora, lora_parameters, lora_spec, set_active_adapter, wrap_lora
+from services.trainer.lora import (
+    adapter_state,
+    add_lora,
+    lora_parameters,
+    lora_spec,
+    rows_by_adapter,
+    set_active_adapter,
+    wrap_lora,
+)
 from services.trainer.schedule import make_scheduler
 
 if TYPE_CHECKING:
@@ -170,6 +178,22 @@ class FSDP2Engine:
         prompt_ids = trainer_canary.prompts(self.vocab_size, seed=self.actor.seed)
         with trainer_canary.evaluating(self.model), precision.forward_context(self.device, self.dtype):
             return trainer_canary.reference(self.model, prompt_ids, self.actor.dtype)
+
+    def canary_together(self, engines: list[FSDP2Engine]) -> list[Canary]:
+        """`canary` of each of `engines` (this engine and its siblings), decoded in the same
+        forwards with each run's rows through its own adapter (`lora.rows_by_adapter`)."""
+        with (
+            trainer_canary.evaluating(self.model),
+            precision.forward_context(self.device, self.dtype),
+            rows_by_adapter(self.model) as route,
+        ):
+            return trainer_canary.references(
+                self.model,
+                [trainer_canary.prompts(e.vocab_size, seed=e.actor.seed) for e in engines],
+                [e.actor.dtype for e in engines],
+                route=route,
+                adapters=[e.adapter for e in engines],
+            )
 
     # --- adapter and checkpoint state ----------------------------------------------------
 
