@@ -8,6 +8,7 @@ For N = 1, 2, 4, 8 runs (mixed ranks 8/16/32, all-linear and attention-only, as
 `benchmarks/multi_run.py` mixes them) it times, side by side in one process, the N runs'
 `train_step`s one after another and one `train_together` of the same batches, from the same
 starting adapters, and checks the joint step's adapters against the solo steps' (max |diff|);
+then the N runs' canaries one after another against one joint decode (`canary_together`);
 on a GPU also the peak memory of each.
 The batch per run is the arith3 task's GPU step by default (8 groups x 4 samples, ~24 prompt
 + 8 completion tokens: a step of short sequences, where a run's own work is small next to the
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.runs:
         engines = fleet(build_base(shape, adapter_io.DTYPES[dtype], dev), n, dtype, device, args.mb_tokens)
         solo_s, joint_s, diffs, peaks = [], [], [], {"one_after_another": 0.0, "joint": 0.0}
+        canary_s, canary_joint_s, canary_diffs = [], [], []
         for step in range(1 + args.steps):
             batches = [make_batch(seed=1000 * step + i, **batch) for i in range(n)]
             before = snapshot(engines)
@@ -146,9 +148,20 @@ def main(argv: list[str] | None = None) -> int:
             together = [e.adapter_state() for e in engines]
             diffs.append(max(float((a[k].float() - t[k].float()).abs().max()) for a, t in zip(alone, together)
                              for k in a))  # fmt: skip
+            t4 = time.perf_counter()
+            own = [e.canary() for e in engines]
+            sync(dev)
+            t5 = time.perf_counter()
+            joint_canaries = engines[0].canary_together(engines)
+            sync(dev)
+            t6 = time.perf_counter()
+            pairs = [(p, q) for a, b in zip(own, joint_canaries) for p, q in zip(a.sequences, b.sequences)]
+            canary_diffs.append(max(abs(x - y) for p, q in pairs for x, y in zip(p.logprobs, q.logprobs)))
             if step:  # the first is a warm-up
                 solo_s.append(t1 - t0)
                 joint_s.append(t3 - t2)
+                canary_s.append(t5 - t4)
+                canary_joint_s.append(t6 - t5)
         del engines
         rows.append({
             "runs": n,
@@ -156,12 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             "joint_s": statistics.median(joint_s),
             "speedup": statistics.median(solo_s) / statistics.median(joint_s),
             "max_adapter_diff": max(diffs),
+            "canaries_one_after_another_s": statistics.median(canary_s),
+            "canaries_together_s": statistics.median(canary_joint_s),
+            "max_canary_logprob_diff": max(canary_diffs),
             "peak_gib": peaks if dev.type == "cuda" else None,
         })  # fmt: skip
         r = rows[-1]
         print(f"{n} runs: one after another {r['one_after_another_s'] * 1e3:8.1f} ms, joint "
-              f"{r['joint_s'] * 1e3:8.1f} ms, {r['speedup']:.2f}x, max |adapter diff| {r['max_adapter_diff']:.2e}",
-              flush=True)  # fmt: skip
+              f"{r['joint_s'] * 1e3:8.1f} ms, {r['speedup']:.2f}x, max |adapter diff| {r['max_adapter_diff']:.2e}; "
+              f"canaries {r['canaries_one_after_another_s'] * 1e3:.1f} ms one by one, "
+              f"{r['canaries_together_s'] * 1e3:.1f} ms in one decode", flush=True)  # fmt: skip
     result = {
         "device": device_name(dev),
         "torch": torch.__version__,
@@ -172,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    print("| runs | one after another | joint step | speed-up | max \\|adapter diff\\| | peak GiB (alone / joint) |")
-    print("|---:|---:|---:|---:|---:|---|")
+    print(
+        "| runs | one after another | joint step | speed-up | max \\|adapter diff\\| | peak GiB (alone / joint) "
+        "| canaries one by one / together |"
+    )
+    print("|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         p = r["peak_gib"]
         peak = "-" if p is None else f"{p['one_after_another']:.1f} / {p['joint']:.1f}"
         print(f"| {r['runs']} | {r['one_after_another_s'] * 1e3:.1f} ms | {r['joint_s'] * 1e3:.1f} ms | "
-              f"{r['speedup']:.2f}x | {r['max_adapter_diff']:.1e} | {peak} |")  # fmt: skip
+              f"{r['speedup']:.2f}x | {r['max_adapter_diff']:.1e} | {peak} | "
+              f"{r['canaries_one_after_another_s'] * 1e3:.1f} / {r['canaries_together_s'] * 1e3:.1f} ms |")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
