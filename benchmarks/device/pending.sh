@@ -9,14 +9,13 @@
 #   source benchmarks/h200_env.sh && TREE=$_tree STAGE=kernels bash benchmarks/device/pending.sh
 # (TREE: the carried tree, where .device/pyw is; h200_env.sh has moved into the snapshot)
 # then STAGE=sync_async (twice: a run already recorded under /tmp/pending is not run again),
-# then STAGE=fleet.
+# then STAGE=fleet. With less device time left than a full call, STAGE=short LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
 KEEP=/tmp/pending  # survives between calls while the machine stays warm
 mkdir -p "$KEEP"
-case "${STAGE:?STAGE: kernels, sync_async or fleet}" in
-kernels)  # issue 27: the new decode kernels compiled for the card, then the step they make
+kernel_tests() {  # the new decode kernels compiled for the card and checked against their references
   python3 -m pip install -q --no-index --no-deps --target /tmp/pyt "${TREE:?TREE: the carried tree}"/.device/pyw/*.whl
   PYTHONPATH="$PYTHONPATH:/tmp/pyt" timeout 120 python -m pytest -q -p no:cacheprovider --noconftest \
     -o addopts="" -rs -k gpu tests/unit/test_norm_kernel.py tests/unit/test_kv_write.py \
@@ -24,10 +23,23 @@ kernels)  # issue 27: the new decode kernels compiled for the card, then the ste
     >"$OUT/gpu_kernel_tests_$L.txt" 2>&1
   tail -5 "$OUT/gpu_kernel_tests_$L.txt"
   grep -i unavailable "$OUT/gpu_kernel_tests_$L.txt" | head -3  # a kernel that fell back to torch
-  timeout $((570 - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
-    --shapes qwen2.5-1.5b --batches 64 256 1 16 \
+}
+breakdown() {  # $1: batch sizes; the step the kernels make, next to the torch paths
+  timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
+    --shapes qwen2.5-1.5b --batches $1 \
     --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
     --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
+}
+case "${STAGE:?STAGE: kernels, short, sync_async or fleet}" in
+kernels)  # issue 27
+  kernel_tests
+  breakdown "64 256 1 16"
+  ;;
+short)  # what a call cut short by failed machine starts can still bring back (LIMIT: its seconds):
+  # the kernels checked (27), the joint step and its canaries timed (33), then batch 64's step (27)
+  kernel_tests
+  timeout 150 python benchmarks/joint_step.py --steps 2 --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
+  breakdown 64
   ;;
 sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trainer
   timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task arith3 --ks 0 1 2 4 --seeds 1 2 3 \
@@ -39,5 +51,5 @@ fleet)  # issue 33: the joint step alone, then 8 runs one after another and toge
   timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase all \
     --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
   ;;
-*) echo "STAGE: $STAGE is not one of kernels, sync_async, fleet" >&2; exit 2 ;;
+*) echo "STAGE: $STAGE is not one of kernels, short, sync_async, fleet" >&2; exit 2 ;;
 esac
