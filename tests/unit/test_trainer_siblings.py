@@ -138,3 +138,20 @@ def test_checkpoint_state_restores_one_run_without_touching_another(engines):
     c2 = b.sibling(config("d", 4, ["q_proj", "v_proj"]), "d")
     c2.drop()
     assert "d" not in a.model.peft_config
+
+
+def test_a_runs_optimizer_state_is_what_torch_would_gather_for_it(engines):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    a, b, _ = engines
+    a.train_step(batch("a", 3), head_version=0)
+    b.train_step(batch("b", 4), head_version=0)
+    for e in (a, b):
+        got = e.optimizer_state()
+        want = get_optimizer_state_dict(e.model, e.optimizer, options=StateDictOptions(full_state_dict=True))
+        assert got["param_groups"] == want["param_groups"]
+        assert got["state"].keys() == want["state"].keys() and got["state"]
+        for name, values in want["state"].items():
+            assert values.keys() == got["state"][name].keys()
+            for k, t in values.items():
+                assert torch.equal(got["state"][name][k], t) and got["state"][name][k] is not t  # a copy

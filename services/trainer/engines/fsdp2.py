@@ -58,6 +58,26 @@ _SHARED = ("device", "rank", "world_size", "pad_id", "dtype", "vocab_size", "mod
 """what sibling engines (one per run of a fleet) share: the one base model and its placement"""
 
 
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+    """What `get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)` returns in one
+    process (state and param groups keyed by parameter name, tensors copied to the CPU), from
+    the engine's own named parameters: torch's finds each name by walking every parameter of the
+    model, 260 ms a call with 8 runs' adapters on a 28-layer model on this project's CPU, and
+    every step of every run checkpoints by default (`actor.checkpoint_every` 1)."""
+    names: dict[torch.Tensor, str] = {p: name for name, p in named}
+
+    def off(value: Any) -> Any:
+        return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+    return {
+        "state": {names[p]: {k: off(v) for k, v in s.items()} for p, s in optimizer.state.items()},
+        "param_groups": [
+            {**{k: off(v) for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ],
+    }
+
+
 class FSDP2Engine:
     """Owns the model, optimizer and the step counter; knows nothing about the bus."""
 
@@ -211,13 +231,14 @@ class FSDP2Engine:
         off the optimizer (`TrainEngine.optimizer_state`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        state: dict[str, Any] = get_optimizer_state_dict(
-            self.model,
-            self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-        )
-        if self.device.type == "cpu":  # offloading copied nothing: these are the live tensors
-            state = copy.deepcopy(state)
+        state: dict[str, Any]
+        if self.world_size == 1:
+            state = optimizer_state_by_name(self.optimizer, self.named_params)
+        else:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = dict(get_optimizer_state_dict(self.model, self.optimizer, options=full))
+            if self.device.type == "cpu":  # offloading copied nothing: these are the live tensors
+                state = copy.deepcopy(state)
         if self.dtype != precision.MASTER_DTYPE:  # the published adapter lost the low bits
             masters = adapter_state(self.named_params)  # a collective too
             if self.rank == 0:
