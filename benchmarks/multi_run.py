@@ -189,10 +189,11 @@ async def _read_all(bus, stream: str, subject: str, kind):
 
 
 async def run_streams(nats_url: str, runs: list[str]) -> dict[str, dict]:
-    """Per run: completion tokens, trajectories, its first trajectory's finish time, and its
-    trainer steps' mean time."""
+    """Per run: completion tokens, trajectories, its trainer steps' mean time, and the times
+    (Unix) of its way in: v0 announced, v0 servable on the last replica, its first trajectory
+    started and finished (where a slow start is: the trainer, the replicas, or generation)."""
     from proto import subjects
-    from proto.messages import TrainerStep, Trajectory
+    from proto.messages import AdapterLoaded, AdapterReady, RolloutReport, TrainerStep, Trajectory
     from services.common import streams
     from services.common.bus import Bus
     from services.config.schema import BusConfig
@@ -203,9 +204,15 @@ async def run_streams(nats_url: str, runs: list[str]) -> dict[str, dict]:
         for run in runs:
             trajs = await _read_all(bus, streams.TRAJECTORIES(run), subjects.trajectory_all(run), Trajectory)
             steps = await _read_all(bus, streams.TRAINER(run), subjects.trainer_step(run), TrainerStep)
+            ready = await _read_all(bus, streams.ADAPTERS(run), subjects.adapter_ready_all(run), AdapterReady)
+            reports = await _read_all(bus, streams.REPORTS(run), subjects.rollout_report_all(run), RolloutReport)
+            v0_loads = [r.loaded_at for r in reports if isinstance(r, AdapterLoaded) and r.version == 0]
             out[run] = {
                 "tokens": sum(len(c.token_ids) for t in trajs for c in t.completions),
                 "trajectories": len(trajs),
+                "v0_announced_at": min((e.created_at for e in ready if e.version == 0), default=None),
+                "v0_servable_at": max(v0_loads, default=None),
+                "first_started_at": min((t.started_at for t in trajs), default=None),
                 "first_trajectory_at": min((t.finished_at for t in trajs), default=None),
                 "steps": len(steps),
                 "step_seconds_mean": round(sum(s.step_seconds for s in steps) / len(steps), 4) if steps else None,
@@ -373,16 +380,23 @@ class Bench:
             result = self.together(nats_url, n)
             rows.append(row(n, self.steps, result, solo))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_run"}), flush=True)
+            for r in result["per_run"]:  # each run's way in, from its submit (the fleet's own: its launch)
+                print(f"  run {r['spec']}: " + ", ".join(f"{k[:-2]} {r.get(k)} s" for k in _JOIN.values()), flush=True)
             self.save()
 
 
+_JOIN = {"v0_announced_at": "v0_announced_s", "v0_servable_at": "v0_servable_s",
+         "first_started_at": "first_started_s", "first_trajectory_at": "first_trajectory_s"}  # fmt: skip
+
+
 def _seen(seen: dict, since: float) -> dict:
-    first = seen.pop("first_trajectory_at", None)
-    return {**seen, "first_trajectory_s": None if first is None else round(first - since, 2)}
+    """`run_streams`' figures with each time of the run's way in as seconds after `since`."""
+    times = {key: seen.pop(key, None) for key in _JOIN}
+    return {**seen, **{_JOIN[k]: None if t is None else round(t - since, 2) for k, t in times.items()}}
 
 
 def _as_together(solo_row: dict) -> dict:
-    keep = ("spec", "run", "tokens", "trajectories", "steps", "step_seconds_mean", "first_trajectory_s", "curve")
+    keep = ("spec", "run", "tokens", "trajectories", "steps", "step_seconds_mean", *_JOIN.values(), "curve")
     return {"wall_s": solo_row["wall_s"], "peak_rss_mib": solo_row["peak_rss_mib"], "gpu": solo_row["gpu"],
             "per_run": [{"spec": 1, "describe": solo_row["spec"], "late": False, "submitted_after_s": 0.0,
                          **{k: solo_row[k] for k in keep if k in solo_row}}]}  # fmt: skip
