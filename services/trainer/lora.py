@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from typing import cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -198,6 +199,18 @@ Route = list[tuple[str, int, int]]
 """(adapter, first row, end row) spans covering a batch's rows in order"""
 
 
+def unroutable(model: nn.Module) -> str | None:
+    """Why `rows_by_adapter` cannot route `model`'s rows (a LoRA layer other than plain LoRA on
+    a linear layer), or None when it can."""
+    for m in _lora_layers(model):
+        if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
+            return (
+                f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
+                "(no DoRA or other variant, unmerged); step these runs one at a time"
+            )
+    return None
+
+
 @contextlib.contextmanager
 def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[Route]]:
     """While open, each span of rows of a forward through `model` goes through the LoRA of the
@@ -213,14 +226,10 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
     if not enabled:
         yield route
         return
-    layers: list[LoraLinear] = []
-    for m in _lora_layers(model):
-        if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
-            raise ValueError(
-                f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
-                "(no DoRA or other variant, unmerged); step these runs one at a time"
-            )
-        layers.append(m)
+    problem = unroutable(model)
+    if problem is not None:
+        raise ValueError(problem)
+    layers = cast(list[LoraLinear], _lora_layers(model))
 
     def forward(m: LoraLinear, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         result = m.base_layer(x, *args, **kwargs)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from proto.messages import Completion, Trajectory
-from services.trainer import ranks, runs
+from services.trainer import lora, ranks, runs
 from services.trainer.engines.base import JointStepFailed
 from services.trainer.engines.fsdp2 import FSDP2Engine
 from tests.fixtures.tiny import tiny_qwen2
@@ -211,6 +211,13 @@ def test_the_canaries_of_runs_that_stepped_together_are_each_runs_own():
     assert [q.prompt_token_ids for q in a] == [q.prompt_token_ids for q in b]
     assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) > 1e-2
     assert not any(hasattr(m, "forward") and "forward" in m.__dict__ for m in engines[0].model.modules())
+
+
+def test_runs_whose_adapters_cannot_be_routed_get_their_canaries_one_after_another():
+    engines = fleet([config("a", 8, ["all-linear"]), config("e", 4, ["embed_tokens", "q_proj"])])
+    assert lora.unroutable(engines[0].model) is not None  # LoRA on the embedding: no row routing
+    for got, e in zip(engines[0].canary_together(engines), engines):
+        assert_same_canary(got, e.canary())
 
 
 class Bus:

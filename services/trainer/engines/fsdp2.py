@@ -31,6 +31,7 @@ from services.trainer.lora import (
     lora_spec,
     rows_by_adapter,
     set_active_adapter,
+    unroutable,
     wrap_lora,
 )
 from services.trainer.schedule import make_scheduler
@@ -201,7 +202,10 @@ class FSDP2Engine:
 
     def canary_together(self, engines: list[FSDP2Engine]) -> list[Canary]:
         """`canary` of each of `engines` (this engine and its siblings), decoded in the same
-        forwards with each run's rows through its own adapter (`lora.rows_by_adapter`)."""
+        forwards with each run's rows through its own adapter (`lora.rows_by_adapter`); one
+        after another where the adapters cannot be routed so (`lora.unroutable`)."""
+        if unroutable(self.model) is not None:
+            return [e.canary() for e in engines]
         with (
             trainer_canary.evaluating(self.model),
             precision.forward_context(self.device, self.dtype),
