@@ -71,7 +71,7 @@ def set_active_adapter(model: PeftModel, adapter: str) -> None:
     if adapter not in model.peft_config:
         raise ValueError(f"adapter: {adapter!r} is not on the model; add it with add_lora first")
     layers = _lora_layers(model)
-    if any(type(m) is not LoraLinear or m.lora_variant or m.merged or any(m.lora_bias.values()) for m in layers):
+    if not all(_plain(m) and not any(m.lora_bias.values()) for m in layers):
         model.set_adapter(adapter)
         return
     for m in layers:
@@ -97,6 +97,11 @@ def _lora_layers(model: nn.Module) -> list[LoraLayer]:
         else:
             todo.extend(m.children())
     return layers
+
+
+def _plain(m: LoraLayer) -> bool:
+    """Whether `m` is plain LoRA on a linear layer (what `lora_config` makes), unmerged."""
+    return isinstance(m, LoraLinear) and not m.lora_variant and not m.merged
 
 
 def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
@@ -203,7 +208,7 @@ def unroutable(model: nn.Module) -> str | None:
     """Why `rows_by_adapter` cannot route `model`'s rows (a LoRA layer other than plain LoRA on
     a linear layer), or None when it can."""
     for m in _lora_layers(model):
-        if not isinstance(m, LoraLinear) or m.lora_variant or m.merged:
+        if not _plain(m):
             return (
                 f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
                 "(no DoRA or other variant, unmerged); step these runs one at a time"
