@@ -229,9 +229,9 @@ async def steps(turns: list[Turn], model: asyncio.Lock) -> list[int | RunFault]:
 def _canaries_together(turns: list[Turn], trained: list) -> dict[int, asyncio.Future[trainer_canary.Timed]]:
     """The canaries of a joint step's runs that made a version, by turn index: one decode for
     all of them (`trainer_canary.beside_together`), started before the first announcement;
-    none for a step of one run (`_announce` starts its own)."""
+    none where one run made a version (`_announce` starts its own)."""
     made = [i for i, done in enumerate(trained) if not isinstance(done, Exception) and done[0].groups > 0]
-    if len(turns) < 2 or len(made) < 2:
+    if len(made) < 2:
         return {}
     besides = trainer_canary.beside_together([turns[i].ctx.engine for i in made])
     return dict(zip(made, besides, strict=True))
