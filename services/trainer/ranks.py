@@ -202,6 +202,8 @@ def worker_loop(engine: TrainEngine) -> None:
     while True:
         work = broadcast_work(None, engine.rank)
         if work is None:
+            # a signal that came after this point finds the handler above and is only logged
+            log.info("rank %d: rank 0 said stop; leaving", engine.rank)
             return
         if isinstance(work, Work):
             run_step(engine, work)
