@@ -113,6 +113,55 @@ async def test_mixed_batch_equals_separate_batches(parts):
         assert_same([mixed[i]], [alone])
 
 
+async def test_calls_made_at_once_decode_as_one_batch(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    await engine.load_version(1, adapters[1][1], SPEC)
+    start = engine.steps
+    want = await engine.generate_mixed(REQS, [1, 0, 1])
+    one_batch = engine.steps - start
+    # what the rollout service does with a batch on two versions (and a fleet's replica with
+    # its runs' batches): one call each, all at once
+    start = engine.steps
+    on_1, on_0 = await asyncio.gather(engine.generate([REQS[0], REQS[2]], 1), engine.generate([REQS[1]], 0))
+    assert engine.steps - start == one_batch
+    assert_same([on_1[0], on_0[0], on_1[1]], want)
+    assert not engine._active[0] and not engine._active[1]
+
+
+async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts):
+    base, adapters = parts
+    engine = make_engine(base)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    long = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=1, max_new_tokens=200)], 0))
+    while engine.steps < 3:
+        await asyncio.sleep(0.001)
+    short = await engine.generate([GenRequest(prompt_token_ids=[5], n=1, max_new_tokens=2)], 0)
+    assert len(short[0][0].token_ids) <= 2 and not long.done()
+    await long
+
+
+async def test_a_batch_caller_that_stops_waiting_keeps_its_version_in_use_until_its_batch_ends(parts):
+    base, adapters = parts
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[], pad_id=0, slots=3)
+    await engine.load_version(0, adapters[0][1], SPEC)
+    await engine.load_version(1, adapters[1][1], SPEC)
+    task = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=2, max_new_tokens=150)], 0))
+    while engine.steps < 3:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(RuntimeError, match="running generation"):
+        await engine.unload_version(0)  # its rows still decode on v0's slot
+    while engine._active[0]:
+        await asyncio.sleep(0.01)
+    await engine.unload_version(0)
+    assert await engine.loaded_versions() == [1]
+    await engine.close()
+
+
 async def test_version_loaded_mid_generation_keeps_in_flight_outputs(parts):
     base, adapters = parts
     long = [GenRequest(prompt_token_ids=[3, 4, 5], n=3, max_new_tokens=60, seed=7)]

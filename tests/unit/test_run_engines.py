@@ -4,6 +4,7 @@ engine holding that adapter alone generates."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -60,12 +61,21 @@ async def test_runs_of_other_ranks_and_modules_generate_as_if_alone(base):
     assert await views["small"].loaded_versions() == [0, 1]
     assert await views["mid"].loaded_versions() == [3]
     # the newest key is merged; every other run's rows are corrected: all must equal the adapter alone
-    for view, version, (weights, spec) in (
-        (views["own"], 0, own), (views["small"], 0, small), (views["small"], 1, mid), (views["mid"], 3, mid),
-    ):  # fmt: skip
+    cases = ((views["own"], 0, own), (views["small"], 0, small), (views["small"], 1, mid), (views["mid"], 3, mid))
+    wants = []
+    for view, version, (weights, spec) in cases:
         reference = alone(base)
         await reference.load_version(0, weights, spec)
-        assert_same(await view.generate(REQS, version), await reference.generate(REQS, 0))
+        wants.append(await reference.generate(REQS, 0))
+        start = engine.steps
+        assert_same(await view.generate(REQS, version), wants[-1])
+        one_batch = engine.steps - start
+    # a replica serving its runs' batches at once: one batch, each run's rows as if alone
+    start = engine.steps
+    together = await asyncio.gather(*(view.generate(REQS, version) for view, version, _ in cases))
+    assert engine.steps - start == one_batch
+    for got, want in zip(together, wants):
+        assert_same(got, want)
     await views["small"].unload_version(0)
     assert await views["small"].loaded_versions() == [1] and await views["own"].loaded_versions() == [0]
     with pytest.raises(KeyError):

@@ -10,6 +10,14 @@ KV cache and replay CUDA graphs: one per batch size and cache length, for "all r
 head" and for "some rows corrected". The routing is a device tensor, so a head change between
 two steps needs no new capture.
 
+Without a slab, the calls made in one pass of the event loop are decoded as one batch: the
+rollout service asks for each version of a batch in its own call, and a replica of a fleet for
+each run's batch, all at once; decoded apart they took a forward per call at every step and a
+static cache (and CUDA graphs) per call (`DecodeGraphs` keeps four), so a fleet's replica
+slowed down as runs were added. A call made while a batch decodes starts the next batch
+without waiting for it, as before. A version stays counted as in use until its batch ends,
+also when its caller has stopped waiting.
+
 With a slab (`slab_rows`, rollout.slab_rows) a decoder thread batches continuously
 (`continuous.ContinuousDecoder`): each request is a group that joins the running slab as rows
 free up, and its call returns when its own rows finish. A version in use by a group stays
@@ -26,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +51,16 @@ if TYPE_CHECKING:
     from services.config.schema import LorabusConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    """One `generate_mixed` call of the batch path: its rows as (version, request, sample, row)
+    in request order, its versions (one per request), and where its rows' outputs go."""
+
+    rows: list[tuple[int, int, int, Row]]
+    versions: Sequence[int]
+    answer: asyncio.Future[list[RowOutput]]
 
 
 class EmbeddedEngine:
@@ -91,6 +110,9 @@ class EmbeddedEngine:
         """forward steps taken so far (for tests and metrics)"""
         self._lock = threading.Lock()
         self._active: Counter[int] = Counter()
+        self._waiting: list[_Call] = []
+        """calls of this pass of the event loop, not yet decoding"""
+        self._batches: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_config(cls, cfg: LorabusConfig) -> EmbeddedEngine:
@@ -181,7 +203,6 @@ class EmbeddedEngine:
         for v in versions:
             if v not in loaded:
                 raise KeyError(f"version {v} is not loaded (loaded: {sorted(loaded)})")
-        # Rows grouped by version: each non-head version is one contiguous correction span.
         rows: list[tuple[int, int, int, Row]] = []
         for i, (req, v) in enumerate(zip(requests, versions)):
             seed = req.seed if req.seed is not None else random.getrandbits(32)
@@ -199,24 +220,55 @@ class EmbeddedEngine:
                 rows.append((v, i, j, row))
         if self.decoder is not None:
             return await self._generate_continuous(versions, rows)
-        rows.sort(key=lambda r: r[0])
-        row_versions = [r[0] for r in rows]
+        call = _Call(rows, versions, asyncio.get_running_loop().create_future())
         self._active.update(versions)
-        try:
-            outputs = await asyncio.to_thread(
-                decode,
-                self.model,
-                [r[3] for r in rows],
-                pad_id=self.pad_id,
-                step_context=lambda: self._step(row_versions),
-                graphs=self.graphs,
-            )
-        finally:
-            self._active.subtract(versions)
+        self._waiting.append(call)
+        if len(self._waiting) == 1:
+            task = asyncio.create_task(self._decode_waiting())
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+        outputs = await call.answer
         results: list[list[GenResult | None]] = [[None] * req.n for req in requests]
         for (_, i, j, _), out in zip(rows, outputs):
             results[i][j] = GenResult(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason)
         return results  # type: ignore[return-value]
+
+    async def _decode_waiting(self) -> None:
+        """Decode the calls waiting once no pass of the event loop adds another, as one batch
+        with each version's rows side by side (one correction span each), and answer each call
+        with its own rows' outputs."""
+        seen = 0
+        while seen != len(self._waiting):
+            seen = len(self._waiting)
+            await asyncio.sleep(0)
+        calls, self._waiting = self._waiting, []
+        order = sorted(
+            ((row[0], c, k) for c, call in enumerate(calls) for k, row in enumerate(call.rows)), key=lambda o: o[0]
+        )
+        row_versions = [v for v, _, _ in order]
+        try:
+            outputs = await asyncio.to_thread(
+                decode,
+                self.model,
+                [calls[c].rows[k][3] for _, c, k in order],
+                pad_id=self.pad_id,
+                step_context=lambda: self._step(row_versions),
+                graphs=self.graphs,
+            )
+        except BaseException as exc:
+            for call in calls:
+                if not call.answer.done():
+                    call.answer.cancel() if isinstance(exc, asyncio.CancelledError) else call.answer.set_exception(exc)
+            if isinstance(exc, Exception):
+                return  # the callers have it
+            raise
+        finally:
+            for call in calls:
+                self._active.subtract(call.versions)
+        placed = {(c, k): out for (_, c, k), out in zip(order, outputs)}
+        for c, call in enumerate(calls):
+            if not call.answer.done():  # its caller stopped waiting
+                call.answer.set_result([placed[c, k] for k in range(len(call.rows))])
 
     async def _generate_continuous(
         self, versions: Sequence[int], rows: list[tuple[int, int, int, Row]]
@@ -273,6 +325,7 @@ class EmbeddedEngine:
         return True
 
     async def close(self) -> None:
+        await asyncio.gather(*self._batches, return_exceptions=True)
         if self.decoder is not None and self._decoder_thread is not None:
             self.decoder.close()
             await asyncio.to_thread(self._decoder_thread.join)
