@@ -167,6 +167,8 @@ class DecodeGraphs:
     `fused_kv_write` (default) writes each layer's keys and values into the cache with
     `kv_write`'s kernel where Triton runs (a cache of this object's, not a change to the model);
     `fused_mlp` (default) computes each gated MLP's `silu(gate) * up` with `swiglu_kernel`'s.
+    `pad_batches` (default: where graphs are captured) makes `batch_size` round a batch up to
+    its size class.
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class DecodeGraphs:
         fused_rope: bool = True,
         fused_kv_write: bool = True,
         fused_mlp: bool = True,
+        pad_batches: bool | None = None,
     ):
         reason = static_unsupported(model)
         if reason:
@@ -199,9 +202,17 @@ class DecodeGraphs:
         self.max_states = max_states
         self.length_multiple = length_multiple
         self.fused_kv_write = fused_kv_write
+        self.pad_batches = capture if pad_batches is None else pad_batches
         self.captures = 0
         """graphs captured so far (for tests and metrics)"""
         self._idle: list[_State] = []
+
+    def batch_size(self, rows: int) -> int:
+        """The batch that `rows` rows decode in: with `pad_batches` the next power of two, so
+        batches of nearby sizes share one static cache and its graphs instead of each size
+        capturing its own (a graphed decode step reads the weights once for all its rows, so
+        idle rows cost little); else `rows`, as an eager step pays for every row."""
+        return 1 << (rows - 1).bit_length() if self.pad_batches and rows > 0 else rows
 
     def acquire(self, batch: int, need: int) -> _State:
         length = -(-need // self.length_multiple) * self.length_multiple

@@ -10,6 +10,7 @@ from services.common import adapter_io
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import GenRequest
 from services.rollout.engines.embedded import EmbeddedEngine
+from services.rollout.sampling import DecodeGraphs
 from tests.fixtures.tiny import tiny_qwen2
 
 TARGETS = list(HF_LINEAR)
@@ -128,6 +129,25 @@ async def test_calls_made_at_once_decode_as_one_batch(parts):
     assert engine.steps - start == one_batch
     assert_same([on_1[0], on_0[0], on_1[1]], want)
     assert not engine._active[0] and not engine._active[1]
+
+
+async def test_a_graphed_batch_is_padded_to_its_size_class_and_answers_as_unpadded(parts):
+    base, adapters = parts
+    plain, padded = make_engine(base), make_engine(base)
+    # the static path a GPU captures, run eagerly, with the GPU's size classes
+    padded.graphs = DecodeGraphs(padded.model, capture=False, pad_batches=True)
+    for engine in (plain, padded):
+        await engine.load_version(0, adapters[0][1], SPEC)
+        await engine.load_version(1, adapters[1][1], SPEC)
+    five_rows = [*REQS, GenRequest(prompt_token_ids=[7, 8], n=1, max_new_tokens=5, seed=4)]
+    assert_same(
+        await padded.generate_mixed(five_rows, [1, 0, 1, 0]), await plain.generate_mixed(five_rows, [1, 0, 1, 0])
+    )
+    assert [state.key[0] for state in padded.graphs._idle] == [8]
+    three_rows = five_rows[1:3] + five_rows[3:]
+    assert_same(await padded.generate_mixed(three_rows, [0, 0, 1]), await plain.generate_mixed(three_rows, [0, 0, 1]))
+    assert [state.key[0] for state in padded.graphs._idle] == [8, 4]
+    assert [padded.graphs.batch_size(n) for n in (1, 2, 3, 8, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
 
 
 async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts):

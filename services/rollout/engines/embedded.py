@@ -245,12 +245,19 @@ class EmbeddedEngine:
         order = sorted(
             ((row[0], c, k) for c, call in enumerate(calls) for k, row in enumerate(call.rows)), key=lambda o: o[0]
         )
+        rows = [calls[c].rows[k][3] for _, c, k in order]
         row_versions = [v for v, _, _ in order]
+        if self.graphs is not None:
+            # idle rows up to the batch's size class, on the last span's version: one token of
+            # padding each, decoded beside the others and never answered
+            idle = self.graphs.batch_size(len(rows)) - len(rows)
+            rows += [Row(prompt=(self.pad_id,), max_new_tokens=1)] * idle
+            row_versions += [row_versions[-1]] * idle
         try:
             outputs = await asyncio.to_thread(
                 decode,
                 self.model,
-                [calls[c].rows[k][3] for _, c, k in order],
+                rows,
                 pad_id=self.pad_id,
                 step_context=lambda: self._step(row_versions),
                 graphs=self.graphs,
