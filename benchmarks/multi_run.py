@@ -165,7 +165,13 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
                 shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
         raise RuntimeError(f"lorabus up {run_dir.name} failed (exit {proc.returncode}); see {log_path}")
     return {"wall_s": wall, "peak_rss_mib": memory.peak, "gpu": gpu.summary(), "launched_at": launched_at,
-            "submitted_at": submitted}  # fmt: skip
+            "submitted_at": submitted, "decode_caches": decode_caches(run_dir)}  # fmt: skip
+
+
+def decode_caches(run_dir: Path) -> int:
+    """Static decode caches the replicas made (`DecodeGraphs.acquire` logs each): on a GPU each
+    is a fresh capture, so many mean batches that did not share their size class."""
+    return sum(log.read_text(errors="replace").count("decode: static cache ") for log in run_dir.glob("rollout-*.log"))
 
 
 # --- what the runs left on the bus --------------------------------------------------------------
@@ -317,6 +323,7 @@ class Bench:
                 "wall_s": round(timing["wall_s"], 1),
                 "peak_rss_mib": round(timing["peak_rss_mib"], 1),
                 "gpu": timing["gpu"],
+                "decode_caches": timing["decode_caches"],
                 **_seen(seen, timing["launched_at"]),
                 "curve": curve,
                 "final": curve[str(self.steps)],
@@ -360,7 +367,7 @@ class Bench:
             )
         cleanup(root)
         return {"wall_s": timing["wall_s"], "peak_rss_mib": timing["peak_rss_mib"], "gpu": timing["gpu"],
-                "per_run": per_run}  # fmt: skip
+                "decode_caches": timing["decode_caches"], "per_run": per_run}  # fmt: skip
 
     def together_rows(self, nats_url: str, solo: dict) -> None:
         rows = self.results.setdefault("rows", [])
@@ -398,6 +405,7 @@ def _seen(seen: dict, since: float) -> dict:
 def _as_together(solo_row: dict) -> dict:
     keep = ("spec", "run", "tokens", "trajectories", "steps", "step_seconds_mean", *_JOIN.values(), "curve")
     return {"wall_s": solo_row["wall_s"], "peak_rss_mib": solo_row["peak_rss_mib"], "gpu": solo_row["gpu"],
+            "decode_caches": solo_row.get("decode_caches"),
             "per_run": [{"spec": 1, "describe": solo_row["spec"], "late": False, "submitted_after_s": 0.0,
                          **{k: solo_row[k] for k in keep if k in solo_row}}]}  # fmt: skip
 
@@ -424,6 +432,8 @@ def row(n: int, steps: int, together: dict, solo: dict) -> dict:
         "solo_peak_rss_mib": round(max(r["peak_rss_mib"] for r in alone), 1) if complete else None,
         "together_gpu": together["gpu"],
         "sequential_gpu": combine([r["gpu"] for r in alone]) if complete else None,
+        "together_decode_caches": together.get("decode_caches"),
+        "solo_decode_caches": [r.get("decode_caches") if r else None for r in alone],
         "together_scores": [r["curve"][str(steps)] for r in together["per_run"]],
         "solo_scores": [r["final"] if r else None for r in alone],
         "per_run": [],

@@ -205,6 +205,8 @@ class DecodeGraphs:
         self.pad_batches = capture if pad_batches is None else pad_batches
         self.captures = 0
         """graphs captured so far (for tests and metrics)"""
+        self.caches_made = 0
+        """static caches allocated so far (each idle one beyond `max_states` is dropped)"""
         self._idle: list[_State] = []
 
     def batch_size(self, rows: int) -> int:
@@ -219,6 +221,10 @@ class DecodeGraphs:
         for i, state in enumerate(self._idle):
             if state.key == (batch, length):
                 return self._idle.pop(i)
+        self.caches_made += 1
+        # each new cache is captured afresh on a GPU: many of these mean batches that do not
+        # share their size class (benchmarks/multi_run.py counts these lines)
+        log.info("decode: static cache %d made, %d rows x %d positions", self.caches_made, batch, length)
         return _State(self.model, batch, length, fused_kv_write=self.fused_kv_write)
 
     def release(self, state: _State) -> None:
