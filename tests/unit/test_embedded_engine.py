@@ -225,6 +225,14 @@ async def test_bad_requests_and_versions_are_refused(parts):
         )
     with pytest.raises(ValueError, match="top_p"):
         GenRequest(prompt_token_ids=[1], top_p=0.0)
+    vocab = base.config.vocab_size
+    with pytest.raises(ValueError, match=rf"requests\[1\].prompt_token_ids: token id {vocab} is outside"):
+        await engine.generate([REQS[0], GenRequest(prompt_token_ids=[3, vocab])], 0)
+    # a bad call made beside good ones fails alone
+    good, bad = await asyncio.gather(
+        engine.generate(REQS, 0), engine.generate([GenRequest(prompt_token_ids=[-1])], 0), return_exceptions=True
+    )
+    assert isinstance(bad, ValueError) and [len(r) for r in good] == [2, 1, 1]
 
 
 # --- continuous batching (rollout.slab_rows) ---

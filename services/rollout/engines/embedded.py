@@ -203,6 +203,16 @@ class EmbeddedEngine:
         for v in versions:
             if v not in loaded:
                 raise KeyError(f"version {v} is not loaded (loaded: {sorted(loaded)})")
+        # checked per call: a bad id would fail every call decoded beside it (on CUDA, the
+        # embedding's device-side assert, the whole process)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, req in enumerate(requests):
+            bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"requests[{i}].prompt_token_ids: token id {bad} is outside the model's vocabulary "
+                    f"(0..{vocab - 1}); encode the prompt with the base model's tokenizer"
+                )
         rows: list[tuple[int, int, int, Row]] = []
         for i, (req, v) in enumerate(zip(requests, versions)):
             seed = req.seed if req.seed is not None else random.getrandbits(32)
