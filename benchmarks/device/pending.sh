@@ -8,8 +8,9 @@
 # Each call (carry [".device/src.tgz", ".device/pyw"]; timeout_s 595):
 #   source benchmarks/h200_env.sh && TREE=$_tree STAGE=kernels bash benchmarks/device/pending.sh
 # (TREE: the carried tree, where .device/pyw is; h200_env.sh has moved into the snapshot)
-# then STAGE=sync_async (twice: a run already recorded under /tmp/pending is not run again),
-# then STAGE=fleet. With less device time left than a full call, STAGE=short LIMIT=<seconds>.
+# then STAGE=fleet_decode, then STAGE=sync_async (twice: a run already recorded under
+# /tmp/pending is not run again), then STAGE=fleet. With less device time left than a full
+# call, STAGE=short LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
@@ -30,7 +31,7 @@ breakdown() {  # $1: batch sizes; the step the kernels make, next to the torch p
     --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
     --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
 }
-case "${STAGE:?STAGE: kernels, short, sync_async or fleet}" in
+case "${STAGE:?STAGE: kernels, short, fleet_decode, sync_async or fleet}" in
 kernels)  # issue 27
   kernel_tests
   breakdown "64 256 1 16"
@@ -40,6 +41,11 @@ short)  # what a call cut short by failed machine starts can still bring back (L
   kernel_tests
   timeout 150 python benchmarks/joint_step.py --steps 2 --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
   breakdown 64
+  ;;
+fleet_decode)  # issues 33 and 27: a fleet replica's runs decoded as one batch against apart
+  timeout 280 python benchmarks/fleet_decode.py --out "$OUT/fleet_decode_$L.json" 2>&1 | tail -5
+  timeout $((585 - SECONDS)) python benchmarks/fleet_decode.py --max-new 6 --prompt-len 16 \
+    --out "$OUT/fleet_decode_short_$L.json" 2>&1 | tail -5  # rollouts as short as arith3's
   ;;
 sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trainer
   timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task arith3 --ks 0 1 2 4 --seeds 1 2 3 \
@@ -51,5 +57,5 @@ fleet)  # issue 33: the joint step alone, then 8 runs one after another and toge
   timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase all \
     --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
   ;;
-*) echo "STAGE: $STAGE is not one of kernels, short, sync_async, fleet" >&2; exit 2 ;;
+*) echo "STAGE: $STAGE is not one of kernels, short, fleet_decode, sync_async, fleet" >&2; exit 2 ;;
 esac
