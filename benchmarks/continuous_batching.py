@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import device_name, sync
+from benchmarks.timing import sync, tiny_or_cuda, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import GenRequest
@@ -127,20 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-new", type=int, default=None)
     args = ap.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
-        print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
+    where = tiny_or_cuda(args.tiny)
+    if where is None:
         return 2
-    device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    device, dtype = where
     args.groups = args.groups or (6 if args.tiny else 64)
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.max_new = args.max_new or (48 if args.tiny else 512)
     if args.tiny:
         args.n, args.in_flight = min(args.n, 4), min(args.in_flight, 2)
     res = asyncio.run(measure(args, device, dtype))
-    out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(args.out)}, **res}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_results(args.out, device, args, res)
     # in float32 the two paths give the same tokens (CPU), so any other token is a wrong path; in bf16 the
     # GEMMs' reduction order follows the batch's shape and samples part at the first near-tie,
     # so there the share of identical samples is reported, not required

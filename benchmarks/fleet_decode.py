@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import device_name, sync
+from benchmarks.timing import sync, tiny_or_cuda, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import Engine, GenRequest
@@ -149,18 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
-        print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
+    where = tiny_or_cuda(args.tiny)
+    if where is None:
         return 2
-    device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    device, dtype = where
     args.prompt_len = args.prompt_len or (12 if args.tiny else 128)
     args.max_new = args.max_new or (8 if args.tiny else 64)
     args.rounds = args.rounds or (30 if args.tiny else 40)
     res = asyncio.run(measure(args, device, dtype))
-    out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(args.out)}, **res}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_results(args.out, device, args, res)
     if dtype == torch.float32 and not res["same_tokens"]:
         raise SystemExit("the calls decoded together generated other tokens than the calls decoded apart")
     return 0

@@ -6,9 +6,13 @@ so a CUDA figure is the work's time and never just its launch; medians are repor
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -35,3 +39,19 @@ def median_ms(seconds: Iterable[float]) -> float:
 def device_name(device: torch.device) -> str:
     """The GPU's name for a results file, or "cpu"."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def tiny_or_cuda(tiny: bool) -> tuple[torch.device, torch.dtype] | None:
+    """Where an engine benchmark runs: the CPU in float32 with `--tiny`, else the GPU in bf16;
+    None, said on stderr, where `--tiny` is missing and there is no GPU."""
+    if not tiny and not torch.cuda.is_available():
+        print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
+        return None
+    return (torch.device("cpu"), torch.float32) if tiny else (torch.device("cuda"), torch.bfloat16)
+
+
+def write_results(path: Path, device: torch.device, args: argparse.Namespace, results: dict) -> None:
+    """The results file: the device, torch, every argument and the results."""
+    out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(path)}, **results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")

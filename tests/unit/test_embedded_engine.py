@@ -162,26 +162,6 @@ async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts):
     await long
 
 
-async def test_a_batch_caller_that_stops_waiting_keeps_its_version_in_use_until_its_batch_ends(parts):
-    base, adapters = parts
-    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[], pad_id=0, slots=3)
-    await engine.load_version(0, adapters[0][1], SPEC)
-    await engine.load_version(1, adapters[1][1], SPEC)
-    task = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=2, max_new_tokens=150)], 0))
-    while engine.steps < 3:
-        await asyncio.sleep(0.001)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    with pytest.raises(RuntimeError, match="running generation"):
-        await engine.unload_version(0)  # its rows still decode on v0's slot
-    while engine._active[0]:
-        await asyncio.sleep(0.01)
-    await engine.unload_version(0)
-    assert await engine.loaded_versions() == [1]
-    await engine.close()
-
-
 async def test_version_loaded_mid_generation_keeps_in_flight_outputs(parts):
     base, adapters = parts
     long = [GenRequest(prompt_token_ids=[3, 4, 5], n=3, max_new_tokens=60, seed=7)]
@@ -260,9 +240,10 @@ async def test_a_slab_engine_answers_as_the_batch_engine_also_with_calls_that_ov
     assert slab_engine._decoder_thread is not None and not slab_engine._decoder_thread.is_alive()
 
 
-async def test_a_caller_that_stops_waiting_keeps_its_version_in_use_until_its_rows_end(parts):
+@pytest.mark.parametrize("slab_rows", [0, 2], ids=["batch", "slab"])
+async def test_a_caller_that_stops_waiting_keeps_its_version_in_use_until_its_rows_end(parts, slab_rows):
     base, adapters = parts
-    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[], pad_id=0, slots=3, slab_rows=2, slab_length=200)
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[], pad_id=0, slots=3, slab_rows=slab_rows, slab_length=200)
     try:
         await engine.load_version(0, adapters[0][1], SPEC)
         await engine.load_version(1, adapters[1][1], SPEC)
