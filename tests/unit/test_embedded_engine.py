@@ -1,5 +1,6 @@
 import asyncio
 import copy
+import threading
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.common.lora_targets import HF_LINEAR
+from services.rollout.engines import embedded
 from services.rollout.engines.base import GenRequest
 from services.rollout.engines.embedded import EmbeddedEngine
 from services.rollout.sampling import DecodeGraphs
@@ -150,16 +152,26 @@ async def test_a_graphed_batch_is_padded_to_its_size_class_and_answers_as_unpadd
     assert [padded.graphs.batch_size(n) for n in (1, 2, 3, 8, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
 
 
-async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts):
+async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts, monkeypatch):
     base, adapters = parts
     engine = make_engine(base)
     await engine.load_version(0, adapters[0][1], SPEC)
-    long = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=1, max_new_tokens=200)], 0))
-    while engine.steps < 3:
-        await asyncio.sleep(0.001)
-    short = await engine.generate([GenRequest(prompt_token_ids=[5], n=1, max_new_tokens=2)], 0)
+    started, release = threading.Event(), threading.Event()
+    decode = embedded.decode
+
+    def held(model, rows, **kwargs):  # the long batch waits, once begun, until the short one is answered
+        if rows[0].max_new_tokens == 50:
+            started.set()
+            assert release.wait(30)
+        return decode(model, rows, **kwargs)
+
+    monkeypatch.setattr(embedded, "decode", held)
+    long = asyncio.create_task(engine.generate([GenRequest(prompt_token_ids=[3, 4], n=1, max_new_tokens=50)], 0))
+    assert await asyncio.to_thread(started.wait, 30)
+    short = await asyncio.wait_for(engine.generate([GenRequest(prompt_token_ids=[5], n=1, max_new_tokens=2)], 0), 30)
     assert len(short[0][0].token_ids) <= 2 and not long.done()
-    await long
+    release.set()
+    assert len((await long)[0][0].token_ids) <= 50
 
 
 async def test_version_loaded_mid_generation_keeps_in_flight_outputs(parts):
