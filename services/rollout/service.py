@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from proto import subjects
+from proto import codec, subjects
 from proto.messages import (
     AdapterReady,
     AdmissionGrant,
@@ -42,8 +42,9 @@ from proto.messages import (
     TokenRange,
     Trajectory,
 )
-from services.common.bus import Bus
+from services.common.bus import PUBLISH_TIMEOUT_S, Bus
 from services.common.data import Prompt, epoch_order
+from services.common.nats_client import BusError
 from services.common.run_faults import RunFault, Strikes
 from services.config.schema import LorabusConfig
 from services.rollout import metrics
@@ -232,9 +233,19 @@ class RolloutService:
         finished = time.time()
         metrics.IN_FLIGHT.labels(self.run_id, self.replica).set(0)
         trajectories, tokens = self._trajectories(work, outs, started, finished)
-        for traj in trajectories:
-            await self.bus.publish(subjects.trajectory(self.run_id, self.replica), traj, msg_id=traj.trajectory_id)
-            metrics.TRAJECTORIES.labels(self.run_id, self.replica).inc()
+        # one burst, its PubAcks gathered together: one round trip a batch, not one a group,
+        # before the work loop's next round (each carries its id: a resend is stored once)
+        subject = subjects.trajectory(self.run_id, self.replica)
+        acks = await self.bus.publish_all(
+            [(subject, codec.encode(t), t.trajectory_id) for t in trajectories], timeout=PUBLISH_TIMEOUT_S
+        )
+        failed = [ack for ack in acks if isinstance(ack, BaseException)]
+        metrics.TRAJECTORIES.labels(self.run_id, self.replica).inc(len(acks) - len(failed))
+        if failed:
+            raise BusError(
+                f"bus.url: {self.bus.url}, {len(failed)} of {len(acks)} trajectories not stored on {subject} "
+                f"({failed[0]!r}); is nats-server up, with a stream capturing {subject} (ensure_streams)?"
+            )
         metrics.TOKENS.labels(self.run_id, self.replica).inc(tokens)
         metrics.TOKENS_PER_SECOND.labels(self.run_id, self.replica).set(tokens / max(finished - started, 1e-9))
         return trajectories

@@ -327,3 +327,34 @@ async def test_fast_load_path_publishes_nothing_generated_beside_unverified_weig
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_a_batch_whose_trajectories_cannot_be_stored_fails_by_name_and_the_replica_goes_on(
+    start_run, base, monkeypatch, caplog
+):
+    from services.common import streams
+    from services.rollout import service as rollout_service
+
+    monkeypatch.setattr(rollout_service, "PUBLISH_TIMEOUT_S", 0.3)
+    run = await start_run("rs", seed=4, max_new_tokens=4, batch_groups=2)
+    await run.publish(0, peft_version(base, seed=30)[1])
+    await run.bus.js.delete_stream(streams.TRAJECTORIES(run.run))  # nothing stores a trajectory now
+    engine = EmbeddedEngine(copy.deepcopy(base), eos_ids=[EOS], pad_id=0, slots=KEEP + 1)
+    service = run.service("r1", engine, reward_fn=lambda prompt, completion, answer: 0.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await wait_until(lambda: "trajectories not stored on" in caplog.text, what="the batch's failure, named")
+        assert f"{subjects.trajectory(run.run, 'r1')}" in caplog.text and "ensure_streams" in caplog.text
+        await run.bus.ensure_streams()
+        stored: list[Trajectory] = []
+
+        async def some_stored() -> bool:
+            stored[:] = await run.bus.read_all(streams.TRAJECTORIES(run.run), Trajectory)
+            return bool(stored)
+
+        await wait_until(some_stored, what="trajectories stored once the stream is back")
+        assert all(t.replica == "r1" and len(t.completions) == 2 for t in stored)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
