@@ -210,11 +210,16 @@ class DecodeGraphs:
         self._idle: list[_State] = []
 
     def batch_size(self, rows: int) -> int:
-        """The batch that `rows` rows decode in: with `pad_batches` the next power of two, so
-        batches of nearby sizes share one static cache and its graphs instead of each size
-        capturing its own (a graphed decode step reads the weights once for all its rows, so
-        idle rows cost little); else `rows`, as an eager step pays for every row."""
-        return 1 << (rows - 1).bit_length() if self.pad_batches and rows > 0 else rows
+        """The batch that `rows` rows decode in: with `pad_batches` the smallest size class
+        (2^k or 3 * 2^k) that holds them, so batches of nearby sizes share one static cache and
+        its graphs instead of each size capturing its own (a graphed decode step reads the
+        weights once for all its rows, so idle rows cost little, at most a third of the batch;
+        the common batch_groups x n_samples products are classes themselves); else `rows`, as
+        an eager step pays for every row."""
+        if not self.pad_batches or rows <= 2:
+            return rows
+        power = 1 << (rows - 1).bit_length()
+        return power * 3 // 4 if rows <= power * 3 // 4 else power
 
     def acquire(self, batch: int, need: int) -> _State:
         length = -(-need // self.length_multiple) * self.length_multiple

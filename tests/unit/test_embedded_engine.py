@@ -145,11 +145,12 @@ async def test_a_graphed_batch_is_padded_to_its_size_class_and_answers_as_unpadd
     assert_same(
         await padded.generate_mixed(five_rows, [1, 0, 1, 0]), await plain.generate_mixed(five_rows, [1, 0, 1, 0])
     )
-    assert [state.key[0] for state in padded.graphs._idle] == [8]
+    assert [state.key[0] for state in padded.graphs._idle] == [6]
     three_rows = five_rows[1:3] + five_rows[3:]
     assert_same(await padded.generate_mixed(three_rows, [0, 0, 1]), await plain.generate_mixed(three_rows, [0, 0, 1]))
-    assert [state.key[0] for state in padded.graphs._idle] == [8, 4]
-    assert [padded.graphs.batch_size(n) for n in (1, 2, 3, 8, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
+    assert [state.key[0] for state in padded.graphs._idle] == [6, 3]
+    want = {1: 1, 2: 2, 3: 3, 5: 6, 7: 8, 9: 12, 33: 48, 48: 48, 49: 64, 64: 64, 65: 96}  # 2^k or 3 * 2^k
+    assert {n: padded.graphs.batch_size(n) for n in want} == want
 
 
 async def test_a_call_made_while_a_batch_decodes_does_not_wait_for_it(parts, monkeypatch):
