@@ -27,7 +27,9 @@ keeps what the second needs, and `--solo-json` can bring it from elsewhere):
 Reported per N: wall time together and one after another (the sum of the solo runs' walls),
 runs completed per hour and trainer steps per hour both ways, rollout tokens per second, GPU
 utilisation (nvidia-smi's busy share, sampled every 0.5 s) and GPU memory (peak and mean),
-peak resident memory of the fleet's processes, each run's first trajectory after its submit
+peak resident memory of the fleet's processes and each service's CPU seconds (a service near
+one a second is bound by its host), the static decode caches the replicas made (each a capture
+on a GPU), each run's first trajectory after its submit
 and mean trainer step time (together vs alone), and each run's held-out score at its last
 version together vs alone, the difference in units of the solo score's standard error
 (sqrt(p (1 - p) / n) over the n held-out prompts). Results are written after every run, so a
@@ -73,12 +75,25 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-class PeakMemory(threading.Thread):
-    """Sum of the services' resident memory, sampled every 0.5 s; keeps the peak."""
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (FileNotFoundError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ServiceUsage(threading.Thread):
+    """The services' resident memory summed (its peak) and each service's CPU seconds (the
+    last reading before it ended), sampled every 0.5 s: a service near one CPU second a second
+    is bound by its host, not by the GPU."""
 
     def __init__(self, run_dir: Path):
         super().__init__(daemon=True)
         self.pids_file, self.peak, self.done = run_dir / "pids.json", 0.0, threading.Event()
+        self.cpu_s: dict[str, float] = {}
 
     def run(self) -> None:
         while not self.done.wait(0.5):
@@ -86,7 +101,12 @@ class PeakMemory(threading.Thread):
                 pids = json.loads(self.pids_file.read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
-            self.peak = max(self.peak, sum(rss_mib(pid) for name, pid in pids.items() if name in SERVICES))
+            ours = {name: pid for name, pid in pids.items() if name in SERVICES}
+            self.peak = max(self.peak, sum(rss_mib(pid) for pid in ours.values()))
+            for name, pid in ours.items():
+                seconds = cpu_seconds(pid)
+                if seconds is not None:
+                    self.cpu_s[name] = round(seconds, 1)
 
 
 # --- one `lorabus up`, with runs submitted while it runs ----------------------------------------
@@ -144,12 +164,12 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
     cmd = [sys.executable, "-m", "services.local.launcher", "--config", task.config, "--bus-url", nats_url,
            "--no-evaluate", "--timeout", str(task.up_timeout_s), "--progress-every", "10", *overrides]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
-    memory = PeakMemory(run_dir)
+    usage = ServiceUsage(run_dir)
     log_path = logs / f"{run_dir.name}.up.log"
     with log_path.open("w") as log, GpuMonitor() as gpu:
         launched_at, started = time.time(), time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        memory.start()
+        usage.start()
         try:
             submitted = asyncio.run(submit_runs(nats_url, task, overrides, files, proc, started)) if files else {}
         except BaseException:
@@ -158,14 +178,15 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
             raise
         proc.wait()
         wall = time.monotonic() - started
-    memory.done.set()
+    usage.done.set()
+    usage.join()
     if proc.returncode != 0:
         for name in ("trainer.log", "registry.log", "rollout-0.log"):
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
         raise RuntimeError(f"lorabus up {run_dir.name} failed (exit {proc.returncode}); see {log_path}")
-    return {"wall_s": wall, "peak_rss_mib": memory.peak, "gpu": gpu.summary(), "launched_at": launched_at,
-            "submitted_at": submitted, "decode_caches": decode_caches(run_dir)}  # fmt: skip
+    return {"wall_s": wall, "peak_rss_mib": usage.peak, "cpu_s": usage.cpu_s, "gpu": gpu.summary(),
+            "launched_at": launched_at, "submitted_at": submitted, "decode_caches": decode_caches(run_dir)}  # fmt: skip
 
 
 def decode_caches(run_dir: Path) -> int:
@@ -324,6 +345,7 @@ class Bench:
                 "peak_rss_mib": round(timing["peak_rss_mib"], 1),
                 "gpu": timing["gpu"],
                 "decode_caches": timing["decode_caches"],
+                "cpu_s": timing["cpu_s"],
                 **_seen(seen, timing["launched_at"]),
                 "curve": curve,
                 "final": curve[str(self.steps)],
@@ -367,7 +389,7 @@ class Bench:
             )
         cleanup(root)
         return {"wall_s": timing["wall_s"], "peak_rss_mib": timing["peak_rss_mib"], "gpu": timing["gpu"],
-                "decode_caches": timing["decode_caches"], "per_run": per_run}  # fmt: skip
+                "decode_caches": timing["decode_caches"], "cpu_s": timing["cpu_s"], "per_run": per_run}  # fmt: skip
 
     def together_rows(self, nats_url: str, solo: dict) -> None:
         rows = self.results.setdefault("rows", [])
@@ -389,6 +411,7 @@ class Bench:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_run"}), flush=True)
             for r in result["per_run"]:  # each run's way in, from its submit (the fleet's own: its launch)
                 print(f"  run {r['spec']}: " + ", ".join(f"{k[:-2]} {r.get(k)} s" for k in _JOIN.values()), flush=True)
+            print(f"  CPU seconds {result['cpu_s']}, decode caches made {result['decode_caches']}", flush=True)
             self.save()
 
 
@@ -405,7 +428,7 @@ def _seen(seen: dict, since: float) -> dict:
 def _as_together(solo_row: dict) -> dict:
     keep = ("spec", "run", "tokens", "trajectories", "steps", "step_seconds_mean", *_JOIN.values(), "curve")
     return {"wall_s": solo_row["wall_s"], "peak_rss_mib": solo_row["peak_rss_mib"], "gpu": solo_row["gpu"],
-            "decode_caches": solo_row.get("decode_caches"),
+            "decode_caches": solo_row.get("decode_caches"), "cpu_s": solo_row.get("cpu_s"),
             "per_run": [{"spec": 1, "describe": solo_row["spec"], "late": False, "submitted_after_s": 0.0,
                          **{k: solo_row[k] for k in keep if k in solo_row}}]}  # fmt: skip
 
@@ -433,6 +456,7 @@ def row(n: int, steps: int, together: dict, solo: dict) -> dict:
         "together_gpu": together["gpu"],
         "sequential_gpu": combine([r["gpu"] for r in alone]) if complete else None,
         "together_decode_caches": together.get("decode_caches"),
+        "together_cpu_s": together.get("cpu_s"),
         "solo_decode_caches": [r.get("decode_caches") if r else None for r in alone],
         "together_scores": [r["curve"][str(steps)] for r in together["per_run"]],
         "solo_scores": [r["final"] if r else None for r in alone],
