@@ -60,7 +60,6 @@ class FleetReplica:
         self.cfg, self.fleet, self.replica = cfg, cfg.run, replica
         self.bus, self.engines, self.make = bus, engines, make
         self.admission_timeout_s = admission_timeout_s
-        self.request_ids = RequestIds()
         self.own_ready = asyncio.Event()
         """set once the own run holds a version: the engine's slots are shaped"""
         self.host = RunHost(cfg, bus, self._worker, name=f"rollout {replica}", ready=self.own_ready)
@@ -80,17 +79,17 @@ class FleetReplica:
             )
         return service
 
-    async def admit(self, runs: Mapping[str, Run]) -> AdmissionReply | None:
+    async def admit(self, runs: Mapping[str, Run], ids: RequestIds) -> AdmissionReply | None:
         loaded = {name: run.loaded() for name, run in runs.items()}
         request = FleetAdmissionRequest(
             fleet=self.fleet,
             replica=self.replica,
-            request_id=self.request_ids.next(),
+            request_id=ids.next(),
             loaded={run: versions for run, versions in loaded.items() if versions},
             started_at=STARTED_AT,
         )
         return await request_admission(
-            self.bus, subjects.fleet_admission(self.fleet), request, self.request_ids, self.admission_timeout_s
+            self.bus, subjects.fleet_admission(self.fleet), request, ids, self.admission_timeout_s
         )
 
     async def _own_loaded(self, own: RolloutService, stop: asyncio.Event) -> None:

@@ -110,7 +110,6 @@ class RolloutService:
         self.book = self.adapters.book
         """pinned by the work loop for the versions its grants name"""
         self.admission_timeout_s = admission_timeout_s
-        self.request_ids = RequestIds()
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.replica.encode())
         self._seed = seed
         self._prompts = prompt_cycle(prompts, seed, cfg.train_dataset.shuffle)
@@ -150,18 +149,16 @@ class RolloutService:
                 pass
 
     # --- work ---
-    async def admit(self, runs: object = None) -> AdmissionReply | None:
+    async def admit(self, runs: object, ids: RequestIds) -> AdmissionReply | None:
         """Ask the run's own admission subject (a replica that serves this run alone)."""
         req = AdmissionRequest(
             run=self.run_id,
             replica=self.replica,
-            request_id=self.request_ids.next(),
+            request_id=ids.next(),
             loaded_versions=self.adapters.loaded(),
             started_at=STARTED_AT,
         )
-        return await request_admission(
-            self.bus, subjects.admission(self.run_id), req, self.request_ids, self.admission_timeout_s
-        )
+        return await request_admission(self.bus, subjects.admission(self.run_id), req, ids, self.admission_timeout_s)
 
     def loaded(self) -> list[int]:
         """The run's versions that may be granted (`AdapterFollower.loaded`)."""

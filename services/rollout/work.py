@@ -12,6 +12,11 @@ registry gives a retried request its live grant back; a fresh id would hold a se
 while the first stayed taken until its lease passed (60 s of a stalled run when all of them
 were).
 
+A round asks once, and once granted asks for the rest of its room at once, each request under
+its own id: a replica with 8 groups of room waited 8 round trips to the registry one after
+another before it could generate; now 2. A deny (or no answer) to the first ends the round's
+asking, so a replica that is waiting costs the registry one request per wake, as before.
+
 After a deny the loop waits the registry's `retry_after_s`, or less: a version loaded by any of
 its runs wakes it at once (`head_moved`), since that is what a synchronous run's deny waits for
 (the next version), and a fixed poll put up to `retry_after_s` of idle into every step.
@@ -70,6 +75,11 @@ class RequestIds:
     def __init__(self) -> None:
         self._unanswered: str | None = None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the last request under these ids got no answer (its id is asked again)."""
+        return self._unanswered is not None
+
     def next(self) -> str:
         if self._unanswered is None:
             self._unanswered = uuid.uuid4().hex
@@ -92,8 +102,9 @@ async def request_admission(
     return reply
 
 
-Admit = Callable[[Mapping[str, Run]], Awaitable[AdmissionReply | None]]
-"""(the runs served, draining ones left out) -> the registry's answer, None when none came"""
+Admit = Callable[[Mapping[str, Run], RequestIds], Awaitable[AdmissionReply | None]]
+"""(the runs served, draining ones left out; the ids to ask under) -> the registry's answer,
+None when none came"""
 
 
 def no_grant_wait(reply: AdmissionDeny | None) -> float:
@@ -128,6 +139,7 @@ async def work_loop(
     at once (with `streaming`: one by one); a round ends when every batch is served, or with
     `streaming` when any is."""
     serving: dict[asyncio.Task[float], int] = {}  # a run's batch being served -> its grants
+    ids = [RequestIds() for _ in range(batch_groups)]  # one per request a round may make at once
     try:
         while not stop.is_set():
             live = {name: run for name, run in runs.items() if not run.draining}
@@ -138,10 +150,11 @@ async def work_loop(
                 wait_s = NO_VERSION_WAIT_S
             elif room > 0:
                 batch: dict[str, list[AdmissionGrant]] = {}
-                for _ in range(room):
-                    wait_s = take(await admit(live), live, own, batch, replica)
-                    if wait_s:
-                        break
+                asking = sorted(ids, key=lambda i: not i.waiting)[:room]  # unanswered ids first
+                wait_s = take(await admit(live, asking[0]), live, own, batch, replica)
+                if not wait_s and room > 1:
+                    replies = await asyncio.gather(*(admit(live, i) for i in asking[1:]))
+                    wait_s = max(take(reply, live, own, batch, replica) for reply in replies)
                 for name, grants in batch.items():
                     # runs generate side by side; the engine interleaves their decode steps (a
                     # continuous engine each group's: one serve per grant, each answered alone)

@@ -49,7 +49,7 @@ async def test_a_raising_reward_stops_its_run_and_the_other_goes_on(start_run, b
     services[bad.run].on_fault = on_fault
     turns = itertools.cycle(sorted(services))
 
-    async def admit(live) -> AdmissionGrant | None:  # the fleet's turn-taking, without a registry
+    async def admit(live, ids) -> AdmissionGrant | None:  # the fleet's turn-taking, without a registry
         run = next(r for r in turns if r in live or not live)
         if run not in live or not live[run].loaded():
             return None

@@ -59,7 +59,7 @@ def admitting(limit: int):
     """Grants g0, g1, ... up to `limit`, then denies (retry shortly)."""
     counter = itertools.count()
 
-    async def admit(runs):
+    async def admit(runs, ids):
         k = next(counter)
         if k >= limit:
             return AdmissionDeny(request_id=str(k), reason="enough", retry_after_s=0.02)
@@ -121,7 +121,7 @@ async def test_a_deny_is_waited_out_until_a_version_is_loaded_not_for_its_whole_
     run = FakeRun(lambda g: 0.0)
     asked: list[float] = []
 
-    async def admit(runs):
+    async def admit(runs, ids):
         asked.append(time.monotonic())
         if run.book.head() == 1:
             return AdmissionDeny(request_id="d", reason="staleness: waiting for the next version", retry_after_s=5.0)
@@ -137,3 +137,53 @@ async def test_a_deny_is_waited_out_until_a_version_is_loaded_not_for_its_whole_
     stop.set()
     await asyncio.wait_for(loop, 5)
     assert len(asked) >= 2 and asked[1] - loaded_at < 1.0  # not the deny's 5 s
+
+
+async def test_a_round_asks_once_then_for_the_rest_of_its_room_at_once_each_under_its_own_id():
+    run = FakeRun(lambda g: 0.2)
+    asked: list[tuple[float, str]] = []
+    waiting = 0
+    peak = 0
+
+    async def admit(runs, ids):
+        nonlocal waiting, peak
+        rid = ids.next()
+        asked.append((time.monotonic(), rid))
+        if len(asked) == 1:
+            return None  # no answer: this id is asked again, first
+        waiting += 1
+        peak = max(peak, waiting)
+        await asyncio.sleep(0.05)  # the round trip
+        waiting -= 1
+        ids.answered()
+        k = len(asked)
+        return AdmissionGrant(request_id=rid, grant_id=f"g{k}", version=1, lease_expires_at=time.time() + 60)
+
+    stop = asyncio.Event()
+    loop = asyncio.create_task(work_loop({"r": run}, admit, own="r", replica="x", batch_groups=4, stop=stop))
+    while not run.served:
+        await asyncio.sleep(0.005)
+    stop.set()
+    await asyncio.wait_for(loop, 5)
+    assert asked[1][1] == asked[0][1]  # the unanswered request, asked again under its id
+    round_ = asked[1:5]
+    assert len({rid for _, rid in round_}) == 4  # then three more, each its own request
+    assert peak == 3  # after the first, the other three at once
+    assert run.served[0][0].count(",") == 3  # one batch of the four grants
+
+
+async def test_a_deny_to_a_rounds_first_ask_ends_its_asking():
+    run = FakeRun(lambda g: 0.0)
+    asked = 0
+
+    async def admit(runs, ids):
+        nonlocal asked
+        asked += 1
+        return AdmissionDeny(request_id=ids.next(), reason="staleness: waiting", retry_after_s=0.05)
+
+    stop = asyncio.Event()
+    loop = asyncio.create_task(work_loop({"r": run}, admit, own="r", replica="x", batch_groups=8, stop=stop))
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.wait_for(loop, 5)
+    assert 2 <= asked <= 8  # about one a retry, never eight a round
