@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import sync, tiny_or_cuda, write_results
+from benchmarks.timing import sync, tiny_or_cuda, two_ways, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import GenRequest
@@ -99,21 +99,13 @@ async def measure(args, device: torch.device, dtype: torch.dtype) -> dict:
             "tokens_per_s": round(tokens / seconds, 1),
             "mean_completion": round(tokens / (args.groups * args.n), 1),
         }
-        outputs[name] = [[r.token_ids for r in group] for group in out]
+        outputs[name] = [r.token_ids for group in out for r in group]
         print(f"{name:>10}: {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s", flush=True)
         await engine.close()
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    agree = [a == b for ga, gb in zip(outputs["batch"], outputs["continuous"]) for a, b in zip(ga, gb)]
-    results["same_tokens"] = all(agree)
-    results["identical_samples"] = round(sum(agree) / len(agree), 3)
-    results["continuous_vs_batch"] = round(results["continuous"]["tokens_per_s"] / results["batch"]["tokens_per_s"], 3)
-    print(
-        f"continuous / batch: {results['continuous_vs_batch']:.3f}; "
-        f"identical samples: {results['identical_samples']:.1%}"
-    )
-    return results
+    return two_ways(results, "continuous", "batch", outputs)
 
 
 def main(argv: list[str] | None = None) -> int:

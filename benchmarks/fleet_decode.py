@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import sync, tiny_or_cuda, write_results
+from benchmarks.timing import sync, tiny_or_cuda, two_ways, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import Engine, GenRequest
@@ -125,14 +125,7 @@ async def measure(args: argparse.Namespace, device: torch.device, dtype: torch.d
         del engine, graphs, fleet, views
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    agree = [a == b for a, b in zip(tokens_of["together"], tokens_of["apart"], strict=True)]
-    results["same_tokens"] = all(agree)
-    results["identical_samples"] = round(sum(agree) / len(agree), 3)
-    results["together_vs_apart"] = round(results["together"]["tokens_per_s"] / results["apart"]["tokens_per_s"], 3)
-    print(
-        f"together / apart: {results['together_vs_apart']:.3f}; identical samples: {results['identical_samples']:.1%}"
-    )
-    return results
+    return two_ways(results, "together", "apart", tokens_of)
 
 
 def main(argv: list[str] | None = None) -> int:

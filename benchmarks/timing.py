@@ -55,3 +55,15 @@ def write_results(path: Path, device: torch.device, args: argparse.Namespace, re
     out = {"device": device_name(device), "torch": torch.__version__, **vars(args) | {"out": str(path)}, **results}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def two_ways(results: dict, new: str, old: str, tokens: dict[str, list]) -> dict:
+    """Adds to `results` whether way `new` sampled the same tokens as way `old` (each a list of
+    samples' token ids, same seeds, same order), the share of identical samples and `new`'s
+    tokens per second over `old`'s, and prints them."""
+    agree = [a == b for a, b in zip(tokens[new], tokens[old], strict=True)]
+    results["same_tokens"] = all(agree)
+    results["identical_samples"] = round(sum(agree) / len(agree), 3)
+    ratio = results[f"{new}_vs_{old}"] = round(results[new]["tokens_per_s"] / results[old]["tokens_per_s"], 3)
+    print(f"{new} / {old}: {ratio:.3f}; identical samples: {results['identical_samples']:.1%}")
+    return results

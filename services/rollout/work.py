@@ -156,8 +156,9 @@ async def work_loop(
                     replies = await asyncio.gather(*(admit(live, i) for i in asking[1:]))
                     wait_s = max(take(reply, live, own, batch, replica) for reply in replies)
                 for name, grants in batch.items():
-                    # runs generate side by side; the engine interleaves their decode steps (a
-                    # continuous engine each group's: one serve per grant, each answered alone)
+                    # runs generate side by side; the embedded engine decodes the batches started
+                    # here as one (a continuous engine each group's: one serve per grant, each
+                    # answered alone)
                     for part in [[g] for g in grants] if streaming else [grants]:
                         if part:
                             serving[asyncio.create_task(live[name].serve(part))] = len(part)

@@ -207,8 +207,8 @@ class EmbeddedEngine:
         # embedding's device-side assert, the whole process)
         vocab = self.model.get_input_embeddings().num_embeddings
         for i, req in enumerate(requests):
-            bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= vocab:
+                bad = next(t for t in req.prompt_token_ids if not 0 <= t < vocab)
                 raise ValueError(
                     f"requests[{i}].prompt_token_ids: token id {bad} is outside the model's vocabulary "
                     f"(0..{vocab - 1}); encode the prompt with the base model's tokenizer"
@@ -272,12 +272,14 @@ class EmbeddedEngine:
                 step_context=lambda: self._step(row_versions),
                 graphs=self.graphs,
             )
-        except BaseException as exc:
+        except Exception as exc:
             for call in calls:
                 if not call.answer.done():
-                    call.answer.cancel() if isinstance(exc, asyncio.CancelledError) else call.answer.set_exception(exc)
-            if isinstance(exc, Exception):
-                return  # the callers have it
+                    call.answer.set_exception(exc)
+            return  # the callers have it
+        except asyncio.CancelledError:
+            for call in calls:
+                call.answer.cancel()
             raise
         finally:
             for call in calls:
