@@ -43,8 +43,8 @@ short)  # what a call cut short by failed machine starts can still bring back (L
   breakdown 64
   ;;
 fleet_decode)  # issues 33 and 27: a fleet replica's runs decoded as one batch against apart
-  timeout 280 python benchmarks/fleet_decode.py --out "$OUT/fleet_decode_$L.json" 2>&1 | tail -5
-  timeout $((585 - SECONDS)) python benchmarks/fleet_decode.py --max-new 6 --prompt-len 16 \
+  timeout $(( ${LIMIT:-585} / 2 )) python benchmarks/fleet_decode.py --out "$OUT/fleet_decode_$L.json" 2>&1 | tail -5
+  timeout $((${LIMIT:-585} - SECONDS)) python benchmarks/fleet_decode.py --max-new 6 --prompt-len 16 \
     --out "$OUT/fleet_decode_short_$L.json" 2>&1 | tail -5  # rollouts as short as arith3's
   ;;
 sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trainer
