@@ -20,7 +20,8 @@ tree here, on a GPU with fused multiply-adds; torch's own order there): it moves
 float32 ulps, the float32 output by as many, and, rarely, `round_x(y)` by one ulp of the input's
 dtype, which the weight's product then carries (tests/unit/test_norm_kernel.py: bit for bit
 where the sums are exact, and on random rows the module's formula with `mean` moved by at most
-3 ulps; the kernel compiles to 16-byte loads and stores for sm_90 with Triton 3.9).
+3 ulps; the kernel compiles to 16-byte loads and stores for sm_90 with Triton 3.9). Every thread
+of a row must hold the same sum, so the kernel is built without fused multiply-adds (`_launch`).
 
 Not fused with the residual add before it. Qwen2 and Llama layers do `hidden = residual +
 attn_out; residual = hidden; hidden = post_attention_layernorm(hidden)` inside the decoder
@@ -104,8 +105,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # about eight elements a thread: one 16-byte load of bfloat16 each, and a short tree
     warps = max(1, min(16, block // 256))
     # the width a constant: a model has one or two (hidden size, head size), and a known width
-    # lets the compiler vectorise the row's loads
-    _rms_norm[(x.numel() // width,)](x, weight, out, float(eps), width=width, block=block, num_warps=warps)
+    # lets the compiler vectorise the row's loads. No fused multiply-adds: the row's sum is a
+    # butterfly across threads, and a thread that fused its own square into it (fma(x, x, other's
+    # rounded square)) would hold a sum its partner does not, so one row's elements would be
+    # normalised by different means (seen on an H100: 9 float32 ulps where 4 explain any order)
+    _rms_norm[(x.numel() // width,)](
+        x, weight, out, float(eps), width=width, block=block, num_warps=warps, enable_fp_fusion=False
+    )
     return out
 
 
