@@ -61,6 +61,12 @@ MAX_WIDTH = 16384
 """the widest row one program holds in registers (16 warps, 32 floats a thread): every hidden
 size and head size of today's models; a wider row goes to torch"""
 
+BUILD = {"enable_fp_fusion": False}
+"""how the kernel is compiled: without fused multiply-adds. A row's sum is a butterfly across
+threads, and a thread that fused its own square into it (`fma(x, x, partner's rounded square)`)
+would hold a sum its partner does not: one row's elements normalised by different means (seen on
+an H100: outputs 9 float32 ulps of the mean away, where 4 explain any order of the sum)"""
+
 _BROKEN: list[str] = []
 """why the kernel failed in this process (then it is not tried again)"""
 
@@ -105,13 +111,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # about eight elements a thread: one 16-byte load of bfloat16 each, and a short tree
     warps = max(1, min(16, block // 256))
     # the width a constant: a model has one or two (hidden size, head size), and a known width
-    # lets the compiler vectorise the row's loads. No fused multiply-adds: the row's sum is a
-    # butterfly across threads, and a thread that fused its own square into it (fma(x, x, other's
-    # rounded square)) would hold a sum its partner does not, so one row's elements would be
-    # normalised by different means (seen on an H100: 9 float32 ulps where 4 explain any order)
-    _rms_norm[(x.numel() // width,)](
-        x, weight, out, float(eps), width=width, block=block, num_warps=warps, enable_fp_fusion=False
-    )
+    # lets the compiler vectorise the row's loads
+    _rms_norm[(x.numel() // width,)](x, weight, out, float(eps), width=width, block=block, num_warps=warps, **BUILD)
     return out
 
 

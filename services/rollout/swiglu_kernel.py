@@ -43,7 +43,6 @@ from services.rollout.norm_kernel import DTYPES
 
 if triton is not None:
     import triton.language as tl
-
     from triton.language.extra import libdevice
 
     from services.rollout.norm_kernel import _round

@@ -78,6 +78,22 @@ def test_on_a_gpu_the_compiled_kernel_is_transformers_norm_too(monkeypatch, weig
     check_random(weights, "cuda")
 
 
+def test_compiled_for_an_h100_every_thread_of_a_row_sums_the_same(monkeypatch):
+    """Built as `_launch` builds it, the row's butterfly sum has no fused multiply-add: on an H100
+    a thread that fused its own square held a sum its partner did not (9 float32 ulps)."""
+    pytest.importorskip("triton")
+    from services.rollout import norm_kernel
+    from tests.fixtures.ptx import sm90_ptx
+
+    signature = {"x_ptr": "*fp32", "w_ptr": "*fp32", "o_ptr": "*fp32", "eps": "fp32", "width": "constexpr",
+                 "block": "constexpr"}  # fmt: skip
+    ptx = sm90_ptx(norm_kernel._rms_norm, signature, {"width": 5, "block": 8}, num_warps=1, **norm_kernel.BUILD)
+    assert "shfl.sync.bfly" in ptx and "fma" not in ptx
+    assert ptx.count("div.rn.f32") == 2 and "sqrt.rn.f32" in ptx
+    fused = sm90_ptx(norm_kernel._rms_norm, signature, {"width": 5, "block": 8}, num_warps=1)
+    assert "fma.rn.f32" in fused  # what the check above would miss without BUILD
+
+
 def test_calls_it_does_not_take_are_left_to_torch(monkeypatch):
     pytest.importorskip("triton")
     from services.rollout import norm_kernel

@@ -63,6 +63,23 @@ def test_on_a_gpu_the_compiled_kernel_is_torchs_product_too(monkeypatch):
     check_products("cuda")
 
 
+def test_compiled_for_an_h100_it_calls_libdevices_exp_and_divides_exactly():
+    """Triton's own `exp` and `/` (ex2.approx of -g*log2(e), div.full) put float32 products on an
+    H100 more than 4 ulps from torch's; compiled, the kernel calls libdevice's expf (a fused
+    range reduction before its ex2) and divides correctly rounded."""
+    pytest.importorskip("triton")
+    from services.rollout import swiglu_kernel
+    from tests.fixtures.ptx import sm90_ptx
+
+    signature = {"g_ptr": "*fp32", "u_ptr": "*fp32", "o_ptr": "*fp32", "g_row": "i32", "u_row": "i32",
+                 "width": "i32", "block": "constexpr", "compiled": "constexpr"}  # fmt: skip
+    ptx = sm90_ptx(swiglu_kernel._swiglu, signature, {"block": 1024, "compiled": True}, num_warps=4)
+    assert "div.full" not in ptx and "div.rn.f32" in ptx
+    assert "fma.rn.ftz.f32" in ptx  # expf's range reduction, which Triton's own exp has not
+    own = sm90_ptx(swiglu_kernel._swiglu, signature, {"block": 1024, "compiled": False}, num_warps=4)
+    assert "div.full" in own and "fma.rn.ftz.f32" not in own
+
+
 def test_calls_it_does_not_take_are_left_to_torch(monkeypatch):
     pytest.importorskip("triton")
     from services.rollout import swiglu_kernel
