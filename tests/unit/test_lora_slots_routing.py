@@ -115,6 +115,30 @@ def test_static_decode_equals_dynamic_decode_and_reuses_its_state():
     assert len(graphs._idle) == 2
 
 
+def test_idle_static_caches_are_kept_within_their_byte_budget_and_the_last_always():
+    """A fleet replica's rounds cycle through many batch classes: every idle cache that fits the
+    budget is kept (each dropped one is a capture to make again), the most recent first, and the
+    last released even where it alone is over."""
+    model = tiny_model()
+    graphs = DecodeGraphs(model, capture=False)
+    for batch in (1, 2, 3, 4, 6, 8):  # six classes: more than the four once kept
+        decode(model, rows_of((PROMPTS * 2)[:batch], new_tokens=3), graphs=graphs)
+    sizes = [state.nbytes() for state in graphs._idle]
+    assert [state.key[0] for state in graphs._idle] == [1, 2, 3, 4, 6, 8] and min(sizes) > 0
+    made = graphs.caches_made
+    for batch in (1, 8, 3):  # each class again: no new cache
+        decode(model, rows_of((PROMPTS * 2)[:batch], new_tokens=3), graphs=graphs)
+    assert graphs.caches_made == made
+    assert [state.key[0] for state in graphs._idle] == [2, 4, 6, 1, 8, 3]
+
+    graphs.max_idle_bytes = sizes[-1] + sizes[2]  # the batch of 8's and the batch of 3's
+    decode(model, rows_of((PROMPTS * 2)[:6], new_tokens=3), graphs=graphs)
+    assert [state.key[0] for state in graphs._idle] == [3, 6]  # the most recent that fit
+    graphs.max_idle_bytes = 0
+    decode(model, rows_of((PROMPTS * 2)[:8], new_tokens=3), graphs=graphs)
+    assert [state.key[0] for state in graphs._idle] == [8]  # over alone, kept: the last
+
+
 def test_static_decode_with_mixed_versions_and_a_head_change_mid_generation(pool):
     """The variant flips from "all on head" to "corrected" between two steps when a new
     version becomes head, and every row keeps its own version throughout."""
