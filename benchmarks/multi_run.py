@@ -186,13 +186,26 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
                 shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
         raise RuntimeError(f"lorabus up {run_dir.name} failed (exit {proc.returncode}); see {log_path}")
     return {"wall_s": wall, "peak_rss_mib": usage.peak, "cpu_s": usage.cpu_s, "gpu": gpu.summary(),
-            "launched_at": launched_at, "submitted_at": submitted, "decode_caches": decode_caches(run_dir)}  # fmt: skip
+            "launched_at": launched_at, "submitted_at": submitted, "decode_caches": decode_caches(run_dir),
+            "joint_steps": joint_steps(run_dir)}  # fmt: skip
 
 
 def decode_caches(run_dir: Path) -> int:
     """Static decode caches the replicas made (`DecodeGraphs.acquire` logs each): on a GPU each
     is a fresh capture, so many mean batches that did not share their size class."""
     return sum(log.read_text(errors="replace").count("decode: static cache ") for log in run_dir.glob("rollout-*.log"))
+
+
+def joint_steps(run_dir: Path) -> dict:
+    """How the fleet's trainer stepped its runs: its joint steps (it logs "runs a, b step
+    together" for each) and how many runs each held on average; a fleet whose steps hold one
+    run each has not been stepping together."""
+    log = run_dir / "trainer.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    sizes = [
+        line.split(": runs ", 1)[-1].count(",") + 1 for line in text.splitlines() if line.endswith(" step together")
+    ]
+    return {"count": len(sizes), "runs_mean": round(sum(sizes) / len(sizes), 2) if sizes else None}
 
 
 # --- what the runs left on the bus --------------------------------------------------------------
@@ -389,7 +402,8 @@ class Bench:
             )
         cleanup(root)
         return {"wall_s": timing["wall_s"], "peak_rss_mib": timing["peak_rss_mib"], "gpu": timing["gpu"],
-                "decode_caches": timing["decode_caches"], "cpu_s": timing["cpu_s"], "per_run": per_run}  # fmt: skip
+                "decode_caches": timing["decode_caches"], "cpu_s": timing["cpu_s"],
+                "joint_steps": timing["joint_steps"], "per_run": per_run}  # fmt: skip
 
     def together_rows(self, nats_url: str, solo: dict) -> None:
         rows = self.results.setdefault("rows", [])
@@ -411,7 +425,8 @@ class Bench:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_run"}), flush=True)
             for r in result["per_run"]:  # each run's way in, from its submit (the fleet's own: its launch)
                 print(f"  run {r['spec']}: " + ", ".join(f"{k[:-2]} {r.get(k)} s" for k in _JOIN.values()), flush=True)
-            print(f"  CPU seconds {result['cpu_s']}, decode caches made {result['decode_caches']}", flush=True)
+            print(f"  CPU seconds {result['cpu_s']}, decode caches made {result['decode_caches']}, "
+                  f"joint steps {result['joint_steps']}", flush=True)  # fmt: skip
             self.save()
 
 
@@ -457,6 +472,7 @@ def row(n: int, steps: int, together: dict, solo: dict) -> dict:
         "sequential_gpu": combine([r["gpu"] for r in alone]) if complete else None,
         "together_decode_caches": together.get("decode_caches"),
         "together_cpu_s": together.get("cpu_s"),
+        "together_joint_steps": together.get("joint_steps"),
         "solo_decode_caches": [r.get("decode_caches") if r else None for r in alone],
         "together_scores": [r["curve"][str(steps)] for r in together["per_run"]],
         "solo_scores": [r["final"] if r else None for r in alone],
