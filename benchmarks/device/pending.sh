@@ -9,8 +9,10 @@
 #   source benchmarks/h200_env.sh && TREE=$_tree STAGE=kernels bash benchmarks/device/pending.sh
 # (TREE: the carried tree, where .device/pyw is; h200_env.sh has moved into the snapshot)
 # then STAGE=fleet_decode, then STAGE=sync_async (twice: a run already recorded under
-# /tmp/pending is not run again), then STAGE=fleet. With less device time left than a full
-# call, STAGE=short LIMIT=<seconds>.
+# /tmp/pending is not run again), then STAGE=fleet (the solo runs) and STAGE=fleet_together
+# (2, 4 and 8 runs against them). With less device time left than a full call, STAGE=short
+# LIMIT=<seconds>. Measured 2026-12-07 on an H100: kernels, fleet_decode and an 8-run fleet;
+# what is left first: STAGE=kernel_tests (the norm and SwiGLU fixes), sync_async, the fleet.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
@@ -31,7 +33,10 @@ breakdown() {  # $1: batch sizes; the step the kernels make, next to the torch p
     --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
     --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
 }
-case "${STAGE:?STAGE: kernels, short, fleet_decode, sync_async or fleet}" in
+case "${STAGE:?STAGE: kernels, kernel_tests, short, fleet_decode, sync_async, fleet or fleet_together}" in
+kernel_tests)  # issue 27: the kernels' GPU tests alone
+  kernel_tests
+  ;;
 kernels)  # issue 27
   kernel_tests
   breakdown "64 256 1 16"
@@ -52,10 +57,14 @@ sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trai
     --max-wall-s 470 --out "$KEEP/sync_async_arith3_$L.json" 2>&1 | tail -40
   cp -r "$KEEP"/. "$OUT"/
   ;;
-fleet)  # issue 33: the joint step alone, then 8 runs one after another and together
-  timeout 120 python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -15
-  timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase all \
+fleet)  # issue 33: the 8 runs one after another (task made first: ~50 s; 8 solo runs ~275 s)
+  timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase solo \
     --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
   ;;
-*) echo "STAGE: $STAGE is not one of kernels, short, fleet_decode, sync_async, fleet" >&2; exit 2 ;;
+fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the call before
+  timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 2 4 8 --phase together \
+    --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
+  ;;
+*) echo "STAGE: $STAGE is not one of kernels, kernel_tests, short, fleet_decode, sync_async, fleet, fleet_together" >&2
+  exit 2 ;;
 esac
