@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import sync, tiny_or_cuda, two_ways, write_results
+from benchmarks.timing import one_way, sync, tiny_or_cuda, two_ways, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import GenRequest
@@ -93,14 +93,8 @@ async def measure(args, device: torch.device, dtype: torch.dtype) -> dict:
         sync(device)
         seconds = time.perf_counter() - t0
         tokens = sum(len(r.token_ids) for group in out for r in group)
-        results[name] = {
-            "seconds": round(seconds, 3),
-            "new_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1),
-            "mean_completion": round(tokens / (args.groups * args.n), 1),
-        }
+        results[name] = one_way(name, seconds, tokens, mean_completion=round(tokens / (args.groups * args.n), 1))
         outputs[name] = [r.token_ids for group in out for r in group]
-        print(f"{name:>10}: {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s", flush=True)
         await engine.close()
         del engine
         if device.type == "cuda":

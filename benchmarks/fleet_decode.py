@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.adapters import random_lora
 from benchmarks.embedded_engine import build_model, model_config
-from benchmarks.timing import sync, tiny_or_cuda, two_ways, write_results
+from benchmarks.timing import one_way, sync, tiny_or_cuda, two_ways, write_results
 from proto.messages import LoraSpec
 from services.common.lora_targets import HF_LINEAR
 from services.rollout.engines.base import Engine, GenRequest
@@ -109,18 +109,10 @@ async def measure(args: argparse.Namespace, device: torch.device, dtype: torch.d
         outs = [await serve(views, round_, apart=way == "apart") for round_ in work[args.warmup :]]
         sync(device)
         seconds = time.perf_counter() - t0
-        tokens = sum(len(s.token_ids) for out in outs for call in out for group in call for s in group)
-        results[way] = {
-            "seconds": round(seconds, 3),
-            "new_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1),
-            "forward_steps": engine.steps - steps,
-            "caches_made": graphs.caches_made - caches,
-        }
         tokens_of[way] = [s.token_ids for out in outs for call in out for group in call for s in group]
-        print(f"{way:>9}: {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s, "
-              f"{results[way]['forward_steps']} forward steps, {results[way]['caches_made']} caches made",
-              flush=True)  # fmt: skip
+        tokens = sum(map(len, tokens_of[way]))
+        results[way] = one_way(way, seconds, tokens, forward_steps=engine.steps - steps,
+                               caches_made=graphs.caches_made - caches)  # fmt: skip
         await engine.close()
         del engine, graphs, fleet, views
         if device.type == "cuda":

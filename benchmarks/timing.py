@@ -57,6 +57,13 @@ def write_results(path: Path, device: torch.device, args: argparse.Namespace, re
     path.write_text(json.dumps(out, indent=2) + "\n")
 
 
+def one_way(name: str, seconds: float, tokens: int, **extra: float) -> dict:
+    """One way's figures (its new tokens in `seconds`, and `extra`), printed as one line."""
+    more = "".join(f", {k.replace('_', ' ')} {v}" for k, v in extra.items())
+    print(f"{name:>10}: {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s{more}", flush=True)
+    return {"seconds": round(seconds, 3), "new_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1), **extra}
+
+
 def two_ways(results: dict, new: str, old: str, tokens: dict[str, list]) -> dict:
     """Adds to `results` whether way `new` sampled the same tokens as way `old` (each a list of
     samples' token ids, same seeds, same order), the share of identical samples and `new`'s
