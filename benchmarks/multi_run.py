@@ -180,10 +180,11 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
         wall = time.monotonic() - started
     usage.done.set()
     usage.join()
+    # the trainer's log always (its step lines say where a fleet's time went), the others on failure
+    for name in ("trainer.log",) if proc.returncode == 0 else ("trainer.log", "registry.log", "rollout-0.log"):
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
     if proc.returncode != 0:
-        for name in ("trainer.log", "registry.log", "rollout-0.log"):
-            if (run_dir / name).exists():
-                shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
         raise RuntimeError(f"lorabus up {run_dir.name} failed (exit {proc.returncode}); see {log_path}")
     return {"wall_s": wall, "peak_rss_mib": usage.peak, "cpu_s": usage.cpu_s, "gpu": gpu.summary(),
             "launched_at": launched_at, "submitted_at": submitted, "decode_caches": decode_caches(run_dir),

@@ -1,18 +1,22 @@
-# The device calls that the open issues' figures wait for (27, 34, 33), in the order to run them:
+# The device calls that the open issues' figures wait for (33, 27), in the order to run them:
 # one stage per call, back to back on one warm machine. Every output goes straight under $OUT,
 # so a call cut short at its limit still brings back what it finished.
 #
 # Here, before the first call:
 #   bash benchmarks/device/snapshot.sh                      # .device/src.tgz: what runs is a commit
 #   pip download -d .device/pyw --no-deps pytest pluggy iniconfig packaging   # the image has no pytest
-# Each call (carry [".device/src.tgz", ".device/pyw"]; timeout_s 595):
-#   source benchmarks/h200_env.sh && TREE=$_tree STAGE=kernels bash benchmarks/device/pending.sh
-# (TREE: the carried tree, where .device/pyw is; h200_env.sh has moved into the snapshot)
-# then STAGE=fleet_decode, then STAGE=sync_async (twice: a run already recorded under
-# /tmp/pending is not run again), then STAGE=fleet (the solo runs) and STAGE=fleet_together
-# (2, 4 and 8 runs against them). With less device time left than a full call, STAGE=short
-# LIMIT=<seconds>. Measured 2026-12-07 on an H100: kernels, fleet_decode and an 8-run fleet;
-# what is left first: STAGE=kernel_tests (the norm and SwiGLU fixes), sync_async, the fleet.
+#   vLLM's four parts in .device/vllm (benchmarks/device/sites.sh says how)
+# The calls (timeout_s 595), each `source benchmarks/h200_env.sh && TREE=$_tree STAGE=<s> bash
+# benchmarks/device/pending.sh` (TREE: the carried tree; h200_env.sh has moved into the snapshot):
+#   1 carry .device/src.tgz, .device/pyw   STAGE=fleet           the 8 runs alone (~330 s)
+#   2 carry .device/vllm/part_aa           STAGE=fleet_together  fleets of 2, 4 and 8 (~400 s)
+#   3 carry .device/vllm/part_ab, pyw      STAGE=kernel_tests    the kernels' GPU tests (~45 s)
+#   4 carry .device/vllm/part_ac           STAGE=joint_step      runs stepped together (~90 s)
+#   5 carry .device/vllm/part_ad           STAGE=engines         embedded and vLLM side by side (~300 s)
+# (a call with a 44 MiB part has no room for the snapshot: the first call's stays on the warm
+# machine). Also: STAGE=kernels, fleet_decode, sync_async (twice: a run already recorded under
+# /tmp/pending is not run again), and with less device time left than a full call, STAGE=short
+# LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
@@ -33,7 +37,7 @@ breakdown() {  # $1: batch sizes; the step the kernels make, next to the torch p
     --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
     --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
 }
-case "${STAGE:?STAGE: kernels, kernel_tests, short, fleet_decode, sync_async, fleet or fleet_together}" in
+case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -65,6 +69,16 @@ fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the c
   timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 2 4 8 --phase together \
     --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of kernels, kernel_tests, short, fleet_decode, sync_async, fleet, fleet_together" >&2
+joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
+  timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
+  ;;
+engines)  # issue 27: the embedded engine and a vLLM server on the same work, one after the other
+  [ -f /tmp/vsite/.ok ] || { echo "engines: vLLM is not unpacked (/tmp/vsite); carry its four parts first" >&2; exit 2; }
+  # vLLM's site (and its pinned transformers) on the vLLM server's path only
+  PYTHONPATH="${PYTHONPATH//\/tmp\/vsite:/}" timeout $((585 - SECONDS)) python benchmarks/gpu_engines.py \
+    --engines embedded vllm --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
+    --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
+  ;;
+*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, kernels, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac

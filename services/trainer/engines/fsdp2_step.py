@@ -15,8 +15,9 @@ memory per forward than the most generous run allows. One run alone is exactly t
 step: one micro-batch per forward, its active adapter, no routing.
 
 Invariant: a run's update in a joint step is the update it makes alone (the same samples,
-weights, loss and optimizer step; only the base GEMMs' reduction order can differ), and one
-run's rows never reach another run's adapter or its gradient.
+weights, loss and optimizer step; only the GEMMs' reduction order can differ: the base's over
+more rows, the LoRA's over the joined adapters' ranks), and one run's rows never reach another
+run's adapter or its gradient.
 """
 
 from __future__ import annotations
