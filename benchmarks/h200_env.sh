@@ -3,8 +3,8 @@
 #
 # The machine keeps /tmp while it stays warm (30 s after a call) and loses it when it goes back.
 # Each call installs the project's wheels (benchmarks/wheels) once into /tmp/site, copies the
-# vLLM parts it carries (.device/vllm/part_*, 44 MiB each: benchmarks/device/sites.sh says why) into
-# /tmp/vw, and unpacks vLLM into /tmp/vsite once all four have arrived. A call that finds
+# vLLM parts it carries (.device/vllm/part_*, 40 MiB each: benchmarks/device/sites.sh says why) into
+# /tmp/vw, and unpacks vLLM into /tmp/vsite once they make a whole xz stream. A call that finds
 # /tmp/vsite/.ok has vLLM importable.
 #
 # The working tree travels as it is, other people's edits in progress included; a committed
@@ -26,7 +26,8 @@ if [ ! -f /tmp/site/.ok ]; then
 fi
 mkdir -p /tmp/vw
 for p in "$_tree"/.device/vllm/part_*; do [ -f "$p" ] && cp "$p" /tmp/vw/; done
-if [ ! -f /tmp/vsite/.ok ] && [ "$(ls /tmp/vw | wc -l)" -ge 4 ]; then
+# unpacked once the parts make a whole xz stream, however many they were cut into
+if [ ! -f /tmp/vsite/.ok ] && compgen -G "/tmp/vw/part_*" >/dev/null && cat /tmp/vw/part_* | xz -t 2>/dev/null; then
   mkdir -p /tmp/vsite && cat /tmp/vw/part_* | xz -d -T0 | tar -x -C /tmp/vsite && touch /tmp/vsite/.ok
 fi
 # megatron-bridge + megatron-core (one part, benchmarks/device/megatron-bridge-site.sh), unpacked
@@ -38,7 +39,7 @@ if [ -f "$_tree/.device/src.tgz" ]; then
   mkdir -p /tmp/src && tar -xzf "$_tree/.device/src.tgz" -C /tmp/src
 fi
 # a snapshot carried by an earlier call on this warm machine is still the one to run: the calls
-# that carry a 44 MiB part have no room for it beside the tree (64 MiB in all)
+# that carry a 40 MiB part have no room for it beside the tree (64 MiB in all)
 if [ -f /tmp/src/.commit ]; then
   ln -sfn "$_tree/benchmarks/wheels" /tmp/src/benchmarks/wheels
   cd /tmp/src || return 1
@@ -46,4 +47,4 @@ fi
 export PYTHONPATH="/tmp/site:$PWD"
 [ -f /tmp/vsite/.ok ] && export PYTHONPATH="/tmp/site:/tmp/vsite:$PWD"
 export PATH="/tmp/site/bin:$PATH"
-echo "h200_env: in $PWD ($(cat .commit 2>/dev/null || echo 'working tree')); site $(test -f /tmp/site/.ok && echo ok || echo MISSING), vllm parts $(ls /tmp/vw | wc -l)/4, vllm $(test -f /tmp/vsite/.ok && echo ok || echo absent)"
+echo "h200_env: in $PWD ($(cat .commit 2>/dev/null || echo 'working tree')); site $(test -f /tmp/site/.ok && echo ok || echo MISSING), vllm parts $(ls /tmp/vw | wc -l), vllm $(test -f /tmp/vsite/.ok && echo ok || echo absent)"

@@ -180,8 +180,10 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
         wall = time.monotonic() - started
     usage.done.set()
     usage.join()
-    # the trainer's log always (its step lines say where a fleet's time went), the others on failure
-    for name in ("trainer.log",) if proc.returncode == 0 else ("trainer.log", "registry.log", "rollout-0.log"):
+    # the trainer's and a replica's logs always (their step, load and capture lines say where a
+    # fleet's time went), the registry's too on failure
+    kept = ("trainer.log", "rollout-0.log") if proc.returncode == 0 else ("trainer.log", "registry.log", "rollout-0.log")
+    for name in kept:
         if (run_dir / name).exists():
             shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
     if proc.returncode != 0:

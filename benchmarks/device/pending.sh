@@ -8,13 +8,13 @@
 #   vLLM's four parts in .device/vllm (benchmarks/device/sites.sh says how)
 # The calls (timeout_s 595), each `source benchmarks/h200_env.sh && TREE=$_tree STAGE=<s> bash
 # benchmarks/device/pending.sh` (TREE: the carried tree; h200_env.sh has moved into the snapshot):
-#   1 carry .device/src.tgz, .device/pyw   STAGE=fleet           the 8 runs alone (~330 s)
-#   2 carry .device/vllm/part_aa           STAGE=fleet_together  fleets of 2, 4 and 8 (~400 s)
+#   1 carry .device/src.tgz, .device/pyw   STAGE=fleet           the 8 runs alone (~400 s with the task)
+#   2 carry .device/vllm/part_aa           STAGE=fleet_together  fleets of 2, 4 and 8 (~380 s)
 #   3 carry .device/vllm/part_ab, pyw      STAGE=kernel_tests    the kernels' GPU tests (~45 s)
 #   4 carry .device/vllm/part_ac           STAGE=joint_step      runs stepped together (~90 s)
 #   5 carry .device/vllm/part_ad           STAGE=engines         embedded and vLLM side by side (~300 s)
-# (a call with a 44 MiB part has no room for the snapshot: the first call's stays on the warm
-# machine). Also: STAGE=kernels, fleet_decode, sync_async (twice: a run already recorded under
+# (a call with a vLLM part has no room for the snapshot: the first call's stays on the warm
+# machine; with the tree at 22 MB the parts are 40 MiB: `split -b 40m`, sites.sh's 44 no longer fit). Also: STAGE=kernels, fleet_decode, sync_async (twice: a run already recorded under
 # /tmp/pending is not run again), and with less device time left than a full call, STAGE=short
 # LIMIT=<seconds>.
 set -u
@@ -36,6 +36,10 @@ breakdown() {  # $1: batch sizes; the step the kernels make, next to the torch p
     --shapes qwen2.5-1.5b --batches $1 \
     --variants fused_rope fused_kv fused_norm_kernel fused_swiglu fused_attention \
     --out "$OUT/decode_breakdown_kernels_$L.json" 2>&1 | tail -40
+}
+fleet_out() {  # at most 8 files come back from a call: the JSON, the plot and the logs as one archive
+  cp "$KEEP"/out/multi_run_"$L".* "$OUT"/ 2>/dev/null
+  [ -d "$KEEP/out/multi_run_${L}_logs" ] && tar -czf "$OUT/multi_run_${L}_logs.tgz" -C "$KEEP/out" "multi_run_${L}_logs"
 }
 case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
@@ -61,13 +65,15 @@ sync_async)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on arith3, the pipelined trai
     --max-wall-s 470 --out "$KEEP/sync_async_arith3_$L.json" 2>&1 | tail -40
   cp -r "$KEEP"/. "$OUT"/
   ;;
-fleet)  # issue 33: the 8 runs one after another (task made first: ~50 s; 8 solo runs ~275 s)
+fleet)  # issue 33: the 8 runs one after another (task made first: ~65 s; 8 solo runs ~340 s)
   timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 --phase solo \
-    --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
+    --out-dir "$KEEP/out" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -20
+  fleet_out
   ;;
-fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the call before
+fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the call before (~380 s)
   timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 2 4 8 --phase together \
-    --out-dir "$OUT" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
+    --out-dir "$KEEP/out" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
+  fleet_out
   ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
   timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8

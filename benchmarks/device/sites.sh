@@ -3,9 +3,10 @@
 #
 # Each call carries at most 64 MiB, the tracked tree (17 MB) included, so the parts arrive one per
 # call while the machine stays warm (/tmp is kept 30 s after a call): SGLang's two
-# (.device/sglang/part_aa, part_ab, 45 MiB; DEST=.device/sglang bash benchmarks/device/sglang-site.sh)
-# and vLLM's four (.device/vllm/part_*, re-split to 44 MiB: ../shared/device/vllm-site.sh's 50 MiB
-# parts no longer fit beside the tree; h200_env.sh copies them). This copies the SGLang parts a
+# (.device/sglang/part_aa, part_ab, 45 MiB; DEST=.device/sglang bash benchmarks/device/sglang-site.sh;
+# at 22 MB of tree, re-split them to 40 MiB: three parts) and vLLM's four (.device/vllm/part_*,
+# re-split to 40 MiB: `cat part_* | split -b 40m - .device/vllm/part_`; ../shared/device/vllm-site.sh's
+# 50 MiB parts, and 44 MiB since the tree grew to 22 MB, do not fit beside it; h200_env.sh copies them). This copies the SGLang parts a
 # call carries to /tmp/sw and unpacks them into /tmp/ssite once both are there; SGLANG_SITE and
 # VLLM_SITE name the sites that are ready. Neither goes on the services' PYTHONPATH here:
 # gpu_engines.py gives each server its own site (--vllm-site / --sglang-site), `lorabus up` its
@@ -32,10 +33,11 @@
 mkdir -p /tmp/sw
 # the parts lie in the working tree ($_tree) also when h200_env.sh moved into a committed snapshot
 for p in "${_tree:-$PWD}"/.device/sglang/part_*; do [ -f "$p" ] && cp "$p" /tmp/sw/; done
-if [ ! -f /tmp/ssite/.ok ] && [ "$(ls /tmp/sw | wc -l)" -ge 2 ]; then
+# unpacked once the parts make a whole xz stream, however many they were cut into
+if [ ! -f /tmp/ssite/.ok ] && compgen -G "/tmp/sw/part_*" >/dev/null && cat /tmp/sw/part_* | xz -t 2>/dev/null; then
   mkdir -p /tmp/ssite && cat /tmp/sw/part_* | xz -d -T0 | tar -x -C /tmp/ssite && touch /tmp/ssite/.ok
 fi
 unset SGLANG_SITE VLLM_SITE
 [ -f /tmp/ssite/.ok ] && export SGLANG_SITE=/tmp/ssite
 [ -f /tmp/vsite/.ok ] && export VLLM_SITE=/tmp/vsite
-echo "sites: sglang parts $(ls /tmp/sw | wc -l)/2, sglang ${SGLANG_SITE:-absent}, vllm ${VLLM_SITE:-absent}"
+echo "sites: sglang parts $(ls /tmp/sw | wc -l), sglang ${SGLANG_SITE:-absent}, vllm ${VLLM_SITE:-absent}"

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,6 +295,8 @@ class _State:
         self.mask = torch.zeros((batch, 1, 1, length), dtype=model.dtype, device=device)
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[Hashable] = set()
+        self.first_step_s: dict[Hashable, float] = {}
+        """each warmed variant's first (eager) step, in seconds"""
 
     def nbytes(self) -> int:
         """What the cache's keys and values take (its layers allocate on their first write)."""
@@ -480,12 +483,25 @@ class _Static:
         st.ids.copy_(tok[:, None])
         st.pos.add_(1)
         st.mask[:, :, :, self.width + self.t - 1] = 0.0
-        if not self.graphs.capture or variant not in st.warm:
-            st.warm.add(variant)
+        if not self.graphs.capture:
             return self._eager()
+        if variant not in st.warm:
+            st.warm.add(variant)
+            t0 = time.perf_counter()
+            logits = self._eager()
+            torch.cuda.synchronize(logits.device)  # once per state and variant
+            st.first_step_s[variant] = time.perf_counter() - t0
+            return logits
         if variant not in st.graphs:
+            t0 = time.perf_counter()
             st.graphs[variant] = self._capture()
             self.graphs.captures += 1
+            # the first step's time holds what the kernels compiled for this shape: a fleet's
+            # start-up is made of these (benchmarks/multi_run.py keeps the replicas' logs)
+            log.info(
+                "decode: graph %d captured for %d rows x %d positions in %.0f ms; first step %.0f ms eager",
+                self.graphs.captures, *st.key, (time.perf_counter() - t0) * 1e3, st.first_step_s[variant] * 1e3,
+            )  # fmt: skip
         graph, logits = st.graphs[variant]
         graph.replay()
         return logits
