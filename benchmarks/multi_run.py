@@ -182,7 +182,7 @@ def up(task: specs.Task, run_dir: Path, nats_url: str, overrides: list[str], fil
     usage.join()
     # the trainer's and a replica's logs always (their step, load and capture lines say where a
     # fleet's time went), the registry's too on failure
-    kept = ("trainer.log", "rollout-0.log") if proc.returncode == 0 else ("trainer.log", "registry.log", "rollout-0.log")
+    kept = ("trainer.log", "rollout-0.log") + (() if proc.returncode == 0 else ("registry.log",))
     for name in kept:
         if (run_dir / name).exists():
             shutil.copy(run_dir / name, logs / f"{run_dir.name}.{name}")
