@@ -64,29 +64,53 @@ class Task:
     steps: int
     timeout_s: float
     """the launcher's --timeout per run"""
+    maker: str | None = None
+    """the script that makes the task's data and model (run once, `ensure_task`)"""
+    made: str | None = None
+    """the directory it makes them in"""
 
 
+BF16 = ("actor.dtype=bfloat16", "rollout.dtype=bfloat16")
 TASKS = {
     "tiny": Task("examples/tiny.yaml", (), 40, 1200.0),
     # bf16: 0.598 -> 0.744 in 80 steps, 37 s of `lorabus up` on an H100
     # (results/gpu_learning_embedded_bf16_h100.json)
-    "arith3": Task("examples/arith3_gpu.yaml", ("actor.dtype=bfloat16", "rollout.dtype=bfloat16"), 80, 300.0),
+    "arith3": Task("examples/arith3_gpu.yaml", BF16, 80, 300.0, "scripts/make_arith3_task.py", "examples/arith3"),
+    # arith3's runs on scripts/make_chain_task.py's task: worked sums of 2-5 numbers, 18-64 new
+    # tokens a rollout where arith3's are 3-4, so generation is most of a step
+    "chain": Task(
+        "examples/arith3_gpu.yaml",
+        (
+            *BF16,
+            "experiment_name=chain",
+            "actor.path=examples/chain/model",
+            "train_dataset.path=examples/chain/data/train.jsonl",
+            "valid_dataset.path=examples/chain/data/valid.jsonl",
+            "train_dataset.reward_fn=services.common.rewards:numeric_final_answer",
+            "gconfig.max_new_tokens=80",
+        ),
+        80,
+        600.0,
+        "scripts/make_chain_task.py",
+        "examples/chain",
+    ),  # fmt: skip
 }
 CATEGORIES = ("generation", "transfer", "training", "overlap", "idle")
 
 
 def ensure_task(task: str, overrides: list[str], log_dir: Path) -> None:
-    """arith3: make the task (gpu_learning's way) unless it is there. With `actor.path=`
-    overridden (a CPU check on the tiny model) only its data files are made."""
-    if task != "arith3":
+    """Make the task (its `maker`) unless it is there. With `actor.path=` overridden on the
+    command line (a CPU check on the tiny model) only its data files are made."""
+    spec = TASKS[task]
+    if spec.maker is None or spec.made is None:
         return
     data_only = any(o.startswith("actor.path=") for o in overrides)
-    if (gpu_learning.TASK / ("data/valid.jsonl" if data_only else "model/config.json")).exists():
+    if (ROOT / spec.made / ("data/valid.jsonl" if data_only else "model/config.json")).exists():
         return
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "scripts/make_arith3_task.py", *(["--data-only"] if data_only else [])]
-    if gpu_learning.run(cmd, log_dir / "arith3_task.log") != 0:
-        raise SystemExit(f"making the arith3 task failed: {log_dir / 'arith3_task.log'}")
+    cmd = [sys.executable, spec.maker, *(["--data-only"] if data_only else [])]
+    if gpu_learning.run(cmd, log_dir / f"{task}_task.log") != 0:
+        raise SystemExit(f"making the {task} task failed: {log_dir / f'{task}_task.log'}")
 
 
 def launch(config: str, overrides: list[str], run_dir: Path, timeout_s: float, log: Path) -> dict:

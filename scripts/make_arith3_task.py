@@ -12,9 +12,10 @@ Writes `--out` (default examples/arith3/):
   pretrain_metrics.json                what the stop looked like
 
 Deterministic: fixed seeds, `torch.use_deterministic_algorithms` with cuBLAS's fixed workspace,
-so one kind of GPU gives the same model every time. The data files are committed; the model
-(340 MB) is not, and is made again with:
-  python scripts/make_arith3_task.py                     # CUDA, ~2-3 min on an H200
+so one kind of GPU gives the same model every time. Neither the data nor the model (340 MB) is
+committed (examples/arith3/ is ignored); both are made with:
+  python scripts/make_arith3_task.py                     # CUDA, ~1 min on an H100
+`arguments`, `write_data` and `make_model` are what scripts/make_chain_task.py makes its task with.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,6 +46,7 @@ from scripts.make_tiny_task import (
     save_model,
 )
 from services.common.data import Prompt, load_prompts, write_jsonl
+from services.common.rewards import arith_reward
 from services.config.schema import DatasetConfig
 
 SEED = 4321
@@ -73,12 +77,13 @@ def splits() -> tuple[list[Prompt], list[Prompt]]:
     return out[VALID:], out[:VALID]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "examples" / "arith3")
+def arguments(description: str, out: Path, max_steps: int = 3000) -> argparse.ArgumentParser:
+    """The command line of a GPU task maker (this one, scripts/make_chain_task.py)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=out)
     ap.add_argument("--data-only", action="store_true", help="write the data files and stop")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--max-steps", type=int, default=3000)
+    ap.add_argument("--max-steps", type=int, default=max_steps)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--hidden", type=int, default=768)
@@ -87,16 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--target", type=float, default=0.3, help="stop at the first eval with greedy accuracy >= this")
     ap.add_argument("--eval-every", type=int, default=50)
-    args = ap.parse_args(argv)
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop at the first eval past this (a bounded call)")
+    return ap
 
-    train, valid = splits()
-    write_jsonl(args.out / "data" / "train.jsonl", train)
-    write_jsonl(args.out / "data" / "valid.jsonl", valid)
+
+def write_data(out: Path, train: list[Prompt], valid: list[Prompt]) -> None:
+    write_jsonl(out / "data" / "train.jsonl", train)
+    write_jsonl(out / "data" / "valid.jsonl", valid)
     # what the services will read is what was written
-    assert load_prompts(DatasetConfig(path=str(args.out / "data" / "valid.jsonl"), shuffle=False)) == valid
-    if args.data_only:
-        return 0
+    assert load_prompts(DatasetConfig(path=str(out / "data" / "valid.jsonl"), shuffle=False)) == valid
 
+
+def make_model(
+    args: argparse.Namespace,
+    examples: Callable[[PreTrainedTokenizerFast], list[tuple[list[int], list[int]]]],
+    valid: list[Prompt],
+    *,
+    max_positions: int,
+    max_new_tokens: int = 8,
+    reward: Callable[[str, str, str], float] = arith_reward,
+    well_formed: Callable[[str], bool] = str.isdigit,
+) -> None:
+    """Pre-train the task's Llama on `examples` (prompt ids, target ids) until its greedy
+    held-out accuracy (`reward` on `valid`, `max_new_tokens` new) first reaches `args.target`,
+    then save it under `args.out`/model with what the stop looked like (pretrain_metrics.json)."""
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     device = torch.device(args.device)
@@ -109,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers,
         heads=args.heads,
         kv_heads=args.heads,
-        max_positions=64,
+        max_positions=max_positions,
     ).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    train = examples(tok)
     print(f"model: {n_params} parameters; train {len(train)} valid {len(valid)}", flush=True)
+    scoring = dict(max_new_tokens=max_new_tokens, reward=reward, well_formed=well_formed)
     steps = pretrain(
         model,
-        answer_examples(tok, train),
+        train,
         steps=args.max_steps,
         batch=args.batch,
         lr=args.lr,
@@ -129,16 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     for step, loss in steps:
         if step % args.eval_every == 0:
-            greedy, fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=SEED)
+            greedy, fmt = evaluate(model, tok, valid, sample=False, samples=1, seed=SEED, **scoring)
             curve.append({"step": step, "loss": round(loss.item(), 4), "greedy": round(greedy, 4)})
             print(
                 f"step {step} loss {loss.item():.4f} greedy {greedy:.3f} format {fmt:.3f} "
                 f"({time.monotonic() - started:.0f}s)",
                 flush=True,
             )
-            if greedy >= args.target:
+            if greedy >= args.target or (args.max_seconds and time.monotonic() - started > args.max_seconds):
                 break
-    sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=4, seed=SEED)
+    sampled, sampled_fmt = evaluate(model, tok, valid, sample=True, samples=4, seed=SEED, **scoring)
     save_model(model, tok, args.out / "model")
     metrics = {
         "valid_prompts": len(valid),
@@ -153,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({k: v for k, v in metrics.items() if k != "curve"}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__ or "", ROOT / "examples" / "arith3").parse_args(argv)
+    train, valid = splits()
+    write_data(args.out, train, valid)
+    if not args.data_only:
+        make_model(args, lambda tok: answer_examples(tok, train), valid, max_positions=64)
     return 0
 
 

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -170,9 +170,21 @@ def save_model(model: LlamaForCausalLM, tok, model_dir: Path) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, tok, prompts: list[Prompt], *, sample: bool, samples: int, seed: int):
-    """Exact-match accuracy and the share of completions that are a bare integer followed by
-    eos. Prompts are generated in groups of equal length, so no padding is involved."""
+def evaluate(
+    model,
+    tok,
+    prompts: list[Prompt],
+    *,
+    sample: bool,
+    samples: int,
+    seed: int,
+    max_new_tokens: int = 8,
+    reward: Callable[[str, str, str], float] = arith_reward,
+    well_formed: Callable[[str], bool] = str.isdigit,
+):
+    """Accuracy (`reward` 1 and an eos) and the share of completions that are `well_formed`
+    (default: a bare integer) followed by eos. Prompts are generated in groups of equal length,
+    so no padding is involved."""
     model.eval()
     torch.manual_seed(seed)
     by_len: dict[int, list[Prompt]] = {}
@@ -184,7 +196,7 @@ def evaluate(model, tok, prompts: list[Prompt], *, sample: bool, samples: int, s
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=8,
+            max_new_tokens=max_new_tokens,
             do_sample=sample,
             temperature=1.0 if sample else None,
             top_k=0 if sample else None,
@@ -199,8 +211,8 @@ def evaluate(model, tok, prompts: list[Prompt], *, sample: bool, samples: int, s
             new = out[row, ids.shape[1] :].tolist()
             text = decode_completion(tok, new)
             ended = tok.eos_token_id in new
-            correct += arith_reward(p.text, text, p.answer) == 1.0 and ended
-            formatted += ended and text.isdigit()
+            correct += reward(p.text, text, p.answer) == 1.0 and ended
+            formatted += ended and well_formed(text)
             total += 1
     model.train()
     return correct / total, formatted / total

@@ -14,9 +14,12 @@
 #   4 carry .device/vllm/part_ac           STAGE=joint_step      runs stepped together (~90 s)
 #   5 carry .device/vllm/part_ad           STAGE=engines         embedded and vLLM side by side (~300 s)
 # (a call with a vLLM part has no room for the snapshot: the first call's stays on the warm
-# machine; with the tree at 22 MB the parts are 40 MiB: `split -b 40m`, sites.sh's 44 no longer fit). Also: STAGE=kernels, fleet_decode, sync_async (twice: a run already recorded under
-# /tmp/pending is not run again), and with less device time left than a full call, STAGE=short
-# LIMIT=<seconds>.
+# machine; with the tree at 22 MB the parts are 40 MiB: `split -b 40m`, sites.sh's 44 no longer fit).
+# Issue 34's next calls: STAGE=chain_task (the long-rollout task pre-trained, bounded to the call),
+# then STAGE=sync_async_chain, repeated on the same machine until every (k, seed) is recorded
+# (~12 runs of ~1 min). Also: STAGE=kernels, fleet_decode, sync_async (arith3; twice: a run already
+# recorded under /tmp/pending is not run again), and with less device time left than a full call,
+# STAGE=short LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
@@ -41,7 +44,7 @@ fleet_out() {  # at most 8 files come back from a call: the JSON, the plot and t
   cp "$KEEP"/out/multi_run_"$L".* "$OUT"/ 2>/dev/null
   [ -d "$KEEP/out/multi_run_${L}_logs" ] && tar -czf "$OUT/multi_run_${L}_logs.tgz" -C "$KEEP/out" "multi_run_${L}_logs"
 }
-case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, kernels, short, fleet_decode or sync_async}" in
+case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -75,6 +78,18 @@ fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the c
     --out-dir "$KEEP/out" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
   fleet_out
   ;;
+chain_task)  # issue 34: the long-rollout task, pre-trained on the card (its model stays in the snapshot's
+  # examples/chain/ while the machine is warm)
+  timeout $((585 - SECONDS)) python scripts/make_chain_task.py --max-seconds $((520 - SECONDS)) 2>&1 | tail -6
+  cp examples/chain/pretrain_metrics.json "$OUT/chain_pretrain_$L.json"
+  ;;
+sync_async_chain)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a run (resumable:
+  # call it again on the same machine and the recorded runs are kept)
+  timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task chain --steps 40 --ks 0 2 4 1 --seeds 1 2 3 \
+    --max-wall-s 470 --out "$KEEP/sync_async_chain_$L.json" 2>&1 | tail -40
+  cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
+  ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
   timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
   ;;
@@ -85,6 +100,6 @@ engines)  # issue 27: the embedded engine and a vLLM server on the same work, on
     --engines embedded vllm --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, kernels, short, fleet_decode, sync_async" >&2
+*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac
