@@ -9,7 +9,8 @@ share, and the fraction of the HBM-bandwidth limit, per batch size and model sha
 The engine's own decode path (`services.rollout.sampling.decode` with `DecodeGraphs`: static KV
 cache, a CUDA graph per step variant) on a Qwen2-shaped model with random bf16 weights and an
 r16 all-linear adapter merged as the head (`LoraSlots`, every row on the head: what serving the
-newest version costs). A decode step is isolated by difference: two runs of the same rows, with
+newest version costs; `--mixes mixed25 mixed3`: rows on older versions too, whose correction
+is in the step). A decode step is isolated by difference: two runs of the same rows, with
 1 and with 1 + N new tokens, under the torch profiler; (long - short) / N is one step, prefill
 excluded. Kernels are put into kinds by name (`KINDS`); the rest is reported by name, so
 nothing is hidden. `host` is the wall time of a step minus the GPU's busy time in it: launch,
@@ -167,7 +168,27 @@ def own_rope(model) -> None:
             module.apply_rotary_pos_emb = own
 
 
-def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device, variant: str) -> dict:
+MIXES = {
+    "head": "every row on the newest version (merged into the weights)",
+    "mixed25": "25 % of rows one version older (their low-rank correction in the step)",
+    "mixed3": "50 % head, 25 % each on the two versions before it",
+}
+"""the rows' versions (`--mixes`), as benchmarks/embedded_engine.py mixes them"""
+
+
+def row_versions(mix: str, batch: int, versions: list[int]) -> list[int]:
+    """Each row's version for `mix`, `versions` oldest first (the last is the head)."""
+    q, head = batch // 4, versions[-1]
+    if mix == "mixed25":
+        return [versions[-2]] * q + [head] * (batch - q)
+    if mix == "mixed3":
+        return [versions[-3]] * q + [versions[-2]] * q + [head] * (batch - 2 * q)
+    return [head] * batch
+
+
+def step_breakdown(
+    model, slots, batch: int, prompt_len: int, steps: int, device, variant: str, versions: list[int]
+) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
     graphs = DecodeGraphs(
@@ -180,7 +201,6 @@ def step_breakdown(model, slots, batch: int, prompt_len: int, steps: int, device
         fused_kv_write=stacks_on(variant, "fused_kv"),
         fused_mlp=stacks_on(variant, "fused_swiglu"),
     )
-    versions = [slots.head] * batch
 
     def run(new: int):
         rows = [Row(prompt=p, max_new_tokens=new, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
@@ -251,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "for good: the norms and the rope's patch; the rope's is undone per shape, and the norm kernel is switched "
         "per variant)",
     )  # fmt: skip
+    ap.add_argument("--mixes", nargs="+", choices=MIXES, default=["head"], help="the rows' versions (MIXES)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     if not args.tiny and not torch.cuda.is_available():
@@ -264,27 +285,31 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         model = qwen2(shape, args.tiny, device, dtype)
         own_rope(model)
-        adapter = random_lora(model, 16, seed=100, dtype=dtype, b_scale=0.02)  # before the slots replace the layers
-        slots = LoraSlots.install(model, adapter, slots=4)
-        slots.load(0, adapter, 2.0)
-        slots.set_head(0)
+        # three versions, oldest first, the newest the head; made before the slots replace the layers
+        adapters = [random_lora(model, 16, seed=100 + v, dtype=dtype, b_scale=0.02) for v in range(3)]
+        slots = LoraSlots.install(model, adapters[0], slots=4)
+        for v, adapter in enumerate(adapters):
+            slots.load(v, adapter, 2.0)
+        slots.set_head(2)
         own = model.config._attn_implementation
-        for variant, batch in [(v, b) for v in VARIANTS if v in args.variants for b in batches]:
+        cells = [(v, mix, b) for v in VARIANTS if v in args.variants for mix in args.mixes for b in batches]
+        for variant, mix, batch in cells:
             model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
+            versions = row_versions(mix, batch, [0, 1, 2])
             try:
                 with kernel_switches(variant):
-                    r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant)
+                    r = step_breakdown(model, slots, batch, args.prompt_len, args.steps, device, variant, versions)
             except torch.OutOfMemoryError as exc:
                 r = {"batch": batch, "variant": variant, "error": f"out of memory: {exc}"[:300]}
                 torch.cuda.empty_cache()
-            r["shape"] = shape
+            r["shape"], r["mix"] = shape, mix
             if "step_ms" in r:
                 limit_ms = (r["weight_gb"] + r["kv_read_gb"]) / (args.hbm_tbs * 1e3) * 1e3
                 r["limit_ms"] = round(limit_ms, 4)
                 r["fraction_of_limit"] = round(limit_ms / r["step_ms"], 3)
                 kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms"].items())[:6])
                 print(
-                    f"{shape} batch {batch} {r['variant']}: step {r['step_ms']:.2f} ms "
+                    f"{shape} batch {batch} {r['variant']} {mix}: step {r['step_ms']:.2f} ms "
                     f"({r['tokens_per_s']:,.0f} tok/s), GPU busy "
                     f"{r['gpu_busy_ms']:.2f}, host {r['host_ms']:.2f}; {kinds}; {r['kernels_per_step']:.0f} "
                     f"kernels; limit {limit_ms:.3f} ms = {r['fraction_of_limit']:.1%}",

@@ -15,6 +15,7 @@
 #   5 carry .device/vllm/part_ad           STAGE=engines         embedded and vLLM side by side (~300 s)
 # (a call with a vLLM part has no room for the snapshot: the first call's stays on the warm
 # machine; with the tree at 22 MB the parts are 40 MiB: `split -b 40m`, sites.sh's 44 no longer fit).
+# Issue 27's next: STAGE=mixed (the decode step with rows on older versions, by kernel kind).
 # Issue 34's next calls: STAGE=chain_task (the long-rollout task pre-trained, bounded to the call),
 # then STAGE=sync_async_chain, repeated on the same machine until every (k, seed) is recorded
 # (~12 runs of ~1 min). Also: STAGE=kernels, fleet_decode, sync_async (arith3; twice: a run already
@@ -44,7 +45,7 @@ fleet_out() {  # at most 8 files come back from a call: the JSON, the plot and t
   cp "$KEEP"/out/multi_run_"$L".* "$OUT"/ 2>/dev/null
   [ -d "$KEEP/out/multi_run_${L}_logs" ] && tar -czf "$OUT/multi_run_${L}_logs.tgz" -C "$KEEP/out" "multi_run_${L}_logs"
 }
-case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
+case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -90,6 +91,11 @@ sync_async_chain)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 s
   cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
   tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
   ;;
+mixed)  # issue 27: where a step with rows on older versions goes (the mixed batches' 0.89-0.91 of base)
+  timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
+    --shapes qwen2.5-1.5b --batches 64 16 256 --variants fused_attention --mixes head mixed25 mixed3 \
+    --out "$OUT/decode_breakdown_mixed_$L.json" 2>&1 | grep -v USDT | tail -12
+  ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
   timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
   ;;
@@ -100,6 +106,6 @@ engines)  # issue 27: the embedded engine and a vLLM server on the same work, on
     --engines embedded vllm --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
+*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac

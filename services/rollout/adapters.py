@@ -319,7 +319,11 @@ class AdapterFollower:
             now = time.time()
             settle = await self._serve(ev, done)
             try:
-                log.info("rollout %s: loaded %s via %s in %.3fs", self.replica, ev.adapter_name, done.via, now - t0)
+                # the run and the wait since the announcement: a fleet's start-up is read from these
+                log.info(
+                    "rollout %s: loaded %s via %s in %.3fs (run %s, %.3fs after its announcement)",
+                    self.replica, ev.adapter_name, done.via, now - t0, self.run_id, now - ev.created_at,
+                )  # fmt: skip
                 metrics.ADAPTER_LOAD_SECONDS.labels(self.run_id, self.replica).observe(now - t0)
                 metrics.PROPAGATION_SECONDS.labels(self.run_id, self.replica).observe(max(0.0, now - ev.created_at))
                 if (head := self.book.head()) is not None:  # it is: a version was just marked loaded
