@@ -262,7 +262,10 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
         b_weights = [m.lora_B[a].weight for a in order]
         b_joined = b_weights[0] if len(order) == 1 else torch.cat(b_weights, dim=1)
         rows = x if x.dtype == a_joined.dtype else x.to(a_joined.dtype)
-        delta = F.linear(F.linear(rows, a_joined) * mask, b_joined) * scale
+        up = F.linear(F.linear(rows, a_joined) * mask, b_joined)
+        # rounded as peft rounds B(A(x)) * scaling (to the up-projection's dtype: bf16 under
+        # autocast), then added, so a joint step's rows match their solo step's
+        delta = (up * scale).to(up.dtype)
         return (result + delta).to(result.dtype)  # peft's: the output keeps the base's dtype
 
     for m in layers:
