@@ -1,26 +1,30 @@
-# The device calls that the open issues' figures wait for (33, 27), in the order to run them:
-# one stage per call, back to back on one warm machine. Every output goes straight under $OUT,
-# so a call cut short at its limit still brings back what it finished.
+# The device calls that the open issues' figures wait for (34, 27, 33): one stage per call, back to
+# back on one warm machine. Every output goes straight under $OUT (at most 8 files come back a
+# call: logs travel as one archive), so a call cut short at its limit still brings back what it
+# finished.
 #
 # Here, before the first call:
 #   bash benchmarks/device/snapshot.sh                      # .device/src.tgz: what runs is a commit
 #   pip download -d .device/pyw --no-deps pytest pluggy iniconfig packaging   # the image has no pytest
-#   vLLM's four parts in .device/vllm (benchmarks/device/sites.sh says how)
-# The calls (timeout_s 595), each `source benchmarks/h200_env.sh && TREE=$_tree STAGE=<s> bash
-# benchmarks/device/pending.sh` (TREE: the carried tree; h200_env.sh has moved into the snapshot):
-#   1 carry .device/src.tgz, .device/pyw   STAGE=fleet           the 8 runs alone (~400 s with the task)
-#   2 carry .device/vllm/part_aa           STAGE=fleet_together  fleets of 2, 4 and 8 (~380 s)
-#   3 carry .device/vllm/part_ab, pyw      STAGE=kernel_tests    the kernels' GPU tests (~45 s)
-#   4 carry .device/vllm/part_ac           STAGE=joint_step      runs stepped together (~90 s)
-#   5 carry .device/vllm/part_ad           STAGE=engines         embedded and vLLM side by side (~300 s)
-# (a call with a vLLM part has no room for the snapshot: the first call's stays on the warm
-# machine; with the tree at 22 MB the parts are 40 MiB: `split -b 40m`, sites.sh's 44 no longer fit).
-# Issue 27's next: STAGE=mixed (the decode step with rows on older versions, by kernel kind).
-# Issue 34's next calls: STAGE=chain_task (the long-rollout task pre-trained, bounded to the call),
-# then STAGE=sync_async_chain, repeated on the same machine until every (k, seed) is recorded
-# (~12 runs of ~1 min). Also: STAGE=kernels, fleet_decode, sync_async (arith3; twice: a run already
-# recorded under /tmp/pending is not run again), and with less device time left than a full call,
-# STAGE=short LIMIT=<seconds>.
+#   vLLM's four parts in .device/vllm (benchmarks/device/sites.sh says how: 40 MiB each, the most
+#   that fits beside the 22 MB tree)
+# Each call (timeout_s 595): `source benchmarks/h200_env.sh && TREE=$_tree STAGE=<s> bash
+# benchmarks/device/pending.sh` (TREE: the carried tree; h200_env.sh has moved into the snapshot,
+# which the first call carries and the later ones on the warm machine keep).
+#
+# Next lease, in this order (2026-12-07's second lease ran fleet, fleet_together, kernel_tests,
+# joint_step and engines; figures in the README):
+#   1 carry .device/src.tgz, .device/pyw   STAGE=chain_task        issue 34's long-rollout task pre-trained
+#   2 carry .device/vllm/part_aa           STAGE=sync_async_chain  k = 0 2 4 1 x seeds 1-3, 40 steps (resumable)
+#   3 carry .device/vllm/part_ab           STAGE=sync_async_chain  the runs the call before left
+#   4 carry .device/vllm/part_ac           STAGE=mixed             issue 27: a mixed batch's step by kernel kind
+#   5 carry .device/vllm/part_ad           STAGE=engines           issue 27: embedded and vLLM again (vLLM ran at
+#                                                                  0.45x its own on 12-07: see the README)
+#   then, if time is left: STAGE=fleet and STAGE=fleet_together (issue 33: the replicas' logs now
+#   say where the fleet's 36 s start-up goes; ~400 + ~380 s)
+# Also: STAGE=kernel_tests, joint_step, kernels, fleet_decode, sync_async (arith3; twice: a run
+# already recorded under /tmp/pending is not run again), and with less device time left than a
+# full call, STAGE=short LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
@@ -99,11 +103,11 @@ mixed)  # issue 27: where a step with rows on older versions goes (the mixed bat
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
   timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
   ;;
-engines)  # issue 27: the embedded engine and a vLLM server on the same work, one after the other
+engines)  # issue 27: a vLLM server, then the embedded engine, on the same work (on 12-07 vLLM ran second, slow)
   [ -f /tmp/vsite/.ok ] || { echo "engines: vLLM is not unpacked (/tmp/vsite); carry its four parts first" >&2; exit 2; }
   # vLLM's site (and its pinned transformers) on the vLLM server's path only
   PYTHONPATH="${PYTHONPATH//\/tmp\/vsite:/}" timeout $((585 - SECONDS)) python benchmarks/gpu_engines.py \
-    --engines embedded vllm --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
+    --engines vllm embedded --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
 *) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
