@@ -294,9 +294,8 @@ class _State:
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((batch, 1, 1, length), dtype=model.dtype, device=device)
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.warm: set[Hashable] = set()
         self.first_step_s: dict[Hashable, float] = {}
-        """each warmed variant's first (eager) step, in seconds"""
+        """each variant's first step, eager (it warms the kernels up before the capture), in seconds"""
 
     def nbytes(self) -> int:
         """What the cache's keys and values take (its layers allocate on their first write)."""
@@ -485,8 +484,7 @@ class _Static:
         st.mask[:, :, :, self.width + self.t - 1] = 0.0
         if not self.graphs.capture:
             return self._eager()
-        if variant not in st.warm:
-            st.warm.add(variant)
+        if variant not in st.first_step_s:
             t0 = time.perf_counter()
             logits = self._eager()
             torch.cuda.synchronize(logits.device)  # once per state and variant

@@ -72,7 +72,7 @@ def set_active_adapter(model: PeftModel, adapter: str) -> None:
     if adapter not in model.peft_config:
         raise ValueError(f"adapter: {adapter!r} is not on the model; add it with add_lora first")
     layers = _lora_layers(model)
-    if not all(_plain(m) and not any(m.lora_bias.values()) for m in layers):
+    if not all(_plain(m) for m in layers):
         model.set_adapter(adapter)
         return
     for m in layers:
@@ -101,8 +101,9 @@ def _lora_layers(model: nn.Module) -> list[LoraLayer]:
 
 
 def _plain(m: LoraLayer) -> bool:
-    """Whether `m` is plain LoRA on a linear layer (what `lora_config` makes), unmerged."""
-    return isinstance(m, LoraLinear) and not m.lora_variant and not m.merged
+    """Whether `m` is plain LoRA on a linear layer (what `lora_config` makes): no variant, no
+    LoRA bias, unmerged."""
+    return isinstance(m, LoraLinear) and not m.lora_variant and not m.merged and not any(m.lora_bias.values())
 
 
 def wrap_lora(base: nn.Module, actor: ActorConfig) -> PeftModel:
@@ -209,11 +210,7 @@ def unroutable(model: nn.Module) -> str | None:
     """Why `rows_by_adapter` cannot route `model`'s rows (a LoRA layer other than plain LoRA on
     a linear layer without dropout or bias, which `lora_config` makes), or None when it can."""
     for m in _lora_layers(model):
-        if (
-            not _plain(m)
-            or any(m.lora_bias.values())
-            or not all(isinstance(d, nn.Identity) for d in m.lora_dropout.values())
-        ):
+        if not _plain(m) or not all(isinstance(d, nn.Identity) for d in m.lora_dropout.values()):
             return (
                 f"{type(m).__name__}: several runs step together only through plain LoRA on linear layers "
                 "(no DoRA or other variant, no dropout or LoRA bias, unmerged); step these runs one at a time"
