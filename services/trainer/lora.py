@@ -253,10 +253,10 @@ def rows_by_adapter(model: nn.Module, *, enabled: bool = True) -> Iterator[list[
         order = list(dict.fromkeys(a for a, _, _ in spans if a in m.lora_A))
         if not order:
             return result
-        a_weights = [m.lora_A[a].weight for a in order]
+        a_weights = [cast(torch.Tensor, m.lora_A[a].weight) for a in order]
         mask, scale = _row_mask(masks, spans, [(a, m.r[a], m.scaling[a]) for a in order], x, a_weights[0])
         a_joined = a_weights[0] if len(order) == 1 else torch.cat(a_weights)
-        b_weights = [m.lora_B[a].weight for a in order]
+        b_weights = [cast(torch.Tensor, m.lora_B[a].weight) for a in order]
         b_joined = b_weights[0] if len(order) == 1 else torch.cat(b_weights, dim=1)
         rows = x if x.dtype == a_joined.dtype else x.to(a_joined.dtype)
         up = F.linear(F.linear(rows, a_joined) * mask, b_joined)
