@@ -12,16 +12,18 @@
 # benchmarks/device/pending.sh` (TREE: the carried tree; h200_env.sh has moved into the snapshot,
 # which the first call carries and the later ones on the warm machine keep).
 #
-# Next lease, in this order (2026-12-07's second lease ran fleet, fleet_together, kernel_tests,
-# joint_step and engines; figures in the README):
-#   1 carry .device/src.tgz, .device/pyw   STAGE=chain_task        issue 34's long-rollout task pre-trained
-#   2 carry .device/vllm/part_aa           STAGE=sync_async_chain  k = 0 2 4 1 x seeds 1-3, 40 steps (resumable)
-#   3 carry .device/vllm/part_ab           STAGE=sync_async_chain  the runs the call before left
-#   4 carry .device/vllm/part_ac           STAGE=mixed             issue 27: a mixed batch's step by kernel kind
-#   5 carry .device/vllm/part_ad           STAGE=engines           issue 27: embedded and vLLM again (vLLM ran at
-#                                                                  0.45x its own on 12-07: see the README)
-#   then, if time is left: STAGE=fleet and STAGE=fleet_together (issue 33: the replicas' logs now
-#   say where the fleet's 36 s start-up goes; ~400 + ~380 s)
+# A lease is ~1,800 s of device time and a machine's start ~270-300 of them: two full calls and
+# part of a third. Next lease, in this order (issue 34 has no GPU figure yet; 2026-12-07's second
+# lease ran fleet, fleet_together, kernel_tests, joint_step and engines for 33 and 27):
+#   1 carry .device/src.tgz                STAGE=chain   the chain task pre-trained (<= 240 s), then its
+#                                                        runs: k = 0 2 4 1 x seeds 1-3, 40 steps (resumable)
+#   2 (nothing carried)                    STAGE=chain   the runs the call before left (the task stays)
+#   3 what is left                         STAGE=sweep   issue 34's rank x learning rate on arith3, bf16
+#                                                        (9 cells of ~55 s; resumable, so a short call
+#                                                        keeps the cells it finished: LIMIT=<seconds>)
+# The lease after: issue 27 (STAGE=mixed, then engines with vLLM's four parts carried one a call:
+# part_aa with mixed, part_ab..ad with the calls after) and issue 33 (STAGE=fleet, fleet_together:
+# the replicas' logs now say where the fleet's 36 s start-up goes; ~400 + ~380 s).
 # Also: STAGE=kernel_tests, joint_step, kernels, fleet_decode, sync_async (arith3; twice: a run
 # already recorded under /tmp/pending is not run again), and with less device time left than a
 # full call, STAGE=short LIMIT=<seconds>.
@@ -49,7 +51,14 @@ fleet_out() {  # at most 8 files come back from a call: the JSON, the plot and t
   cp "$KEEP"/out/multi_run_"$L".* "$OUT"/ 2>/dev/null
   [ -d "$KEEP/out/multi_run_${L}_logs" ] && tar -czf "$OUT/multi_run_${L}_logs.tgz" -C "$KEEP/out" "multi_run_${L}_logs"
 }
-case "${STAGE:?STAGE: fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
+sync_async_chain() {  # k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a run (resumable: call it
+  # again on the same machine and the recorded runs are kept)
+  timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task chain --steps 40 --ks 0 2 4 1 --seeds 1 2 3 \
+    --max-wall-s $((470 - SECONDS)) --out "$KEEP/sync_async_chain_$L.json" 2>&1 | tail -40
+  cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
+}
+case "${STAGE:?STAGE: chain, sweep, fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -83,17 +92,24 @@ fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the c
     --out-dir "$KEEP/out" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
   fleet_out
   ;;
+chain)  # issue 34: the task (once per machine), then as many of its runs as the call has time for
+  [ -f examples/chain/pretrain_metrics.json ] || timeout 260 python scripts/make_chain_task.py --max-seconds 240 2>&1 | tail -6
+  cp examples/chain/pretrain_metrics.json "$OUT/chain_pretrain_$L.json"
+  sync_async_chain
+  ;;
+sweep)  # issue 34: rank 1 8 32 x learning rate 3e-5 1e-4 3e-4 on arith3 in bf16, 80 steps a cell
+  timeout $((${LIMIT:-585} - SECONDS)) python benchmarks/lora_sweep.py --task arith3 \
+    --max-wall-s $((${LIMIT:-585} - 75 - SECONDS)) --out "$KEEP/lora_sweep_arith3_$L.json" 2>&1 | tail -20
+  cp "$KEEP"/lora_sweep_arith3_"$L".json "$KEEP"/lora_sweep_arith3_"$L".png "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/lora_sweep_arith3_${L}_runs.tgz" -C "$KEEP" "lora_sweep_arith3_${L}_runs" 2>/dev/null
+  ;;
 chain_task)  # issue 34: the long-rollout task, pre-trained on the card (its model stays in the snapshot's
   # examples/chain/ while the machine is warm)
   timeout $((585 - SECONDS)) python scripts/make_chain_task.py --max-seconds $((520 - SECONDS)) 2>&1 | tail -6
   cp examples/chain/pretrain_metrics.json "$OUT/chain_pretrain_$L.json"
   ;;
-sync_async_chain)  # issue 34: k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a run (resumable:
-  # call it again on the same machine and the recorded runs are kept)
-  timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task chain --steps 40 --ks 0 2 4 1 --seeds 1 2 3 \
-    --max-wall-s 470 --out "$KEEP/sync_async_chain_$L.json" 2>&1 | tail -40
-  cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
-  tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
+sync_async_chain)  # issue 34: the chain task's runs alone (the task made by chain_task or chain)
+  sync_async_chain
   ;;
 mixed)  # issue 27: where a step with rows on older versions goes (the mixed batches' 0.89-0.91 of base)
   timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
@@ -110,6 +126,6 @@ engines)  # issue 27: a vLLM server, then the embedded engine, on the same work 
     --engines vllm embedded --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
+*) echo "STAGE: $STAGE is not one of chain, sweep, fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac
