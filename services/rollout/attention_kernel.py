@@ -8,7 +8,11 @@ us a layer where the cache's bytes take about 4 at an H100's bandwidth, and 40 u
 
 Here (flash-decoding) one program takes one (row, KV head) and one stretch of the cache: it
 loads the g queries that share the KV head once, streams its keys and values in blocks, and
-keeps a running softmax (max, sum, weighted values) in float32. The stretches are sized so a
+keeps a running softmax (max, sum, weighted values) in float32. A block of the cache that the
+mask closes entirely (False, -inf, or its dtype's lowest value, which is what transformers' and
+lorabus's static caches write) is skipped unread: its weight in the softmax is exactly zero
+beside any open position, and a continuous-batching slab's rows are mostly unwritten tail (a
+1,024-position slab row 200 tokens long reads a fifth of its cache). The stretches are sized so a
 step has enough programs to cover the GPU at any batch; a second launch merges each (row, KV
 head)'s stretches by their log-sum-exps. Scores are `q . k * scale + mask` as SDPA computes
 them; on a GPU in half precision the probabilities are rounded to TF32 (10 bits) as the tensor
@@ -23,7 +27,9 @@ build is given up once, with a log line. Launches read no device value on the ho
 graph captures them as they are.
 
 Invariant: where it runs, the output is SDPA's softmax(q k^T * scale + mask) v for every query
-head, [batch, kv_heads, g, dim] in the query's dtype, up to float32 summation order.
+head, [batch, kv_heads, g, dim] in the query's dtype, up to float32 summation order; a row whose
+mask closes every position gets zeros (as flash kernels give; SDPA gives NaN or the mean of the
+values, by the mask's kind), which no decode reads: every live row attends to its own prompt.
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ def _launch(
     splits = -(-length // span)
     part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=query.device)
+    # an additive mask closes a position with its dtype's lowest value (transformers' and the
+    # static caches' masks) or -inf
+    closed_at = torch.finfo(mask.dtype).min if mask is not None and mask.dtype.is_floating_point else 0.0
     if mask is None:
         mask_arg, mask_b, mask_l, has_mask, bool_mask = query, 0, 0, False, False
     else:
@@ -118,7 +127,7 @@ def _launch(
         mask_l, has_mask, bool_mask = mask.stride(3), True, mask.dtype == torch.bool
     g_pad = max(16, triton.next_power_of_2(g))
     _attention_split[(b * h, splits)](
-        query, key, value, mask_arg, part, lse, h, g, length, span, float(scale),
+        query, key, value, mask_arg, part, lse, h, g, length, span, float(scale), closed_at,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -138,7 +147,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_split(
-        q_ptr, k_ptr, v_ptr, m_ptr, part_ptr, lse_ptr, heads, groups, length, span, scale,
+        q_ptr, k_ptr, v_ptr, m_ptr, part_ptr, lse_ptr, heads, groups, length, span, scale, closed_at,
         sqb, sqh, sqg, skb, skh, skl, svb, svh, svl, smb, sml,
         has_mask: tl.constexpr, bool_mask: tl.constexpr, g_pad: tl.constexpr, dim: tl.constexpr,
         block_n: tl.constexpr, precision: tl.constexpr,
@@ -163,24 +172,36 @@ if triton is not None:
         for start in range(lo, hi, block_n):
             ni = start + tl.arange(0, block_n)
             valid = ni < hi
-            k = tl.load(k_base + ni[:, None] * skl, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
             if has_mask:
                 m = tl.load(m_ptr + row * smb + ni * sml, mask=valid, other=0)
                 if bool_mask:
-                    s = tl.where(m[None, :] != 0, s, -float("inf"))
+                    opened = m != 0
                 else:
-                    s = s + m.to(tl.float32)[None, :]
-            s = tl.where(valid[None, :], s, -float("inf"))
-            new_max = tl.maximum(run_max, tl.max(s, axis=1))
-            # a row of the block with nothing to attend to yet keeps its sums (-inf - -inf is NaN)
-            safe = tl.where(new_max == -float("inf"), 0.0, new_max)
-            p = tl.exp(s - safe[:, None])
-            alpha = tl.exp(run_max - safe)
-            v = tl.load(v_base + ni[:, None] * svl, mask=valid[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
-            run_sum = run_sum * alpha + tl.sum(p, axis=1)
-            run_max = new_max
+                    opened = m.to(tl.float32) > closed_at
+                live = tl.max((opened & valid).to(tl.int32), axis=0) > 0
+            else:
+                live = True
+            # a block the mask closes adds exp(s + min - max) = 0 to a row with any open
+            # position: its keys and values are not read (a slab row's unwritten tail, a short
+            # prompt's padding)
+            if live:
+                k = tl.load(k_base + ni[:, None] * skl, mask=valid[:, None], other=0.0).to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
+                if has_mask:
+                    if bool_mask:
+                        s = tl.where(opened[None, :], s, -float("inf"))
+                    else:
+                        s = s + m.to(tl.float32)[None, :]
+                s = tl.where(valid[None, :], s, -float("inf"))
+                new_max = tl.maximum(run_max, tl.max(s, axis=1))
+                # a row of the block with nothing to attend to yet keeps its sums (-inf - -inf is NaN)
+                safe = tl.where(new_max == -float("inf"), 0.0, new_max)
+                p = tl.exp(s - safe[:, None])
+                alpha = tl.exp(run_max - safe)
+                v = tl.load(v_base + ni[:, None] * svl, mask=valid[:, None], other=0.0).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
+                run_sum = run_sum * alpha + tl.sum(p, axis=1)
+                run_max = new_max
         seen = run_sum > 0
         out = acc / tl.where(seen, run_sum, 1.0)[:, None]
         where = (bh * tl.num_programs(1) + split) * groups + gi
@@ -200,5 +221,7 @@ if triton is not None:
         big = tl.max(lse, axis=0)
         w = tl.exp(lse - tl.where(big == -float("inf"), 0.0, big))
         part = tl.load(part_ptr + at[:, None] * dim + di[None, :], mask=(si < splits)[:, None], other=0.0)
-        out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+        total = tl.sum(w, axis=0)
+        # a row whose mask closes every position has no stretch to merge: zeros, as flash kernels give
+        out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + pid * dim + di, out.to(out_ptr.dtype.element_ty))

@@ -57,6 +57,28 @@ def test_on_a_gpu_the_compiled_kernel_attends_as_sdpa_does(monkeypatch):
     check_steps("cuda")
 
 
+def test_compiled_for_an_h100_a_block_the_mask_closes_is_branched_around():
+    """The skip of closed blocks is a branch in the loop (Triton's scf.if), which the interpreter
+    runs as Python: built for sm_90 here, the masked kernel has the branch the unmasked lacks."""
+    pytest.importorskip("triton")
+    from services.rollout import attention_kernel
+    from tests.fixtures.ptx import sm90_ptx
+
+    args = ("q_ptr k_ptr v_ptr m_ptr part_ptr lse_ptr heads groups length span scale closed_at "
+            "sqb sqh sqg skb skh skl svb svh svl smb sml").split()  # fmt: skip
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*bf16", "part_ptr": "*fp32",
+             "lse_ptr": "*fp32", "scale": "fp32", "closed_at": "fp32"}  # fmt: skip
+    signature = {a: types.get(a, "i32") for a in args}
+    signature |= dict.fromkeys(("has_mask", "bool_mask", "g_pad", "dim", "block_n", "precision"), "constexpr")
+    branches = {}
+    for has_mask in (True, False):
+        constants = {"has_mask": has_mask, "bool_mask": False, "g_pad": 16, "dim": 128, "block_n": 64,
+                     "precision": "tf32"}  # fmt: skip
+        ptx = sm90_ptx(attention_kernel._attention_split, signature, constants, num_warps=4)
+        branches[has_mask] = ptx.count("bra")
+    assert branches[True] > branches[False]
+
+
 def test_a_step_is_cut_into_enough_stretches_to_cover_the_gpu_and_no_more_than_its_blocks():
     from services.rollout.attention_kernel import BLOCK_N, TARGET_PROGRAMS, splits_for
 
@@ -133,6 +155,8 @@ def check_steps(device: str = "cpu") -> None:
         (4, 2, 7, 32, 130, torch.float16, "additive"),
         (5, 4, 2, 128, 192, torch.bfloat16, "additive"),
         (64, 2, 6, 128, 256, torch.bfloat16, "additive"),  # Qwen2.5-1.5B's decode step
+        (4, 2, 6, 64, 1024, torch.bfloat16, "slab"),  # rows far shorter than the slab: blocks skipped
+        (3, 2, 6, 64, 700, torch.float32, "slab bool"),
     ]
     for b, h, gq, d, length, dtype, kind in cases:
         # the query as the model hands it: [b, heads, 1, d], viewed per KV head
@@ -142,19 +166,37 @@ def check_steps(device: str = "cpu") -> None:
         pos = torch.arange(length)
         start = torch.randint(0, length // 2, (b, 1), generator=g)
         end = torch.randint(length // 2, length, (b, 1), generator=g) + 1
+        if kind is not None and kind.startswith("slab"):  # a row's keys from 0 to its length, some in one block
+            start, end = torch.zeros_like(start), torch.randint(1, 200, (b, 1), generator=g)
+            end[0] = 3
         keep = (pos >= start) & (pos < end)
-        if kind == "additive":
+        if kind in ("additive", "slab"):
             mask = torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
         else:
             mask = None if kind is None else keep[:, None, None, :]
+        k_read, v_read = k.clone(), v.clone()
+        if kind is not None and kind.startswith("slab"):  # NaN in the blocks the mask closes: never read
+            unread = pos >= (end + attention_kernel.BLOCK_N - 1) // attention_kernel.BLOCK_N * attention_kernel.BLOCK_N
+            k_read[unread[:, None, :, None].expand_as(k)] = float("nan")
+            v_read[unread[:, None, :, None].expand_as(v)] = float("nan")
         got = attention_kernel.attend(
-            q.to(device), k.to(device), v.to(device), None if mask is None else mask.to(device), d**-0.5
+            q.to(device), k_read.to(device), v_read.to(device), None if mask is None else mask.to(device), d**-0.5
         )
         assert got is not None, (b, h, gq, d, length, dtype, kind)
         want = sdpa(q, k, v, mask, d**-0.5)
         assert got.dtype == dtype and got.shape == (b, h, gq, d)
         tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
         torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+    # a row with nothing to attend to (a free slab row): zeros, never NaN, beside a row that is served
+    q = torch.randn(2, 2, 6, 64, generator=g)
+    k, v = (torch.randn(2, 2, 300, 64, generator=g) for _ in range(2))
+    for closed in (torch.zeros(2, 1, 1, 300, dtype=torch.bool), torch.full((2, 1, 1, 300), float("-inf"))):
+        mask = closed.clone()
+        mask[1, ..., :90] = True if mask.dtype == torch.bool else 0.0
+        got = attention_kernel.attend(q.to(device), k.to(device), v.to(device), mask.to(device), 0.125)
+        assert got is not None
+        assert torch.equal(got[0].cpu(), torch.zeros_like(got[0].cpu()))
+        torch.testing.assert_close(got[1].cpu(), sdpa(q, k, v, mask, 0.125)[1], atol=1e-5, rtol=1e-5)
     print("steps checked")
 
 
