@@ -8,11 +8,12 @@ us a layer where the cache's bytes take about 4 at an H100's bandwidth, and 40 u
 
 Here (flash-decoding) one program takes one (row, KV head) and one stretch of the cache: it
 loads the g queries that share the KV head once, streams its keys and values in blocks, and
-keeps a running softmax (max, sum, weighted values) in float32. A block of the cache that the
-mask closes entirely (False, -inf, or its dtype's lowest value, which is what transformers' and
-lorabus's static caches write) is skipped unread: its weight in the softmax is exactly zero
-beside any open position, and a continuous-batching slab's rows are mostly unwritten tail (a
-1,024-position slab row 200 tokens long reads a fifth of its cache). The stretches are sized so a
+keeps a running softmax (max, sum, weighted values) in float32. It reads keys and values only
+from the block of its stretch's first position the mask opens to its last: a scan of the mask
+(2 bytes a position) finds them. Positions closed (False, -inf, or the mask dtype's lowest
+value, which transformers' and lorabus's caches write) weigh exactly zero beside any open one,
+and a continuous-batching slab's rows are mostly unwritten tail (a 1,024-position slab row 200
+tokens long reads a fifth of its cache), a static cache's rows its future. The stretches are sized so a
 step has enough programs to cover the GPU at any batch; a second launch merges each (row, KV
 head)'s stretches by their log-sum-exps. Scores are `q . k * scale + mask` as SDPA computes
 them; on a GPU in half precision the probabilities are rounded to TF32 (10 bits) as the tensor
@@ -146,6 +147,14 @@ def _launch(
 if triton is not None:
 
     @triton.jit
+    def _opened(at, valid, closed_at, bool_mask: tl.constexpr):
+        """Which of a block's positions the mask opens: True in a boolean mask, above its dtype's
+        lowest value (`closed_at`) in an additive one; none past `valid`."""
+        m = tl.load(at, mask=valid, other=0)
+        opened = m != 0 if bool_mask else m.to(tl.float32) > closed_at
+        return opened & valid
+
+    @triton.jit
     def _attention_split(
         q_ptr, k_ptr, v_ptr, m_ptr, part_ptr, lse_ptr, heads, groups, length, span, scale, closed_at,
         sqb, sqh, sqg, skb, skh, skl, svb, svh, svl, smb, sml,
@@ -169,39 +178,41 @@ if triton is not None:
         v_base = v_ptr + row * svb + head * svh + di[None, :]
         lo = split * span
         hi = tl.minimum(lo + span, length)
-        for start in range(lo, hi, block_n):
+        begin, end = lo, hi
+        if has_mask:
+            # the stretch's keys and values are read from its first open position's block to its
+            # last open position only: the mask's closed blocks (a slab row's unwritten tail, a
+            # short prompt's padding) weigh exactly zero beside any open position. The scan reads
+            # 2 bytes a position where the loop below reads 4 * dim
+            first, last = hi, lo - 1
+            for start in range(lo, hi, block_n):
+                ni = start + tl.arange(0, block_n)
+                opened = _opened(m_ptr + row * smb + ni * sml, ni < hi, closed_at, bool_mask)
+                first = tl.minimum(first, tl.min(tl.where(opened, ni, hi), axis=0))
+                last = tl.maximum(last, tl.max(tl.where(opened, ni, lo - 1), axis=0))
+            begin = lo + (first - lo) // block_n * block_n
+            end = last + 1
+        for start in range(begin, end, block_n):
             ni = start + tl.arange(0, block_n)
-            valid = ni < hi
+            valid = ni < end
+            k = tl.load(k_base + ni[:, None] * skl, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
             if has_mask:
-                m = tl.load(m_ptr + row * smb + ni * sml, mask=valid, other=0)
+                at = m_ptr + row * smb + ni * sml
                 if bool_mask:
-                    opened = m != 0
+                    s = tl.where(_opened(at, valid, closed_at, bool_mask)[None, :], s, -float("inf"))
                 else:
-                    opened = m.to(tl.float32) > closed_at
-                live = tl.max((opened & valid).to(tl.int32), axis=0) > 0
-            else:
-                live = True
-            # a block the mask closes adds exp(s + min - max) = 0 to a row with any open
-            # position: its keys and values are not read (a slab row's unwritten tail, a short
-            # prompt's padding)
-            if live:
-                k = tl.load(k_base + ni[:, None] * skl, mask=valid[:, None], other=0.0).to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
-                if has_mask:
-                    if bool_mask:
-                        s = tl.where(opened[None, :], s, -float("inf"))
-                    else:
-                        s = s + m.to(tl.float32)[None, :]
-                s = tl.where(valid[None, :], s, -float("inf"))
-                new_max = tl.maximum(run_max, tl.max(s, axis=1))
-                # a row of the block with nothing to attend to yet keeps its sums (-inf - -inf is NaN)
-                safe = tl.where(new_max == -float("inf"), 0.0, new_max)
-                p = tl.exp(s - safe[:, None])
-                alpha = tl.exp(run_max - safe)
-                v = tl.load(v_base + ni[:, None] * svl, mask=valid[:, None], other=0.0).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
-                run_sum = run_sum * alpha + tl.sum(p, axis=1)
-                run_max = new_max
+                    s = s + tl.load(at, mask=valid, other=0).to(tl.float32)[None, :]
+            s = tl.where(valid[None, :], s, -float("inf"))
+            new_max = tl.maximum(run_max, tl.max(s, axis=1))
+            # a row of the block with nothing to attend to yet keeps its sums (-inf - -inf is NaN)
+            safe = tl.where(new_max == -float("inf"), 0.0, new_max)
+            p = tl.exp(s - safe[:, None])
+            alpha = tl.exp(run_max - safe)
+            v = tl.load(v_base + ni[:, None] * svl, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
+            run_sum = run_sum * alpha + tl.sum(p, axis=1)
+            run_max = new_max
         seen = run_sum > 0
         out = acc / tl.where(seen, run_sum, 1.0)[:, None]
         where = (bh * tl.num_programs(1) + split) * groups + gi
