@@ -1,4 +1,4 @@
-"""The one-token decode step's attention as two Triton launches: split over the cache, then combine.
+"""The one-token decode step's attention in Triton: split over the cache, then combine the stretches.
 
 `decode_attention` views a grouped-query step's query as [batch, kv_heads, g, dim] and hands it to
 torch's SDPA with the static cache's additive mask. torch picks cuDNN's flash kernel for that,
@@ -15,7 +15,8 @@ value, which transformers' and lorabus's caches write) weigh exactly zero beside
 and a continuous-batching slab's rows are mostly unwritten tail (a 1,024-position slab row 200
 tokens long reads a fifth of its cache), a static cache's rows its future. The stretches are sized so a
 step has enough programs to cover the GPU at any batch; a second launch merges each (row, KV
-head)'s stretches by their log-sum-exps. Scores are `q . k * scale + mask` as SDPA computes
+head)'s stretches by their log-sum-exps (none where a batch is large enough for one stretch
+each: the one launch writes the output). Scores are `q . k * scale + mask` as SDPA computes
 them; on a GPU in half precision the probabilities are rounded to TF32 (10 bits) as the tensor
 cores weight the values, finer than the half-precision rounding flash kernels make there. The
 result differs from SDPA's in that rounding and the order of the float32 sums.
@@ -115,8 +116,12 @@ def _launch(
     per = -(-length // splits_for(b * h, length))
     span = -(-per // BLOCK_N) * BLOCK_N  # positions per stretch, in whole blocks
     splits = -(-length // span)
-    part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=query.device)
-    lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=query.device)
+    out = torch.empty((b, h, g, d), dtype=query.dtype, device=query.device)
+    if splits == 1:  # one stretch a (row, KV head), as at batch 256: its values are the output
+        part, lse = out, out
+    else:
+        part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=query.device)
+        lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=query.device)
     # an additive mask closes a position with its dtype's lowest value (transformers' and the
     # static caches' masks) or -inf
     closed_at = torch.finfo(mask.dtype).min if mask is not None and mask.dtype.is_floating_point else 0.0
@@ -133,13 +138,14 @@ def _launch(
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         mask_b, mask_l,
-        has_mask=has_mask, bool_mask=bool_mask, g_pad=g_pad, dim=d, block_n=BLOCK_N,
+        has_mask=has_mask, bool_mask=bool_mask, direct=splits == 1, g_pad=g_pad, dim=d, block_n=BLOCK_N,
         # the operands are widened to float32 in registers: TF32 holds a half-precision value
         # exactly, so the tensor cores' TF32 products are the half-precision ones; a float32
         # model gets float32 products
         precision="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
-    out = torch.empty((b, h, g, d), dtype=query.dtype, device=query.device)
+    if splits == 1:
+        return out
     _attention_merge[(b * h * g,)](part, lse, out, splits, g, s_pad=triton.next_power_of_2(splits), dim=d, num_warps=4)
     return out
 
@@ -158,11 +164,12 @@ if triton is not None:
     def _attention_split(
         q_ptr, k_ptr, v_ptr, m_ptr, part_ptr, lse_ptr, heads, groups, length, span, scale, closed_at,
         sqb, sqh, sqg, skb, skh, skl, svb, svh, svl, smb, sml,
-        has_mask: tl.constexpr, bool_mask: tl.constexpr, g_pad: tl.constexpr, dim: tl.constexpr,
+        has_mask: tl.constexpr, bool_mask: tl.constexpr, direct: tl.constexpr, g_pad: tl.constexpr, dim: tl.constexpr,
         block_n: tl.constexpr, precision: tl.constexpr,
     ):  # fmt: skip
         """One program per ((row, KV head), stretch): the stretch's softmax-weighted values and
-        log-sum-exp for each of the g queries."""
+        log-sum-exp for each of the g queries; `direct` (one stretch): the values alone, in the
+        output's dtype, into the output."""
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         row = bh // heads
@@ -216,8 +223,11 @@ if triton is not None:
         seen = run_sum > 0
         out = acc / tl.where(seen, run_sum, 1.0)[:, None]
         where = (bh * tl.num_programs(1) + split) * groups + gi
-        tl.store(part_ptr + where[:, None] * dim + di[None, :], out, mask=gi[:, None] < groups)
-        tl.store(lse_ptr + where, tl.where(seen, run_max + tl.log(run_sum), -float("inf")), mask=gi < groups)
+        tl.store(
+            part_ptr + where[:, None] * dim + di[None, :], out.to(part_ptr.dtype.element_ty), mask=gi[:, None] < groups
+        )
+        if not direct:
+            tl.store(lse_ptr + where, tl.where(seen, run_max + tl.log(run_sum), -float("inf")), mask=gi < groups)
 
     @triton.jit
     def _attention_merge(part_ptr, lse_ptr, out_ptr, splits, groups, s_pad: tl.constexpr, dim: tl.constexpr):

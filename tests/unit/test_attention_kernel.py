@@ -70,10 +70,10 @@ def test_the_kernel_builds_for_an_h100_with_its_mask_scan():
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*bf16", "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "scale": "fp32", "closed_at": "fp32"}  # fmt: skip
     signature = {a: types.get(a, "i32") for a in args}
-    signature |= dict.fromkeys(("has_mask", "bool_mask", "g_pad", "dim", "block_n", "precision"), "constexpr")
+    signature |= dict.fromkeys(("has_mask", "bool_mask", "direct", "g_pad", "dim", "block_n", "precision"), "constexpr")
     branches = {}
     for has_mask in (True, False):
-        constants = {"has_mask": has_mask, "bool_mask": False, "g_pad": 16, "dim": 128, "block_n": 64,
+        constants = {"has_mask": has_mask, "bool_mask": False, "direct": False, "g_pad": 16, "dim": 128, "block_n": 64,
                      "precision": "tf32"}  # fmt: skip
         ptx = sm90_ptx(attention_kernel._attention_split, signature, constants, num_warps=4)
         branches[has_mask] = ptx.count("bra")
@@ -156,6 +156,7 @@ def check_steps(device: str = "cpu") -> None:
         (4, 2, 7, 32, 130, torch.float16, "additive"),
         (5, 4, 2, 128, 192, torch.bfloat16, "additive"),
         (64, 2, 6, 128, 256, torch.bfloat16, "additive"),  # Qwen2.5-1.5B's decode step
+        (256, 2, 6, 64, 130, torch.bfloat16, "additive"),  # one stretch a row: no merge
         (4, 2, 6, 64, 1024, torch.bfloat16, "slab"),  # rows far shorter than the slab: blocks skipped
         (3, 2, 6, 64, 700, torch.float32, "slab bool"),
     ]
