@@ -21,8 +21,8 @@
 #   3 what is left                         STAGE=sweep   issue 34's rank x learning rate on arith3, bf16
 #                                                        (9 cells of ~55 s; resumable, so a short call
 #                                                        keeps the cells it finished: LIMIT=<seconds>)
-# The lease after: issue 27 (STAGE=mixed, then engines with vLLM's four parts carried one a call:
-# part_aa with mixed, part_ab..ad with the calls after) and issue 33 (STAGE=fleet, fleet_together:
+# The lease after: issue 27 (STAGE=kernels with .device/pyw carried, mixed, then engines: vLLM's
+# four parts carried one a call, part_aa with kernels, part_ab..ad with the calls after) and issue 33 (STAGE=fleet, fleet_together:
 # the replicas' logs now say where the fleet's 36 s start-up goes; ~400 + ~380 s).
 # Also: STAGE=kernel_tests, joint_step, kernels, fleet_decode, sync_async (arith3; twice: a run
 # already recorded under /tmp/pending is not run again), and with less device time left than a
@@ -62,9 +62,11 @@ case "${STAGE:?STAGE: chain, sweep, fleet, fleet_together, kernel_tests, joint_s
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
-kernels)  # issue 27
+kernels)  # issue 27: the kernels checked, the step they make, and continuous batching (the attention
+  # kernel's mask scan skips a slab row's unwritten tail since 12-07)
   kernel_tests
-  breakdown "64 256 1 16"
+  LIMIT=400 breakdown "64 256 1 16"
+  timeout $((585 - SECONDS)) python benchmarks/continuous_batching.py --out "$OUT/continuous_batching_$L.json" 2>&1 | tail -8
   ;;
 short)  # what a call cut short by failed machine starts can still bring back (LIMIT: its seconds):
   # the kernels checked (27), the joint step and its canaries timed (33), then batch 64's step (27)
