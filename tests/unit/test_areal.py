@@ -430,3 +430,38 @@ def test_megatron_options_follow_the_translated_backend():
     )
     assert by_mode.tree["actor"]["backend"] == "megatron"
     assert by_mode.tree["actor"]["megatron"]["bridge_type"] == "megatron-bridge"
+
+
+def test_what_areals_own_examples_write_reads_as_areal_reads_it(gsm8k):
+    """Three shapes from AReaL's examples/ (2026-12): an explicit `total_train_steps: null`
+    (inference_service/tau2_rollout.yaml), a reference to a key the file leaves to AReaL's
+    default (openai_agents/config.yaml's `${gconfig.max_new_tokens}`), and the deprecated
+    `allocation_mode` with a bare training part (scaffolding/*.yaml), which AReaL refuses too."""
+    src = yaml.safe_load((FIXTURES / "gsm8k_grpo_lora.yaml").read_text())
+    src["total_train_steps"] = None
+    t = areal.translate(src)
+    assert t.problems == []
+    assert any(r.areal == "total_train_steps" and r.became == "-" for r in t.rows)
+
+    src = yaml.safe_load((FIXTURES / "gsm8k_grpo_lora.yaml").read_text())
+    del src["gconfig"]["max_new_tokens"]
+    src["actor"]["max_new_tokens"] = "${gconfig.max_new_tokens}"
+    t = areal.translate(src)
+    assert t.problems == []
+    assert "gconfig.max_new_tokens" not in {r.areal for r in t.rows if not str(r.value).endswith("(AReaL default)")}
+    assert t.tree["gconfig"]["max_new_tokens"] == 16384  # AReaL's default, as the reference read it
+    assert next(r for r in t.rows if r.areal == "actor.max_new_tokens").value == 16384
+
+    src = yaml.safe_load((FIXTURES / "gsm8k_grpo_lora.yaml").read_text())
+    del src["actor"]["backend"]
+    src.pop("ref", None)  # it names ${actor.backend}
+    src["allocation_mode"] = "sglang:d1+d1"
+    t = areal.translate(src)
+    assert "allocation_mode: 'sglang:d1+d1': its part 'd1' is not <backend>:<dims>" in " ".join(t.problems)
+
+
+def test_a_field_read_at_a_value_it_cannot_take_is_not_told_to_be_itself():
+    from services.config.areal.renames import unknown
+
+    message = unknown("total_train_steps", "many", {"total_train_steps"})
+    assert "did you mean" not in message and message.startswith("total_train_steps: 'many' is not translated")

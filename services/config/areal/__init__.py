@@ -29,14 +29,14 @@ from __future__ import annotations
 from typing import Any, cast
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from services.config.areal.alloc import parse_alloc
 from services.config.areal.datasets import GSM8K_INSTRUCTION
 from services.config.areal.renames import RENAMES, rename_hint, unknown
 from services.config.areal.report import REPORTED_ENV, announce, point_back, report
 from services.config.areal.tables import TABLE
-from services.config.areal.translator import NATIVE_SECTION, Row, Translation, Translator, apply, flatten, set_at
+from services.config.areal.translator import NATIVE_SECTION, Keep, Row, Translation, Translator, apply, flatten, set_at
 
 __all__ = [
     "GSM8K_INSTRUCTION",
@@ -70,13 +70,38 @@ def is_areal(tree: Any) -> bool:
     return any(key in tree for key in _AREAL_ONLY_TOP)
 
 
+def _resolved(areal: dict[str, Any]) -> dict[str, Any]:
+    """The file's keys with its `${...}` resolved as AReaL resolves them: after its defaults are
+    merged in, so a reference to a key the file leaves out (`${gconfig.max_new_tokens}` in a file
+    without it) reads AReaL's default (those the tables know). The defaults resolve references
+    only; the keys the file did not write stay out."""
+    written = OmegaConf.create(areal)
+    try:
+        return cast("dict[str, Any]", OmegaConf.to_container(written, resolve=True))
+    except InterpolationKeyError:
+        defaults: dict[str, Any] = {}
+        for entry in TABLE:
+            if isinstance(entry, Keep) and entry.default is not ... and entry.default is not None:
+                set_at(defaults, entry.areal, entry.default)
+        merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(defaults), written), resolve=True)
+        full = flatten(merged)
+        kept = {}
+        for key in flatten(OmegaConf.to_container(written, resolve=False)):
+            for k in [key] if key in full else [k for k in full if k.startswith(key + ".")]:
+                kept[k] = full[k]
+        tree: dict[str, Any] = {}
+        for k, v in kept.items():
+            set_at(tree, k, v)
+        return tree
+
+
 def translate(areal: dict[str, Any]) -> Translation:
     """Translate an AReaL tree (its `${...}` are resolved here, in AReaL's vocabulary). Reads no
     file and no data: epochs stay epochs until a service loads the config with its data."""
     areal = dict(areal)
     native_extra = areal.pop(NATIVE_SECTION, None)
     try:
-        src = OmegaConf.to_container(OmegaConf.create(areal), resolve=True)
+        src = _resolved(areal)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -72,7 +72,10 @@ def _alloc(x: Translator, key: str, text: Any, examples: str) -> Alloc | None:
     try:
         a = parse_alloc(str(text))
     except ValueError as e:
-        x.refuse(key, str(e))
+        if key in x.flat:
+            x.refuse(key, str(e))
+        else:  # a part of the deprecated allocation_mode: name the string the user wrote
+            x.t.problems.append(f"allocation_mode: {x.get('allocation_mode')!r}: its part {str(text).strip()!r} {e}")
         return None
     x.used.add(key)
     return a

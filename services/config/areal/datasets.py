@@ -143,3 +143,5 @@ def steps(x: Translator) -> None:
         )
     if steps is not None:
         x.to("total_train_steps", "total_train_steps", note="AReaL stops at whichever ends first")
+    elif x.has("total_train_steps"):  # written as null: AReaL's default
+        x.noop("total_train_steps", "null: no step limit (AReaL's default); total_train_epochs ends the run")

@@ -68,6 +68,8 @@ def rename_hint(path: str) -> str | None:
 
 def unknown(key: str, value: Any, asked: set[str]) -> str:
     known = sorted(asked | set(RENAMES) | set(NO_EQUIVALENT))
+    if key in asked:  # a field lorabus reads, at a value or beside others it cannot take
+        return f"{key}: {value!r} is not translated: lorabus reads this field but not this value here; remove it"
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     fix = (
         f"did you mean {close[0]}?"
