@@ -77,6 +77,7 @@ def _resolved(areal: dict[str, Any]) -> dict[str, Any]:
     only; the keys the file did not write stay out."""
     written = OmegaConf.create(areal)
     try:
+        # a mapping in, a mapping out; OmegaConf types to_container for any container
         return cast("dict[str, Any]", OmegaConf.to_container(written, resolve=True))
     except InterpolationKeyError:
         defaults: dict[str, Any] = {}
@@ -108,8 +109,7 @@ def translate(areal: dict[str, Any]) -> Translation:
         t = Translation()
         t.problems.append(f"{key}: cannot resolve: {first}; references in an AReaL file name AReaL keys")
         return t
-    # a mapping in, a mapping out; OmegaConf types to_container for any container
-    x = Translator(cast("dict[str, Any]", src))
+    x = Translator(src)
     apply(x, TABLE)
     for key in x.flat:
         if key not in x.used:
