@@ -103,6 +103,10 @@ class PPOConfig(Section):
     kl_ctl: float = 0.0
     reward_scaling: float = 1.0
     reward_bias: float = 0.0
+    reward_norm: bool = True
+    """centre the shaped rewards (within each group or over the batch: group_adv_norm) before
+    they become advantages; false: each completion's shaped reward is its advantage as it is, as
+    AReaL's `reward_norm: null` has it (with batch_adv_norm, a batch-mean baseline: REINFORCE)"""
     group_adv_norm: bool = True
     adv_norm_std: bool = True
     ppo_n_minibatches: int = 1

@@ -61,6 +61,7 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
     rewards = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64) for g in groups]
     advantages = group_advantages(
         rewards,
+        normalise=ppo.reward_norm,
         group_adv_norm=ppo.group_adv_norm,
         adv_norm_std=ppo.adv_norm_std,
         reward_scaling=ppo.reward_scaling,

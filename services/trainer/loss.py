@@ -57,6 +57,7 @@ def batch_normalise(advantages: Tensor, tokens: Tensor, *, use_std: bool = True,
 def group_advantages(
     groups: list[Tensor],
     *,
+    normalise: bool = True,
     group_adv_norm: bool = True,
     adv_norm_std: bool = True,
     reward_scaling: float = 1.0,
@@ -68,12 +69,15 @@ def group_advantages(
 
     With `group_adv_norm` the mean (and std, if `adv_norm_std`) are taken within each group
     (GRPO); without it over the whole batch. A group whose rewards are all equal carries no
-    signal about which completion is better and gets advantage 0 everywhere.
+    signal about which completion is better and gets advantage 0 everywhere. Without
+    `normalise` the shaped rewards are the advantages (AReaL's `reward_norm: null`).
     """
     if not groups:
         raise ValueError("groups: need at least one group of rewards")
     shaped = [shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias, clip=reward_clip) for g in groups]
-    if group_adv_norm:
+    if not normalise:
+        advs = shaped
+    elif group_adv_norm:
         advs = [_normalise(g, adv_norm_std, eps) for g in shaped]
     else:
         sizes = [g.numel() for g in shaped]

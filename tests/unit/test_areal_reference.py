@@ -198,6 +198,11 @@ NORMS = {
         {"mean_level": "group", "std_level": "group", "group_size": 4},
         ...,
     ),
+    "reward null, batch/batch (AReaL's REINFORCE and agent examples)": (
+        None,
+        {"mean_level": "batch", "std_level": "batch"},
+    ),
+    "reward absent (AReaL's default: none), adv null": (..., None),
     "group/group eps 1e-3, adv null": (
         {"mean_level": "group", "std_level": "group", "group_size": 4, "eps": 1e-3},
         {"mean_level": "batch", "std_level": "batch", "eps": 1e-3},
@@ -269,6 +274,7 @@ def _lorabus_advantages(batch: dict[str, Any], actor: dict[str, Any], n: int = 4
     advs = torch.cat(
         group_advantages(
             groups,
+            normalise=p.reward_norm,
             group_adv_norm=p.group_adv_norm,
             adv_norm_std=p.adv_norm_std,
             reward_scaling=p.reward_scaling,

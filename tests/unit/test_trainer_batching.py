@@ -45,3 +45,11 @@ def test_token_ids_beyond_the_vocabulary_are_named_by_field():
         "completions[1].token_ids: token id 8 >= the model's vocab size 8"
     )
     assert batching.problem(trajectory([1], [5], [3, 8])) is None  # no vocabulary given: not checked
+
+
+def test_without_reward_normalisation_a_completion_s_shaped_reward_is_its_advantage():
+    group = trajectory([1, 2], [5], [6], [7])  # rewards 0, 1, 2
+    centred = batching.to_samples([group], PPOConfig())
+    raw = batching.to_samples([group], PPOConfig(reward_norm=False, reward_scaling=2.0, reward_bias=-1.0))
+    assert [s.advantage for s in raw] == [-2.0, 0.0, 2.0]  # (reward + bias) x scaling, as AReaL shapes
+    assert [round(s.advantage, 6) for s in centred] == [-1.0, 0.0, 1.0]

@@ -196,7 +196,7 @@ def rejection(x: Translator) -> None:
     x.to(f"{r}.action", f"{p}.behav_imp_weight_mode", default="mask")
 
 
-_NORM_WHY = "lorabus normalises rewards within each group or over the batch (actor.ppo.group_adv_norm), always centring"
+_NORM_WHY = "lorabus normalises rewards within each group or over the batch (actor.ppo.group_adv_norm), or not at all"
 
 
 def norms(x: Translator) -> None:
@@ -204,11 +204,8 @@ def norms(x: Translator) -> None:
     rn, an = "actor.reward_norm", "actor.adv_norm"
     eps: set[float] = set()
     if x.get(rn) is None and not any(k.startswith(rn + ".") for k in x.flat):
-        x.refuse(
-            rn,
-            f"(no reward normalisation) is not supported: {_NORM_WHY}; write reward_norm "
-            "with mean_level group (or batch)",
-        )
+        # null or absent (AReaL's default): the shaped rewards are the advantages
+        x.to(rn, f"{p}.reward_norm", False, default=None, note="the shaped rewards are the advantages, uncentred")
     else:
         mean, std = x.get(f"{rn}.mean_level", "batch"), x.get(f"{rn}.std_level", "batch")
         if mean not in ("group", "batch") or std not in (mean, None):
