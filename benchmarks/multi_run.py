@@ -259,6 +259,7 @@ async def run_streams(nats_url: str, runs: list[str]) -> dict[str, dict]:
                 "first_trajectory_at": min((t.finished_at for t in trajs), default=None),
                 "steps": len(steps),
                 "step_seconds_mean": round(sum(s.step_seconds for s in steps) / len(steps), 4) if steps else None,
+                "versions_at": sorted(e.created_at for e in ready if e.version >= 1),
             }
     finally:
         await bus.close()
@@ -352,6 +353,7 @@ class Bench:
             overrides = [*self.overrides, *specs.solo_overrides(self.task, i, run, run_dir, self.steps)]
             timing = up(self.task, run_dir, nats_url, overrides, [], self.logs)
             seen = asyncio.run(run_streams(nats_url, [run]))[run]
+            del seen["versions_at"]  # a fleet's measure (late_run_effect)
             curve = self.scorer.curve(run_dir / "export", self.steps)
             cleanup(run_dir)
             solo[str(i)] = {
@@ -387,6 +389,10 @@ class Bench:
         timing = up(self.task, root, nats_url, overrides, files, self.logs)
         runs = {1: fleet} | {i: f"{fleet}-{i}" for i in range(2, n + 1)}
         seen = asyncio.run(run_streams(nats_url, list(runs.values())))
+        versions_at = {run: seen[run].pop("versions_at") for run in runs.values()}
+        late = [runs[i] for i in runs if specs.late(self.task, n, i)]
+        joined = seen[late[0]].get("first_trajectory_at") if late else None
+        effect = late_run_effect(versions_at, late[0], joined) if late and joined is not None else None
         exports = {1: root / "export"} | {i: root / "runs" / runs[i] / "export" for i in range(2, n + 1)}
         per_run = []
         for i, run in runs.items():
@@ -406,7 +412,7 @@ class Bench:
         cleanup(root)
         return {"wall_s": timing["wall_s"], "peak_rss_mib": timing["peak_rss_mib"], "gpu": timing["gpu"],
                 "decode_caches": timing["decode_caches"], "cpu_s": timing["cpu_s"],
-                "joint_steps": timing["joint_steps"], "per_run": per_run}  # fmt: skip
+                "joint_steps": timing["joint_steps"], "late_run_effect": effect, "per_run": per_run}  # fmt: skip
 
     def together_rows(self, nats_url: str, solo: dict) -> None:
         rows = self.results.setdefault("rows", [])
@@ -430,7 +436,36 @@ class Bench:
                 print(f"  run {r['spec']}: " + ", ".join(f"{k[:-2]} {r.get(k)} s" for k in _JOIN.values()), flush=True)
             print(f"  CPU seconds {result['cpu_s']}, decode caches made {result['decode_caches']}, "
                   f"joint steps {result['joint_steps']}", flush=True)  # fmt: skip
+            if (effect := result["late_run_effect"]) is not None:
+                print(f"  the late run cost the others at most {effect['max_ratio']}x their version interval "
+                      f"(fair share: {effect['bound']}x)", flush=True)  # fmt: skip
             self.save()
+
+
+def late_run_effect(versions_at: dict[str, list[float]], late: str, joined_at: float, k: int = 5) -> dict:
+    """What a run added to a busy fleet cost the others (issue 33: no run's step time up more
+    than its fair share): per other run, the mean time between its versions over its last `k`
+    intervals before the late run's first trajectory (`joined_at`) and its first `k` after.
+    Rollouts are granted by share, so with n runs where there were n - 1, a run's versions may
+    come up to n / (n - 1) as far apart (`bound`); `ratios` above it took more than the share.
+    A run with fewer than two versions on either side is left out (`left_out`)."""
+    n = len(versions_at)
+    ratios, left_out = {}, []
+    for run, times in versions_at.items():
+        if run == late:
+            continue
+        before = [t for t in times if t <= joined_at][-(k + 1) :]
+        after = [t for t in times if t > joined_at][: k + 1]
+        if len(before) < 2 or len(after) < 2:
+            left_out.append(run)
+            continue
+        gap_before = (before[-1] - before[0]) / (len(before) - 1)
+        gap_after = (after[-1] - after[0]) / (len(after) - 1)
+        ratios[run] = round(gap_after / gap_before, 3)
+    bound = round(n / (n - 1), 3) if n > 1 else None
+    worst = max(ratios.values(), default=None)
+    return {"late_run": late, "bound": bound, "ratios": ratios, "max_ratio": worst, "left_out": left_out,
+            "within_share": None if worst is None or bound is None else worst <= bound}  # fmt: skip
 
 
 _JOIN = {"v0_announced_at": "v0_announced_s", "v0_servable_at": "v0_servable_s",
@@ -476,6 +511,7 @@ def row(n: int, steps: int, together: dict, solo: dict) -> dict:
         "together_decode_caches": together.get("decode_caches"),
         "together_cpu_s": together.get("cpu_s"),
         "together_joint_steps": together.get("joint_steps"),
+        "late_run_effect": together.get("late_run_effect"),
         "solo_decode_caches": [r.get("decode_caches") if r else None for r in alone],
         "together_scores": [r["curve"][str(steps)] for r in together["per_run"]],
         "solo_scores": [r["final"] if r else None for r in alone],
