@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -585,9 +586,17 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, specs.Task]:
     ap.add_argument("--budget-s", type=float, default=None, help="start no run that would end past this")
     ap.add_argument("--task-dir", default=None, help="arith3: where the task is made (default examples/arith3)")
     ap.add_argument("--pretrain-args", default="", help="arith3: extra arguments of scripts/make_arith3_task.py")
+    ap.add_argument(
+        "--late-from",
+        type=int,
+        default=None,
+        help="fleets of this many runs or more submit their last run into the busy fleet (default: the task's)",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for every lorabus up (and the scorer)")
     args = ap.parse_args(argv)
     task = specs.TASKS[args.task]
+    if args.late_from is not None:
+        task = dataclasses.replace(task, late_from=args.late_from)
     args.runs = args.runs or list(task.runs)
     args.label = args.label or ("cpu" if args.task == "tiny" else "gpu")
     args.work_dir = args.work_dir or Path(f"/tmp/lorabus-multi-run-{args.task}")
