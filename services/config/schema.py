@@ -108,7 +108,15 @@ class PPOConfig(Section):
     they become advantages; false: each completion's shaped reward is its advantage as it is, as
     AReaL's `reward_norm: null` has it (with batch_adv_norm, a batch-mean baseline: REINFORCE)"""
     group_adv_norm: bool = True
+    """centre each reward within its group (GRPO); false: over the whole batch"""
     adv_norm_std: bool = True
+    """then divide by the std at the same level (unbiased)"""
+    batch_std: bool = False
+    """with group_adv_norm and adv_norm_std: divide by the std of the whole batch's centred
+    rewards, not each group's (LitePPO; AReaL's reward_norm std_level: batch beside mean_level: group)"""
+    leave_one_out: bool = False
+    """centre each reward on the mean of the others of its group (or batch), not on the mean of
+    all: RLOO (AReaL's reward_norm mean_leave1out)"""
     ppo_n_minibatches: int = 1
     token_level_loss: bool = True
     reward_clip: float | None = None

@@ -64,6 +64,8 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
         normalise=ppo.reward_norm,
         group_adv_norm=ppo.group_adv_norm,
         adv_norm_std=ppo.adv_norm_std,
+        batch_std=ppo.batch_std,
+        leave_one_out=ppo.leave_one_out,
         reward_scaling=ppo.reward_scaling,
         reward_bias=ppo.reward_bias,
         reward_clip=ppo.reward_clip,

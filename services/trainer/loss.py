@@ -29,12 +29,21 @@ def shape_rewards(rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0, c
     return shaped if clip is None else shaped.clamp(-clip, clip)
 
 
-def _normalise(values: Tensor, use_std: bool, eps: float = ADV_EPS) -> Tensor:
-    centred = values - values.mean()
-    if not use_std or values.numel() < 2:
-        # One sample: centred is 0 already; dividing by an undefined std would give NaN.
-        return centred
-    return centred / (values.std(correction=1) + eps)
+def _means(values: Tensor, leave_one_out: bool) -> Tensor:
+    """Each value's baseline: the mean of `values`, or with `leave_one_out` the mean of the
+    others (RLOO; a lone value's is 0, as AReaL's)."""
+    n = values.numel()
+    if not leave_one_out:
+        return values.mean().expand_as(values)
+    if n <= 1:
+        return torch.zeros_like(values)
+    return (values.sum() - values) / (n - 1)
+
+
+def _std(centred: Tensor) -> Tensor:
+    """The unbiased std of values around their baselines (1 for a lone value, as AReaL's)."""
+    n = centred.numel()
+    return (centred.square().sum() / (n - 1)).sqrt() if n > 1 else centred.new_ones(())
 
 
 def batch_normalise(advantages: Tensor, tokens: Tensor, *, use_std: bool = True, eps: float = ADV_EPS) -> Tensor:
@@ -60,6 +69,8 @@ def group_advantages(
     normalise: bool = True,
     group_adv_norm: bool = True,
     adv_norm_std: bool = True,
+    batch_std: bool = False,
+    leave_one_out: bool = False,
     reward_scaling: float = 1.0,
     reward_bias: float = 0.0,
     reward_clip: float | None = None,
@@ -67,22 +78,30 @@ def group_advantages(
 ) -> list[Tensor]:
     """One advantage per completion. `groups[i]` holds the rewards of prompt i's completions.
 
-    With `group_adv_norm` the mean (and std, if `adv_norm_std`) are taken within each group
-    (GRPO); without it over the whole batch. A group whose rewards are all equal carries no
-    signal about which completion is better and gets advantage 0 everywhere. Without
-    `normalise` the shaped rewards are the advantages (AReaL's `reward_norm: null`).
+    With `group_adv_norm` each reward is centred on its group's mean (GRPO), without it on the
+    whole batch's; `leave_one_out` centres on the mean of the others instead (RLOO). With
+    `adv_norm_std` the centred rewards are divided by their std, within the same level, or with
+    `batch_std` over the whole batch (LitePPO's group mean and batch std). A group whose rewards
+    are all equal carries no signal about which completion is better and gets advantage 0
+    everywhere. Without `normalise` the shaped rewards are the advantages (AReaL's
+    `reward_norm: null`). AReaL's `Normalization`, for rewards one per completion.
     """
     if not groups:
         raise ValueError("groups: need at least one group of rewards")
     shaped = [shape_rewards(g.double(), scaling=reward_scaling, bias=reward_bias, clip=reward_clip) for g in groups]
     if not normalise:
-        advs = shaped
-    elif group_adv_norm:
-        advs = [_normalise(g, adv_norm_std, eps) for g in shaped]
-    else:
-        sizes = [g.numel() for g in shaped]
-        advs = list(_normalise(torch.cat(shaped), adv_norm_std, eps).split(sizes))
-    return [a.float() for a in advs]
+        return [g.float() for g in shaped]
+    sizes = [g.numel() for g in shaped]
+    levels = shaped if group_adv_norm else [torch.cat(shaped)]
+    centred_levels = [v - _means(v, leave_one_out) for v in levels]
+    centred = torch.cat(centred_levels)
+    if adv_norm_std:
+        if group_adv_norm and not batch_std:
+            stds = torch.cat([_std(c).expand_as(c) for c in centred_levels])
+        else:
+            stds = _std(centred).expand_as(centred)
+        centred = centred / (stds + eps)
+    return [a.float() for a in centred.split(sizes)]
 
 
 @dataclass

@@ -203,6 +203,22 @@ NORMS = {
         {"mean_level": "batch", "std_level": "batch"},
     ),
     "reward absent (AReaL's default: none), adv null": (..., None),
+    "group leave-one-out/none, batch/batch (AReaL's RLOO example)": (
+        {"mean_level": "group", "mean_leave1out": True, "std_level": None, "group_size": 4},
+        {"mean_level": "batch", "std_level": "batch"},
+    ),
+    "group leave-one-out/group, adv null": (
+        {"mean_level": "group", "mean_leave1out": True, "std_level": "group", "group_size": 4},
+        None,
+    ),
+    "group/batch, batch/batch (AReaL's LitePPO example)": (
+        {"mean_level": "group", "std_level": "batch", "group_size": 4},
+        {"mean_level": "batch", "std_level": "batch"},
+    ),
+    "batch leave-one-out/batch, adv null": (
+        {"mean_level": "batch", "mean_leave1out": True, "std_level": "batch"},
+        None,
+    ),
     "group/group eps 1e-3, adv null": (
         {"mean_level": "group", "std_level": "group", "group_size": 4, "eps": 1e-3},
         {"mean_level": "batch", "std_level": "batch", "eps": 1e-3},
@@ -277,6 +293,8 @@ def _lorabus_advantages(batch: dict[str, Any], actor: dict[str, Any], n: int = 4
             normalise=p.reward_norm,
             group_adv_norm=p.group_adv_norm,
             adv_norm_std=p.adv_norm_std,
+            batch_std=p.batch_std,
+            leave_one_out=p.leave_one_out,
             reward_scaling=p.reward_scaling,
             reward_bias=p.reward_bias,
             reward_clip=p.reward_clip,

@@ -208,16 +208,25 @@ def norms(x: Translator) -> None:
         x.to(rn, f"{p}.reward_norm", False, default=None, note="the shaped rewards are the advantages, uncentred")
     else:
         mean, std = x.get(f"{rn}.mean_level", "batch"), x.get(f"{rn}.std_level", "batch")
-        if mean not in ("group", "batch") or std not in (mean, None):
+        if mean not in ("group", "batch") or std not in (mean, "batch", None):
             x.refuse(
                 f"{rn}.mean_level",
                 f"with std_level {std!r} is not supported: {_NORM_WHY}, "
-                "dividing by the std at the same level or not at all",
+                "dividing by the std at the same level, over the batch, or not at all",
             )
             x.used.add(f"{rn}.std_level")
         else:
             x.to(f"{rn}.mean_level", f"{p}.group_adv_norm", mean == "group", default="batch")
             x.to(f"{rn}.std_level", f"{p}.adv_norm_std", std is not None, default="batch")
+            if mean == "group" and std == "batch":  # LitePPO: centred in the group, scaled by the batch
+                set_at(x.t.tree, f"{p}.batch_std", True)
+                x.t.origin[f"{p}.batch_std"] = f"{rn}.std_level"
+        x.to(
+            f"{rn}.mean_leave1out",
+            f"{p}.leave_one_out",
+            default=False,
+            note="RLOO: each reward's baseline is the others' mean",
+        )
         n = x.get("gconfig.n_samples", 1)
         size = x.get(f"{rn}.group_size", 1)
         if mean == "group" and size != n:
@@ -241,6 +250,7 @@ def norms(x: Translator) -> None:
             x.to(f"{an}.mean_level", f"{p}.batch_adv_norm", True, default="batch")
             x.to(f"{an}.std_level", f"{p}.batch_adv_norm_std", std is not None, default="batch")
         x.noop(f"{an}.group_size", "unused at batch level")
+        x.only(f"{an}.mean_leave1out", False, "is not supported: lorabus centres advantages on the plain mean")
         _norm_common(x, an, eps)
     if len(eps) > 1:
         x.t.problems.append(
@@ -252,7 +262,6 @@ def norms(x: Translator) -> None:
 
 
 def _norm_common(x: Translator, key: str, eps: set[float]) -> None:
-    x.only(f"{key}.mean_leave1out", False, "is not supported: lorabus centres on the plain mean")
     x.only(f"{key}.std_unbiased", True, "is not supported: lorabus's std is unbiased (n - 1)")
     value = x.get(f"{key}.eps", 1e-5)
     eps.add(value)
