@@ -56,6 +56,13 @@ def load_base_model(path: str | Path, dtype: str = "float32", device: str = "cpu
     try:
         model = AutoModelForCausalLM.from_pretrained(_source(path), dtype=DTYPES[dtype])
     except (OSError, ValueError) as exc:
+        if "Unrecognized configuration class" in str(exc):  # its message lists every causal LM there is
+            config = str(exc).split("<class '", 1)[-1].split("'>", 1)[0].rsplit(".", 1)[-1]
+            raise ModelLoadError(
+                f"actor.path: {str(path)!r} has a {config}, for which transformers has no causal LM (a "
+                "vision-language, encoder or speech model); lorabus trains decoder-only text models "
+                "(AutoModelForCausalLM: Qwen, Llama, Mistral, ...); give one of those"
+            ) from exc
         raise ModelLoadError(f"model {str(path)!r}: could not be loaded ({exc})") from exc
     # transformers wraps `to` with functools.wraps(nn.Module.to), which mypy reads as unbound
     return model.to(resolve_device(device))  # type: ignore[arg-type]

@@ -97,6 +97,22 @@ def test_load_errors(tmp_path):
     assert resolve_device("cpu") == torch.device("cpu")
 
 
+def test_a_vision_language_model_is_refused_by_name_not_with_transformers_list(tmp_path):
+    from transformers import Qwen2_5_VLConfig
+
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 100}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+    Qwen2_5_VLConfig(text_config=text, vision_config=vision).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_base_model(tmp_path)
+    message = str(info.value)
+    assert message.startswith(
+        f"actor.path: {str(tmp_path)!r} has a Qwen2_5_VLConfig, for which transformers has no causal LM"
+    )
+    assert "GPT2Config" not in message and len(message) < 400
+
+
 def test_shipped_model_is_partly_competent_on_held_out_prompts(model, tok):
     """Greedy completions nearly always have the format (digits then eos), and are right often
     enough to give RL a signal but wrong often enough to leave it room."""
