@@ -58,7 +58,7 @@ sync_async_chain() {  # k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a 
   cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
   tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
 }
-case "${STAGE:?STAGE: chain, sweep, fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
+case "${STAGE:?STAGE: chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -94,6 +94,15 @@ fleet_together)  # issue 33: fleets of 2, 4 and 8 against the solo runs of the c
     --out-dir "$KEEP/out" --label "$L" --work-dir "$KEEP/mr" --budget-s $((560 - SECONDS)) 2>&1 | tail -30
   fleet_out
   ;;
+fleet_one_replica)  # issue 33: solo runs and the fleets of 2, 4 and 8 with one rollout replica, not two (one
+  # process fewer time-slicing the card with the trainer; a replica's round decodes every run's
+  # groups in one batch either way). Solo ~340 s, then the fleets the call has time for; call it
+  # again on the same machine for the rest (recorded runs are kept).
+  timeout $((585 - SECONDS)) python benchmarks/multi_run.py --task arith3 --runs 8 2 4 --phase all \
+    --out-dir "$KEEP/out1" --label "${L}_1r" --work-dir "$KEEP/mr1" --budget-s $((560 - SECONDS)) \
+    rollout.replicas=1 2>&1 | tail -20
+  cp "$KEEP"/out1/multi_run_"${L}"_1r.* "$OUT"/ 2>/dev/null
+  ;;
 chain)  # issue 34: the task (once per machine), then as many of its runs as the call has time for
   [ -f examples/chain/pretrain_metrics.json ] || timeout 260 python scripts/make_chain_task.py --max-seconds 240 2>&1 | tail -6
   cp examples/chain/pretrain_metrics.json "$OUT/chain_pretrain_$L.json"
@@ -128,6 +137,6 @@ engines)  # issue 27: a vLLM server, then the embedded engine, on the same work 
     --engines vllm embedded --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of chain, sweep, fleet, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
+*) echo "STAGE: $STAGE is not one of chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac
