@@ -8,12 +8,14 @@ us a layer where the cache's bytes take about 4 at an H100's bandwidth, and 40 u
 
 Here (flash-decoding) one program takes one (row, KV head) and one stretch of the cache: it
 loads the g queries that share the KV head once, streams its keys and values in blocks, and
-keeps a running softmax (max, sum, weighted values) in float32. It reads keys and values only
-from the block of its stretch's first position the mask opens to its last: a scan of the mask
-(2 bytes a position) finds them. Positions closed (False, -inf, or the mask dtype's lowest
-value, which transformers' and lorabus's caches write) weigh exactly zero beside any open one,
-and a continuous-batching slab's rows are mostly unwritten tail (a 1,024-position slab row 200
-tokens long reads a fifth of its cache), a static cache's rows its future. The stretches are sized so a
+keeps a running softmax (max, sum, weighted values) in float32. A stretch of several blocks
+reads keys and values only from the block of its first position the mask opens to its last: a
+scan of the mask (2 bytes a position) finds them. Positions closed (False, -inf, or the mask
+dtype's lowest value, which transformers' and lorabus's caches write) weigh exactly zero beside
+any open one, and a continuous-batching slab's rows are mostly unwritten tail (a 1,024-position
+slab row 200 tokens long reads a fifth of its cache), a static cache's rows their future. A
+stretch of one block reads its keys at once: at batch 64 a step is bound by such chains of
+loads, not by their bytes, and the scan would lengthen them. The stretches are sized so a
 step has enough programs to cover the GPU at any batch; a second launch merges each (row, KV
 head)'s stretches by their log-sum-exps (none where a batch is large enough for one stretch
 each: the one launch writes the output). Scores are `q . k * scale + mask` as SDPA computes
@@ -139,6 +141,8 @@ def _launch(
         value.stride(0), value.stride(1), value.stride(2),
         mask_b, mask_l,
         has_mask=has_mask, bool_mask=bool_mask, direct=splits == 1, g_pad=g_pad, dim=d, block_n=BLOCK_N,
+        # a stretch of one block has nothing to skip, and the scan would put a load before its keys'
+        scan=has_mask and span > BLOCK_N,
         # the operands are widened to float32 in registers: TF32 holds a half-precision value
         # exactly, so the tensor cores' TF32 products are the half-precision ones; a float32
         # model gets float32 products
@@ -164,8 +168,8 @@ if triton is not None:
     def _attention_split(
         q_ptr, k_ptr, v_ptr, m_ptr, part_ptr, lse_ptr, heads, groups, length, span, scale, closed_at,
         sqb, sqh, sqg, skb, skh, skl, svb, svh, svl, smb, sml,
-        has_mask: tl.constexpr, bool_mask: tl.constexpr, direct: tl.constexpr, g_pad: tl.constexpr, dim: tl.constexpr,
-        block_n: tl.constexpr, precision: tl.constexpr,
+        has_mask: tl.constexpr, bool_mask: tl.constexpr, direct: tl.constexpr, scan: tl.constexpr,
+        g_pad: tl.constexpr, dim: tl.constexpr, block_n: tl.constexpr, precision: tl.constexpr,
     ):  # fmt: skip
         """One program per ((row, KV head), stretch): the stretch's softmax-weighted values and
         log-sum-exp for each of the g queries; `direct` (one stretch): the values alone, in the
@@ -186,7 +190,7 @@ if triton is not None:
         lo = split * span
         hi = tl.minimum(lo + span, length)
         begin, end = lo, hi
-        if has_mask:
+        if scan:
             # the stretch's keys and values are read from its first open position's block to its
             # last open position only: the mask's closed blocks (a slab row's unwritten tail, a
             # short prompt's padding) weigh exactly zero beside any open position. The scan reads

@@ -70,11 +70,13 @@ def test_the_kernel_builds_for_an_h100_with_its_mask_scan():
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*bf16", "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "scale": "fp32", "closed_at": "fp32"}  # fmt: skip
     signature = {a: types.get(a, "i32") for a in args}
-    signature |= dict.fromkeys(("has_mask", "bool_mask", "direct", "g_pad", "dim", "block_n", "precision"), "constexpr")
+    signature |= dict.fromkeys(
+        ("has_mask", "bool_mask", "direct", "scan", "g_pad", "dim", "block_n", "precision"), "constexpr"
+    )
     branches = {}
     for has_mask in (True, False):
-        constants = {"has_mask": has_mask, "bool_mask": False, "direct": False, "g_pad": 16, "dim": 128, "block_n": 64,
-                     "precision": "tf32"}  # fmt: skip
+        constants = {"has_mask": has_mask, "bool_mask": False, "direct": False, "scan": has_mask, "g_pad": 16,
+                     "dim": 128, "block_n": 64, "precision": "tf32"}  # fmt: skip
         ptx = sm90_ptx(attention_kernel._attention_split, signature, constants, num_warps=4)
         branches[has_mask] = ptx.count("bra")
     assert branches[True] > branches[False]
@@ -157,7 +159,7 @@ def check_steps(device: str = "cpu") -> None:
         (5, 4, 2, 128, 192, torch.bfloat16, "additive"),
         (64, 2, 6, 128, 256, torch.bfloat16, "additive"),  # Qwen2.5-1.5B's decode step
         (256, 2, 6, 64, 130, torch.bfloat16, "additive"),  # one stretch a row: no merge
-        (4, 2, 6, 64, 1024, torch.bfloat16, "slab"),  # rows far shorter than the slab: blocks skipped
+        (64, 2, 6, 64, 1024, torch.bfloat16, "slab"),  # rows far shorter than the slab: blocks skipped
         (3, 2, 6, 64, 700, torch.float32, "slab bool"),
     ]
     for b, h, gq, d, length, dtype, kind in cases:
@@ -177,8 +179,11 @@ def check_steps(device: str = "cpu") -> None:
         else:
             mask = None if kind is None else keep[:, None, None, :]
         k_read, v_read = k.clone(), v.clone()
-        if kind is not None:  # NaN in the blocks before the first open position and after the last: never read
-            block = attention_kernel.BLOCK_N
+        block = attention_kernel.BLOCK_N
+        span = -(-length // attention_kernel.splits_for(b * h, length) // block) * block
+        if kind is not None and span > block:
+            # stretches of several blocks scan the mask: NaN in the blocks before a row's first
+            # open position and after its last, which must never be read
             unread = (pos < start // block * block) | (pos >= (end + block - 1) // block * block)
             k_read[unread[:, None, :, None].expand_as(k)] = float("nan")
             v_read[unread[:, None, :, None].expand_as(v)] = float("nan")
