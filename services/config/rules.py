@@ -175,13 +175,35 @@ def check_offpolicyness(cfg: LorabusConfig) -> list[str]:
         out.append(f"rollout.max_concurrent_rollouts: {mcr} must be >= 1 (or unset: defaults to consumer_batch_size)")
     if g.n_samples < 1:
         out.append(f"gconfig.n_samples: {g.n_samples} must be >= 1 (completions per prompt)")
-    elif g.n_samples == 1 and cfg.actor.ppo.group_adv_norm:
+    elif (
+        g.n_samples == 1
+        and cfg.actor.ppo.reward_norm
+        and cfg.actor.ppo.group_adv_norm
+        and not cfg.actor.ppo.leave_one_out
+    ):
         # An error, not a warning: a group of one has reward - group mean = 0 for every sample,
         # so every advantage is zero and training silently does nothing.
         out.append(
             "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage "
             "zero (a group of one is its own mean); use n_samples >= 2 or group_adv_norm: false"
         )
+    return out
+
+
+def check_reward_norm(cfg: LorabusConfig) -> list[str]:
+    """Settings of the reward normalisation that another setting makes meaningless: refused
+    rather than ignored, so a config says what it does."""
+    p, out = cfg.actor.ppo, []
+    if not p.reward_norm:
+        for name in ("batch_std", "leave_one_out"):
+            if getattr(p, name):
+                out.append(
+                    f"actor.ppo.{name}: true with actor.ppo.reward_norm: false, which leaves rewards uncentred "
+                    f"and unscaled; set reward_norm: true, or {name}: false"
+                )
+    elif p.batch_std and not (p.group_adv_norm and p.adv_norm_std):
+        why = "group_adv_norm: false already takes the batch's std" if not p.group_adv_norm else "adv_norm_std is false"
+        out.append(f"actor.ppo.batch_std: true has no effect ({why}); set it false")
     return out
 
 
@@ -445,6 +467,7 @@ RULES = (
     check_target_modules,
     check_offpolicyness,
     check_canary_wait,
+    check_reward_norm,
     check_slab,
     check_vllm_slots,
     check_sglang_slots,

@@ -382,6 +382,23 @@ SGLANG = ("rollout.engine=sglang",)
             ("gconfig.n_samples=1",),
             "gconfig.n_samples: 1 with actor.ppo.group_adv_norm: true makes every GRPO advantage zero",
         ),
+        # reward normalisation settings that another one makes meaningless
+        (
+            ("actor.ppo.reward_norm=false", "actor.ppo.leave_one_out=true"),
+            "actor.ppo.leave_one_out: true with actor.ppo.reward_norm: false, which leaves rewards uncentred",
+        ),
+        (
+            ("actor.ppo.reward_norm=false", "actor.ppo.batch_std=true"),
+            "actor.ppo.batch_std: true with actor.ppo.reward_norm: false",
+        ),
+        (
+            ("actor.ppo.batch_std=true", "actor.ppo.adv_norm_std=false"),
+            "actor.ppo.batch_std: true has no effect (adv_norm_std is false); set it false",
+        ),
+        (
+            ("actor.ppo.batch_std=true", "actor.ppo.group_adv_norm=false"),
+            "actor.ppo.batch_std: true has no effect (group_adv_norm: false already takes the batch's std)",
+        ),
         # how long a replica waits for a canary that follows its event
         (("rollout.canary_wait_s=0",), "rollout.canary_wait_s: 0.0 must be in (0, 3600] seconds"),
         (("rollout.canary_wait_s=7200",), "rollout.canary_wait_s: 7200.0 must be in (0, 3600] seconds"),
@@ -560,3 +577,10 @@ def test_evaluator_problems_name_field_value_and_fix():
         "training has ended)",
         "evaluator.score: 'nocolon' is not package.module:function; e.g. services.clients.evaluate:heldout_reward",
     ]
+
+
+def test_a_group_of_one_is_refused_only_where_its_advantage_would_be_zero():
+    """n_samples 1 zeroes a group-centred advantage; uncentred (REINFORCE, AReaL's reward_norm:
+    null) or leave-one-out (RLOO: a lone sample's baseline is 0) rewards still train."""
+    for override in ("actor.ppo.reward_norm=false", "actor.ppo.leave_one_out=true"):
+        assert build("gconfig.n_samples=1", override).gconfig.n_samples == 1
