@@ -221,13 +221,14 @@ def decoupled_ppo_loss(
             return torch.where(where, t.detach(), torch.zeros_like(t)).double()
 
         none = mask.new_zeros((), dtype=torch.float64)
+        kept_weight = within(imp_weight, keep)
         sums = {
             "tokens": mask.double().sum(),
             "clipped": clipped.double().sum(),
             "masked": (mask & ~keep).double().sum(),
             "clamped": clamped.double().sum(),
-            "imp_weight_sum": within(imp_weight, keep).sum(),
-            "imp_weight_max": within(imp_weight, keep).amax(),
+            "imp_weight_sum": kept_weight.sum(),
+            "imp_weight_max": kept_weight.amax(),
             "staleness_sum": within(staleness, mask).sum() if staleness is not None else none,
             "ratio_sum": within(ratio, keep).sum(),
         }
