@@ -185,6 +185,10 @@ class FleetRegistry:
             return None
         return self._reply(False, [f"fleet: {fleet!r} is not this fleet ({self.fleet!r}); use the fleet's config"])
 
+    def _unknown_run(self, run: str) -> RunReply:
+        known = ", ".join(sorted(self.records)) or "none"
+        return self._reply(False, [f"run: {run!r} is not a run of this fleet (runs: {known}); `lorabus run list`"])
+
     async def _on_submit(self, request: RunSubmit) -> RunReply:
         if (wrong := self._wrong_fleet(request.fleet)) is not None:
             return wrong
@@ -260,10 +264,7 @@ class FleetRegistry:
         async with self._writing:
             record = self.records.get(request.run)
             if record is None:
-                known = ", ".join(sorted(self.records)) or "none"
-                return self._reply(
-                    False, [f"run: {request.run!r} is not a run of this fleet (runs: {known}); `lorabus run list`"]
-                )
+                return self._unknown_run(request.run)
             stopped = runs.stop(record, request.reason, self.clock())
             if stopped is not None:
                 await self._write(stopped)
@@ -276,10 +277,7 @@ class FleetRegistry:
         async with self._writing:
             record = self.records.get(request.run)
             if record is None:
-                known = ", ".join(sorted(self.records)) or "none"
-                return self._reply(
-                    False, [f"run: {request.run!r} is not a run of this fleet (runs: {known}); `lorabus run list`"]
-                )
+                return self._unknown_run(request.run)
             live = [self.configs[r] for r, rec in self.records.items() if rec.state in runs.LIVE]
             problems = runs.resume_problems(record, len(live), self.cfg.fleet.max_runs)
             if record.state == "stopped" and not problems:
