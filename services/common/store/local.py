@@ -18,6 +18,7 @@ from services.common.store.objects import (
     ObjectRef,
     copy_verified,
     file_chunks,
+    key_in,
     validate_key,
     validate_prefix,
     write_atomically,
@@ -53,10 +54,7 @@ class LocalStore:
         return f"{self.uri}/{validate_key(key)}"
 
     def key_for(self, uri: str) -> str:
-        """The key of a URI inside this store; an error for anything outside it."""
-        if not uri.startswith(self.uri + "/"):
-            raise StoreError(f"{uri}: outside this store ({self.uri}); open the store for it")
-        return validate_key(uri[len(self.uri) + 1 :])
+        return key_in(self.uri, uri)
 
     def _path(self, key: str) -> Path:
         path = self.root / validate_key(key)

@@ -70,6 +70,13 @@ def validate_key(key: str, what: str = "key") -> str:
     return key
 
 
+def key_in(store_uri: str, uri: str) -> str:
+    """The key of `uri` inside the store at `store_uri`; an error for anything outside it."""
+    if not uri.startswith(store_uri + "/"):
+        raise StoreError(f"{uri}: outside this store ({store_uri}); open the store for it")
+    return validate_key(uri[len(store_uri) + 1 :])
+
+
 def validate_prefix(prefix: str) -> str:
     """A listing prefix: empty, a key, or a key with one trailing '/'."""
     if prefix == "":

@@ -23,6 +23,7 @@ from services.common.store.objects import (
     check_size,
     copy_verified,
     file_sha256,
+    key_in,
     validate_key,
     validate_prefix,
     write_atomically,
@@ -186,10 +187,7 @@ class S3Store:
         return f"s3://{self.bucket}/{self._object_name(key)}"
 
     def key_for(self, uri: str) -> str:
-        """The key of a URI inside this store; an error for anything outside it."""
-        if not uri.startswith(self.uri + "/"):
-            raise StoreError(f"{uri}: outside this store ({self.uri}); open the store for it")
-        return validate_key(uri[len(self.uri) + 1 :])
+        return key_in(self.uri, uri)
 
     def put_bytes(self, key: str, data: bytes | memoryview) -> ObjectRef:
         name = self._object_name(key)
