@@ -7,7 +7,6 @@ object-store prefix) and `existing_sha256` tells whether an earlier delivery alr
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from proto.messages import LoraSpec
 from services.common import adapter_io
 from services.common.megatron_to_hf import ModelShape, convert, target_modules_of
 from services.common.store import ObjectNotFound, S3Store, StoreError, write_error
+from services.common.store.objects import file_sha256
 from services.config.schema import StoreConfig
 
 FILES = [adapter_io.CONFIG_NAME, adapter_io.WEIGHTS_NAME]
@@ -32,7 +32,7 @@ class PeftFiles(Struct, frozen=True, kw_only=True):
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.weights).hexdigest()
+        return adapter_io.sha256(self.weights)
 
     def config_bytes(self) -> bytes:
         return json.dumps(adapter_io.adapter_config(self.lora), indent=2).encode()
@@ -119,7 +119,7 @@ def existing_sha256(export_uri: str, version: int, store_cfg: StoreConfig) -> st
         d = root / f"v{version}"
         if not all((d / name).is_file() for name in FILES):
             return None
-        return hashlib.sha256((d / adapter_io.WEIGHTS_NAME).read_bytes()).hexdigest()
+        return file_sha256(d / adapter_io.WEIGHTS_NAME)[1]
     store = _s3_store(export_uri, store_cfg)
     if not store.exists(f"v{version}/{adapter_io.CONFIG_NAME}"):
         return None
@@ -127,4 +127,4 @@ def existing_sha256(export_uri: str, version: int, store_cfg: StoreConfig) -> st
         data = store.get_bytes(store.uri_for(f"v{version}/{adapter_io.WEIGHTS_NAME}"))
     except ObjectNotFound:
         return None
-    return hashlib.sha256(data).hexdigest()
+    return adapter_io.sha256(data)

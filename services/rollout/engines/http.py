@@ -10,7 +10,6 @@ after every replica has unloaded that version.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import shutil
@@ -23,6 +22,7 @@ import torch
 
 from proto.messages import LoraSpec, adapter_name
 from services.common import adapter_io
+from services.common.store.objects import file_sha256
 from services.rollout.engines.base import GenRequest, GenResult
 
 T = TypeVar("T")
@@ -193,7 +193,7 @@ class AdapterDirs:
         existing = target / adapter_io.WEIGHTS_NAME
         if existing.exists():
             data = weights if isinstance(weights, (bytes, bytearray)) else adapter_io.to_bytes(weights)
-            if _sha256_file(existing) != adapter_io.sha256(bytes(data)):
+            if file_sha256(existing)[1] != adapter_io.sha256(bytes(data)):
                 raise AdapterError(
                     f"v{version}: {target} already holds different weights under the name "
                     f"{self.name(version)!r}; a version name is never reused for other weights "
@@ -218,14 +218,6 @@ class AdapterDirs:
 
     def exists(self, version: int) -> bool:
         return (self.local(version) / adapter_io.WEIGHTS_NAME).exists()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- what both server engines do the same way ------------------------------------------------
