@@ -23,6 +23,7 @@ import httpx
 
 from services.config.schema import LorabusConfig
 from services.local.ports import free_port
+from services.local.processes import log_tail
 from services.rollout.server_cmd import server_command, server_env
 
 DEFAULT_VLLM_PYTHON = Path(".cache/vllm-venv/bin/python")
@@ -147,10 +148,3 @@ async def wait_healthy(servers: list, timeout_s: float, stop: asyncio.Event) -> 
                 await asyncio.wait_for(stop.wait(), 1.0)
             except TimeoutError:
                 pass
-
-
-def log_tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return f"(no log at {path})"

@@ -267,7 +267,7 @@ class Deployment:
                     f"{self.restarts.policy.window_s:.0f} s; given up"
                 )
             if not pending:
-                last = inference_servers.log_tail(child.log_path, 1).strip()
+                last = processes.log_tail(child.log_path, 1).strip()
                 print(
                     f"lorabus up: {child.name} died ({how}); restarting it in {delay:.1f} s "
                     f"(restart {self.restarts.recent(child.name, now) + 1} of "

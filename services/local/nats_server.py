@@ -188,10 +188,7 @@ class NatsServer:
             return False
 
     def log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return processes.log_tail(self.log_file, n)
 
     def _terminate(self, sig: int, timeout: float = 10.0) -> None:
         if self.proc is None:

@@ -41,6 +41,15 @@ def spawn_lasting(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     return _SPAWNER.submit(spawn).result()
 
 
+def log_tail(path: Path, n: int = 30) -> str:
+    """The last `n` lines of a child's log, for an error message; never raises (a log that
+    cannot be read is named instead)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"(no log at {path})"
+
+
 def terminate_group(pid: int) -> None:
     """SIGTERM the process group `pid` leads; a group already gone is not an error."""
     try:

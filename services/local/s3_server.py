@@ -196,7 +196,7 @@ def _wait_until_writable(server: S3Server, timeout_s: float) -> None:
         if server.process.poll() is not None:
             raise S3ServerError(
                 f"weed exited with code {server.process.returncode} during start-up; "
-                f"see {server.log_path}:\n{_tail(server.log_path)}"
+                f"see {server.log_path}:\n{processes.log_tail(server.log_path, 20)}"
             )
         try:
             if not client.bucket_exists(probe):
@@ -209,12 +209,5 @@ def _wait_until_writable(server: S3Server, timeout_s: float) -> None:
             time.sleep(0.2)
     raise S3ServerError(
         f"weed S3 at {server.endpoint} not writable after {timeout_s:.0f} s "
-        f"(last error: {last_error}); see {server.log_path}:\n{_tail(server.log_path)}"
+        f"(last error: {last_error}); see {server.log_path}:\n{processes.log_tail(server.log_path, 20)}"
     )
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
