@@ -22,7 +22,6 @@ told about the run (the submit reply, a grant for it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -54,7 +53,7 @@ from services.config.loader import ConfigError
 from services.config.schema import LorabusConfig
 from services.registry import metrics, runs
 from services.registry.policy import SILENT_HEARTBEATS, PolicyConfig, code_of, seen_limit_for
-from services.registry.service import RegistryService, new_grant_token
+from services.registry.service import RegistryService, new_grant_token, stop_serving
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +126,7 @@ class FleetRegistry:
         log.info("fleet %s: serving %d run(s): %s", fleet, len(self.services), ", ".join(sorted(self.services)))
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):  # connection already closed
-                await sub.unsubscribe()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_serving(self._subs, self._tasks)
         for run in list(self.services):
             await self._close(run)
 

@@ -49,11 +49,12 @@ needs far less than a process gives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import msgspec
@@ -116,6 +117,17 @@ def sender_problem(report: RolloutReport, subject: str) -> str | None:
     return None
 
 
+async def stop_serving(subs: Sequence[Subscription], tasks: Sequence[asyncio.Task]) -> None:
+    """Unsubscribe `subs` and cancel `tasks`, waiting until every task has ended; a closed
+    connection is not an error here (the service is stopping either way)."""
+    for sub in subs:
+        with contextlib.suppress(Exception):  # connection already closed
+            await sub.unsubscribe()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class RegistryService:
     def __init__(self, bus: Bus, cfg: PolicyConfig, *, clock: Callable[[], float] = time.time,
                  snapshot_every: int | None = None):  # fmt: skip
@@ -173,14 +185,7 @@ class RegistryService:
         self._tasks.append(asyncio.create_task(self._expire_loop(), name="registry-expiry"))
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_serving(self._subs, self._tasks)
         if self._puller is not None:
             await self._puller.stop()
 
