@@ -100,6 +100,9 @@ class PPOConfig(Section):
     """above the cap a token is masked or its weight clamped to the cap; none: the decoupled loss
     has no pi_prox/pi_behave weight at all (AReaL without `rejection_sampling`, its default)"""
     use_decoupled_loss: bool = True
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """the ratio pi_theta/pi_prox that is clipped: per token, or per completion (GSPO: the
+    geometric mean of its tokens' ratios, with the mean of their advantages), as AReaL's"""
     kl_ctl: float = 0.0
     reward_scaling: float = 1.0
     reward_bias: float = 0.0

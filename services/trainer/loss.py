@@ -151,6 +151,19 @@ class LossStats:
         }
 
 
+def sequence_ratio(log_ratio: Tensor, advantages: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """GSPO's sequence-level ratio, as AReaL forms it for padded rows (one completion a row):
+    exp of the mean of log(pi_theta / pi_prox) over the row's kept tokens, and the mean of their
+    advantages, both given to every kept token (0 elsewhere). The mean, not the sum, keeps the
+    ratio of a long completion near 1; the gradient reaches each token through that mean."""
+    count = keep.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+    zero = torch.zeros_like(log_ratio)
+    mean_log = torch.where(keep, log_ratio, zero).sum(-1, keepdim=True) / count
+    mean_adv = torch.where(keep, advantages, torch.zeros_like(advantages)).sum(-1, keepdim=True) / count
+    ratio = torch.where(keep, mean_log.exp().expand_as(log_ratio), zero)
+    return ratio, torch.where(keep, mean_adv.expand_as(advantages), torch.zeros_like(advantages))
+
+
 def decoupled_ppo_loss(
     logprobs: Tensor,
     prox_logprobs: Tensor,
@@ -163,9 +176,10 @@ def decoupled_ppo_loss(
     imp_weight_cap: float | None = 5.0,
     imp_weight_mode: Literal["mask", "clamp", "none"] = "mask",
     use_decoupled_loss: bool = True,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
     staleness: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
-    """Token-level decoupled PPO loss.
+    """The decoupled PPO loss, summed over tokens.
 
     All tensors have the same shape (e.g. [batch, tokens]). `loss_weights` is 0 on padding
     and prompt tokens; on completion tokens it is the token's share of the batch loss
@@ -174,10 +188,13 @@ def decoupled_ppo_loss(
     token. Without `use_decoupled_loss` this is plain PPO against the behaviour policy
     (pi_prox := pi_behave, no importance weight). `imp_weight_mode` none leaves the behaviour
     weight out (AReaL's decoupled loss without `rejection_sampling`, its default): the ratio is
-    still taken against pi_prox.
+    still taken against pi_prox. `importance_sampling_level` sequence is GSPO as AReaL has it
+    (`sequence_ratio`): each row is one completion and its ratio, clipped, stands for all its tokens.
     """
     if imp_weight_mode not in ("mask", "clamp", "none"):
         raise ValueError(f"behav_imp_weight_mode: {imp_weight_mode!r} must be 'mask', 'clamp' or 'none'")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level: {importance_sampling_level!r} must be 'token' or 'sequence'")
     if eps_clip <= 0:
         raise ValueError(f"eps_clip: {eps_clip} must be > 0")
     mask = loss_weights > 0
@@ -186,15 +203,10 @@ def decoupled_ppo_loss(
     behave = behave_logprobs.detach()
     advantages = advantages.detach()
 
-    ratio = torch.exp(logprobs - prox)
-    high = eps_clip if eps_clip_higher is None else eps_clip_higher
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    surrogate = -advantages * ratio
-    surrogate_clipped = -advantages * clipped_ratio
-    pg = torch.maximum(surrogate, surrogate_clipped)
-
+    # the behaviour weight comes first: the tokens it masks are out of a sequence's mean ratio too
     clamped = torch.zeros_like(mask)
-    if use_decoupled_loss and imp_weight_mode != "none":
+    weighted = use_decoupled_loss and imp_weight_mode != "none"
+    if weighted:
         imp_weight = torch.exp(prox - behave)
         if imp_weight_cap is None:
             keep = mask
@@ -205,10 +217,21 @@ def decoupled_ppo_loss(
             clamped = mask & (imp_weight > imp_weight_cap)
             imp_weight = imp_weight.clamp(max=imp_weight_cap)
         imp_weight = torch.where(keep, imp_weight, torch.zeros_like(imp_weight))
-        pg = pg * imp_weight
     else:
         keep = mask
-        imp_weight = mask.to(pg.dtype)
+        imp_weight = mask.to(logprobs.dtype)
+
+    if importance_sampling_level == "sequence":
+        ratio, advantages = sequence_ratio(logprobs - prox, advantages, keep)
+    else:
+        ratio = torch.exp(logprobs - prox)
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * clipped_ratio
+    pg = torch.maximum(surrogate, surrogate_clipped)
+    if weighted:
+        pg = pg * imp_weight
     # a masked token is out of the loss: it is neither clipped nor counted in the mean ratio
     clipped = (surrogate_clipped > surrogate) & keep
 

@@ -5,8 +5,9 @@ advantage normalisation, and the GSM8K reward on generated completions.
 
 Each configuration is written in AReaL's keys on AReaL's own example file and goes through
 lorabus's translation and loader, so a case passes only if the translation means what AReaL
-means and the loss computes what AReaL computes. Options lorabus refuses (dual clip, GSPO,
-M2PO, SAPO, sequence-level rejection sampling) are refused by name in test_areal_keys.py.
+means and the loss computes what AReaL computes; GSPO's sequence-level ratio
+(`importance_sampling_level: sequence`) is one of those options. Options lorabus refuses (dual
+clip, M2PO, SAPO, sequence-level rejection sampling) are refused by name in test_areal_keys.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from omegaconf import OmegaConf
 
 from services.config.loader import config_from_dict
 from services.config.schema import PPOConfig
-from services.trainer.loss import batch_normalise, decoupled_ppo_loss, group_advantages
+from services.trainer.loss import batch_normalise, decoupled_ppo_loss, group_advantages, sequence_ratio
 from tests.fixtures.areal_ref import INSTALL, ReferenceMissing, load
 
 try:
@@ -59,6 +60,7 @@ def _areal_config(actor: dict[str, Any]) -> Any:
         eps_clip_higher=merged.get("eps_clip_higher"),
         rejection_sampling=None if rs is None else REF.RejectionSamplingConfig(**rs),
         use_decoupled_loss=merged.get("use_decoupled_loss", False),
+        importance_sampling_level=merged.get("importance_sampling_level", "token"),
     )
 
 
@@ -80,10 +82,13 @@ CASES = [
             "rejection_sampling": rs,
             "use_decoupled_loss": decoupled,
             "recompute_logprob": decoupled,
+            "importance_sampling_level": level,
         },
-        id=f"eps{eps}-high{high}-rs[{name}]-{'decoupled' if decoupled else 'ppo'}",
+        id=f"eps{eps}-high{high}-rs[{name}]-{'decoupled' if decoupled else 'ppo'}-{'token' if level is ... else level}",
     )
-    for eps, high, (name, rs), decoupled in itertools.product((0.2, 0.4), (..., 0.28), REJECTION.items(), (True, False))
+    for eps, high, (name, rs), decoupled, level in itertools.product(
+        (0.2, 0.4), (..., 0.28), REJECTION.items(), (True, False), (..., "sequence")
+    )
 ]
 
 
@@ -118,6 +123,7 @@ def _areal_loss(x: dict[str, torch.Tensor], cfg: dict[str, Any]) -> tuple[torch.
         loss_mask=x["mask"],
         eps_clip_higher=cfg["eps_clip_higher"],
         rejection_sampling=cfg["rejection_sampling"],
+        importance_sampling_level=cfg["importance_sampling_level"],
     )
     loss.backward()
     REF.stats_tracker.DEFAULT_TRACKER.export(reset=True)
@@ -130,6 +136,7 @@ def _areal_loss(x: dict[str, torch.Tensor], cfg: dict[str, Any]) -> tuple[torch.
         eps_clip_higher=cfg["eps_clip_higher"],
         c_clip=None,
         rejection_sampling=cfg["rejection_sampling"],
+        importance_sampling_level=cfg["importance_sampling_level"],
         use_decoupled_loss=cfg["use_decoupled_loss"],
     )
     return loss.detach(), theta.grad, REF.stats_tracker.DEFAULT_TRACKER.export(reset=True)
@@ -149,6 +156,7 @@ def _lorabus_loss(x: dict[str, torch.Tensor], p: PPOConfig) -> tuple[torch.Tenso
         imp_weight_cap=p.behav_imp_weight_cap,
         imp_weight_mode=p.behav_imp_weight_mode,
         use_decoupled_loss=p.use_decoupled_loss,
+        importance_sampling_level=p.importance_sampling_level,
     )
     loss.backward()
     return loss.detach(), theta.grad, stats.summary()
@@ -180,6 +188,24 @@ def test_the_cases_engage_clipping_masking_and_clamping():
     assert 0.05 < s["clip_fraction"] < 0.9 and 0.05 < s["masked_fraction"] < 0.9
     s = _lorabus_loss(x, _ppo({"eps_clip": 0.2, "rejection_sampling": REJECTION["clamp at 1.3"]}))[2]
     assert 0.05 < s["clamped_fraction"] < 0.9
+    # GSPO's one ratio per completion clips whole completions, some and not all of them
+    s = _lorabus_loss(x, _ppo({"eps_clip": 0.2, "importance_sampling_level": "sequence"}))[2]
+    assert 0.05 < s["clip_fraction"] < 0.9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sequence_ratio_equals_areal_s_gspo_ratio_and_advantages(seed):
+    # advantages that vary along a completion (AReaL's per-token advantages could), and rows
+    # with gaps in their mask, where the mean must skip the masked tokens
+    x = _batch(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    adv = torch.randn(x["adv"].shape, generator=g, dtype=torch.float64)
+    keep = x["mask"] & (torch.rand(x["mask"].shape, generator=g) > 0.2)
+    log_ratio = x["theta"] - x["prox"]
+    want = REF.sequence_level_ratio(log_ratio, adv, keep, None)
+    got = sequence_ratio(log_ratio, adv, keep)
+    for w, o in zip(want, got, strict=True):
+        torch.testing.assert_close(o, w, **TOL)
 
 
 # --- advantages -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -155,4 +156,59 @@ def test_bad_mode_is_rejected_with_field_name():
     with pytest.raises(ValueError, match="behav_imp_weight_mode"):
         decoupled_ppo_loss(
             torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.ones(1), imp_weight_mode="cap"
+        )
+
+
+def test_gspo_clips_a_completion_by_the_geometric_mean_of_its_ratios():
+    # row 0: token ratios e^0.6 and e^-0.2, geometric mean e^0.2 = 1.2214 (> 1 + 0.2: clipped,
+    # though one token alone would not be); row 1: one token at ratio e^0.1 = 1.105 (inside)
+    prox = torch.zeros(2, 2)
+    theta = torch.tensor([[0.6, -0.2], [0.1, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w = torch.tensor([[1.0, 1.0], [1.0, 0.0]]) / 3.0
+    loss, stats = decoupled_ppo_loss(theta, prox, prox, adv, w, importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx(-(2 * 1.2 + math.exp(0.1)) / 3)
+    assert stats.clipped == 2 and stats.ratio_sum == pytest.approx(math.exp(0.1) + 2 * math.exp(0.2))
+    loss.backward()
+    assert theta.grad[0].tolist() == [0.0, 0.0]  # the clipped completion passes no gradient
+    # the unclipped one: d/dtheta of -(1/3) * exp(mean) over its one token
+    assert theta.grad[1, 0].item() == pytest.approx(-math.exp(0.1) / 3)
+
+
+def test_engines_take_the_ratio_level_from_the_config():
+    # every engine's micro-batch loss (fsdp2 and megatron both call micro_batch_loss)
+    import msgspec
+
+    from services.config.schema import PPOConfig
+    from services.trainer.batching import Sample, collate
+    from services.trainer.engines.base import micro_batch_loss
+
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(input_ids=[1, 2, 3, 4, 5, 6], prompt_len=2, behave_logprobs=[-1.0] * 4, versions=[0] * 4, advantage=1.0),
+        Sample(input_ids=[1, 2, 3, 4], prompt_len=2, behave_logprobs=[-1.0] * 2, versions=[0] * 2, advantage=-1.0),
+    ]
+    mb = collate([replace(s, token_weight=1 / 6) for s in samples])
+    lp = mb.behave_logprobs + torch.randn(mb.behave_logprobs.shape, generator=g) * 0.3
+    prox = mb.behave_logprobs.clone()
+    for level in ("token", "sequence"):
+        ppo = msgspec.structs.replace(PPOConfig(), importance_sampling_level=level)
+        got, _ = micro_batch_loss(lp, prox, mb, 0, ppo, "cpu")
+        want, _ = decoupled_ppo_loss(
+            lp, prox, mb.behave_logprobs, mb.advantages, mb.loss_weights, importance_sampling_level=level
+        )
+        assert got.item() == pytest.approx(want.item())
+    token = micro_batch_loss(lp, prox, mb, 0, PPOConfig(), "cpu")[0]
+    assert token.item() != pytest.approx(got.item())
+
+
+def test_bad_ratio_level_is_rejected_with_field_name():
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        decoupled_ppo_loss(
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.ones(1),
+            importance_sampling_level="seq",  # type: ignore[arg-type]
         )

@@ -305,7 +305,8 @@ def _groups(vocab=32):
     ]
 
 
-def test_train_step_takes_a_real_gradient_step_on_adapter_only():
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_train_step_takes_a_real_gradient_step_on_adapter_only(level):
     torch.manual_seed(0)
     model = TinyMegatronLM()
     attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
@@ -315,7 +316,7 @@ def test_train_step_takes_a_real_gradient_step_on_adapter_only():
     out_before = {n: p.clone() for n, p in named if "linear_out" in n}
     assert all(float(p.abs().max()) == 0.0 for p in out_before.values())  # B starts at zero
     opt = MasterAdapterOptimizer(named, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    ppo = msgspec.structs.replace(PPOConfig(), ppo_n_minibatches=2)
+    ppo = msgspec.structs.replace(PPOConfig(), ppo_n_minibatches=2, importance_sampling_level=level)
     stats = train_step(model, opt, _groups(), head_version=2, ppo=ppo, max_tokens=16)
     assert stats.tokens == sum(len(c.token_ids) for g in _groups() for c in g.completions)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0

@@ -133,6 +133,7 @@ def micro_batch_loss(
         imp_weight_cap=ppo.behav_imp_weight_cap,
         imp_weight_mode=ppo.behav_imp_weight_mode,
         use_decoupled_loss=ppo.use_decoupled_loss,
+        importance_sampling_level=ppo.importance_sampling_level,
         staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
     )
 

@@ -1,0 +1,75 @@
+"""AReaL 1.0.4's own example files for its PPO variants (examples/math, copied unchanged under
+tests/fixtures/areal/): each translates with no problem, what it sets beyond GRPO becomes the
+native field that does the same, and it loads as a LoRA run once AReaL's own LoRA keys are given
+on the command line (these files train full weights, which lorabus never does, and say so by
+name). The variants' numbers are checked against AReaL's functions in test_areal_reference.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from omegaconf import OmegaConf
+
+from services.config import areal
+from services.config.loader import ConfigError, load_config
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "areal"
+LORA = ["actor.use_lora=true", "rollout.use_lora=true", "actor.lora_rank=16"]
+"""AReaL's own keys, as its launcher takes them: the full-weight examples as LoRA runs"""
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch):
+    monkeypatch.setenv(areal.REPORTED_ENV, "1")
+
+
+def _translated(name: str) -> areal.Translation:
+    return areal.translate(cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(FIXTURES / name))))
+
+
+def _row(t: areal.Translation, key: str) -> areal.Row:
+    return next(r for r in t.rows if r.areal == key)
+
+
+def test_gspo_example_translates_to_the_sequence_level_ratio():
+    t = _translated("gsm8k_gspo.yaml")
+    assert t.problems == []
+    assert _row(t, "actor.importance_sampling_level").became == "actor.ppo.importance_sampling_level = 'sequence'"
+    assert t.tree["actor"]["ppo"]["importance_sampling_level"] == "sequence"
+
+
+def test_gspo_example_loads_as_a_lora_run():
+    p = load_config(FIXTURES / "gsm8k_gspo.yaml", LORA, read_data=False).actor.ppo
+    assert p.importance_sampling_level == "sequence"
+    assert (p.eps_clip, p.use_decoupled_loss, p.behav_imp_weight_cap, p.behav_imp_weight_mode) == (
+        0.4,
+        True,
+        5.0,
+        "mask",
+    )
+    assert (p.group_adv_norm, p.adv_norm_std, p.batch_adv_norm, p.reward_scaling, p.reward_bias) == (
+        True,
+        True,
+        True,
+        10.0,
+        -0.5,
+    )
+
+
+def test_a_file_without_the_key_keeps_areal_s_token_level_ratio():
+    t = _translated("gsm8k_grpo_lora.yaml")
+    assert t.tree["actor"]["ppo"]["importance_sampling_level"] == "token"
+    assert _row(t, "actor.importance_sampling_level").value == "'token' (AReaL default)"
+
+
+def test_the_example_s_full_weights_and_an_unknown_ratio_level_are_refused_by_name():
+    with pytest.raises(ConfigError) as e:
+        load_config(FIXTURES / "gsm8k_gspo.yaml", read_data=False)
+    assert any(p.startswith("actor.use_lora: false") for p in e.value.problems), e.value.problems
+    with pytest.raises(ConfigError) as e:
+        load_config(FIXTURES / "gsm8k_gspo.yaml", [*LORA, "actor.importance_sampling_level=seq"], read_data=False)
+    (problem,) = e.value.problems
+    assert problem.startswith("actor.ppo.importance_sampling_level") and "actor.importance_sampling_level" in problem
