@@ -433,6 +433,9 @@ def backfill(cfg: LorabusConfig) -> LorabusConfig:
     ro = cfg.rollout
     if not ro.lora_name:
         ro.lora_name = cfg.gconfig.lora_name
+    ppo = cfg.actor.ppo
+    if ppo.overlong_tokens is not None and ppo.overlong_max_tokens is None:
+        ppo.overlong_max_tokens = cfg.gconfig.max_new_tokens
     # written out (the properties give the same values) so that a dumped config shows them
     ro.max_concurrent_rollouts = ro.max_concurrent
     ro.lora_keep_versions = ro.keep_versions

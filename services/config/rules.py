@@ -207,6 +207,41 @@ def check_reward_norm(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_overlong(cfg: LorabusConfig) -> list[str]:
+    """DAPO's overlong penalty: refused where it could never apply, or would apply to every
+    completion, rather than accepted and silently moot (run after `backfill`)."""
+    p, out = cfg.actor.ppo, []
+    window, end, cap = p.overlong_tokens, p.overlong_max_tokens, cfg.gconfig.max_new_tokens
+    if window is None:
+        if end is not None:
+            out.append(
+                f"actor.ppo.overlong_max_tokens: {end} has no effect without actor.ppo.overlong_tokens; "
+                "set overlong_tokens, or remove it"
+            )
+        return out
+    if end is None:
+        return out  # backfill gives it gconfig.max_new_tokens
+    if window < 1:
+        out.append(f"actor.ppo.overlong_tokens: {window} must be >= 1 (or null: no penalty)")
+    elif window > end:
+        out.append(
+            f"actor.ppo.overlong_tokens: {window} exceeds overlong_max_tokens {end}, so even an empty "
+            "completion is penalised; make it at most overlong_max_tokens"
+        )
+    elif end - window >= cap:
+        out.append(
+            f"actor.ppo.overlong_max_tokens: {end} less overlong_tokens {window} is not below "
+            f"gconfig.max_new_tokens {cap}, so no completion can reach the penalty; lower it to "
+            f"gconfig.max_new_tokens (or widen overlong_tokens)"
+        )
+    if p.overlong_penalty_factor <= 0:
+        out.append(
+            f"actor.ppo.overlong_penalty_factor: {p.overlong_penalty_factor} must be > 0 (0 penalises "
+            "nothing, below 0 rewards length); set overlong_tokens: null for no penalty"
+        )
+    return out
+
+
 def check_canary_wait(cfg: LorabusConfig) -> list[str]:
     wait = cfg.rollout.canary_wait_s
     if not 0 < wait <= 3600:
@@ -468,6 +503,7 @@ RULES = (
     check_offpolicyness,
     check_canary_wait,
     check_reward_norm,
+    check_overlong,
     check_slab,
     check_vllm_slots,
     check_sglang_slots,

@@ -131,6 +131,14 @@ class PPOConfig(Section):
     """with batch_adv_norm: divide by the batch std too (false: centre only)"""
     norm_eps: float = 1e-6
     """added to every std before dividing (AReaL's NormConfig.eps is 1e-5)"""
+    overlong_tokens: int | None = None
+    """DAPO's soft overlong penalty: a completion within the last `overlong_tokens` before
+    `overlong_max_tokens` loses reward linearly, up to `overlong_penalty_factor` at the end
+    (AReaL's overlong_reward_penalty); null: no penalty"""
+    overlong_penalty_factor: float = 1.0
+    """the reward a completion of `overlong_max_tokens` tokens loses"""
+    overlong_max_tokens: int | None = None
+    """the length the penalty window ends at (AReaL's actor.max_new_tokens); null: gconfig.max_new_tokens"""
 
 
 class MegatronConfig(Section):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from proto.messages import Trajectory
 from services.config.schema import PPOConfig
-from services.trainer.loss import batch_normalise, group_advantages
+from services.trainer.loss import batch_normalise, group_advantages, overlong_penalty
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,24 @@ def problem(trajectory: Trajectory, vocab_size: int | None = None) -> str | None
     return None
 
 
-def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
-    """Flatten groups into samples carrying their GRPO advantage. Completions with no token
-    still count for their group's mean and std but produce no sample."""
-    if not groups:
-        raise ValueError("groups: a train step needs at least one trajectory")
-    rewards = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64) for g in groups]
-    advantages = group_advantages(
+def advantages(rewards: list[Tensor], lengths: list[Tensor], ppo: PPOConfig) -> list[Tensor]:
+    """Each completion's advantage, group by group, from its reward and its length in tokens:
+    the overlong penalty, then shaping and normalisation (AReaL's `_compute_advantages` for one
+    reward per completion, with no critic and no KL term)."""
+    if ppo.overlong_tokens is not None:
+        if ppo.overlong_max_tokens is None:
+            raise ValueError(
+                "actor.ppo.overlong_max_tokens: None with overlong_tokens set; set it, or load the config "
+                "with services.config.loader, which fills it from gconfig.max_new_tokens"
+            )
+        rewards = [
+            r
+            + overlong_penalty(
+                n, window=ppo.overlong_tokens, factor=ppo.overlong_penalty_factor, max_tokens=ppo.overlong_max_tokens
+            )
+            for r, n in zip(rewards, lengths, strict=True)
+        ]
+    out = group_advantages(
         rewards,
         normalise=ppo.reward_norm,
         group_adv_norm=ppo.group_adv_norm,
@@ -72,11 +83,20 @@ def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
         eps=ppo.norm_eps,
     )
     if ppo.batch_adv_norm:
-        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.completions])
-        flat = batch_normalise(torch.cat(advantages), lengths, use_std=ppo.batch_adv_norm_std, eps=ppo.norm_eps)
-        advantages = list(flat.split([len(g.completions) for g in groups]))
+        flat = batch_normalise(torch.cat(out), torch.cat(lengths), use_std=ppo.batch_adv_norm_std, eps=ppo.norm_eps)
+        out = list(flat.split([len(r) for r in rewards]))
+    return out
+
+
+def to_samples(groups: list[Trajectory], ppo: PPOConfig) -> list[Sample]:
+    """Flatten groups into samples carrying their advantage (`advantages`). Completions with no
+    token still count for their group's mean and std but produce no sample."""
+    if not groups:
+        raise ValueError("groups: a train step needs at least one trajectory")
+    rewards = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64) for g in groups]
+    lengths = [torch.tensor([len(c.token_ids) for c in g.completions], dtype=torch.long) for g in groups]
     samples = []
-    for index, (group, adv) in enumerate(zip(groups, advantages)):
+    for index, (group, adv) in enumerate(zip(groups, advantages(rewards, lengths, ppo))):
         if (why := problem(group)) is not None:
             raise ValueError(f"trajectory {group.trajectory_id}: {why}")
         for completion, a in zip(group.completions, adv.tolist()):

@@ -29,6 +29,14 @@ def shape_rewards(rewards: Tensor, *, scaling: float = 1.0, bias: float = 0.0, c
     return shaped if clip is None else shaped.clamp(-clip, clip)
 
 
+def overlong_penalty(lengths: Tensor, *, window: int, factor: float, max_tokens: int) -> Tensor:
+    """DAPO's soft overlong punishment, as AReaL's `reward_overlong_penalty`: 0 for a completion
+    of up to `max_tokens - window` tokens, then falling by `factor` over the last `window` tokens
+    (-factor at `max_tokens`); added to the raw reward, before shaping."""
+    excess = lengths.double() - (max_tokens - window)
+    return (-excess / window * factor).clamp(max=0.0)
+
+
 def _means(values: Tensor, leave_one_out: bool) -> Tensor:
     """Each value's baseline: the mean of `values`, or with `leave_one_out` the mean of the
     others (RLOO; a lone value's is 0, as AReaL's)."""

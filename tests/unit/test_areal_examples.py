@@ -73,3 +73,40 @@ def test_the_example_s_full_weights_and_an_unknown_ratio_level_are_refused_by_na
         load_config(FIXTURES / "gsm8k_gspo.yaml", [*LORA, "actor.importance_sampling_level=seq"], read_data=False)
     (problem,) = e.value.problems
     assert problem.startswith("actor.ppo.importance_sampling_level") and "actor.importance_sampling_level" in problem
+
+
+def test_dapo_example_translates_to_the_overlong_penalty_and_asymmetric_clip():
+    t = _translated("gsm8k_dapo_dynamic_bs.yaml")
+    assert t.problems == []
+    p = t.tree["actor"]["ppo"]
+    assert (p["overlong_tokens"], p["overlong_penalty_factor"], p["overlong_max_tokens"]) == (512, 1.0, 4096)
+    assert (p["eps_clip"], p["eps_clip_higher"]) == (0.2, 0.28)
+    # with no trajectory ever rejected, AReaL's dynamic batches are full ones
+    assert _row(t, "dynamic_bs").became == "-" and "reject" in _row(t, "dynamic_bs").note
+
+
+def test_dapo_example_loads_as_a_lora_run():
+    cfg = load_config(FIXTURES / "gsm8k_dapo_dynamic_bs.yaml", LORA, read_data=False)
+    p = cfg.actor.ppo
+    assert (p.overlong_tokens, p.overlong_penalty_factor, p.overlong_max_tokens) == (512, 1.0, 4096)
+    assert cfg.gconfig.max_new_tokens == 4096 and cfg.rollout.consumer_batch_size == 256
+
+
+def test_overlong_settings_areal_would_not_run_are_refused_by_name():
+    def problems(**actor: Any) -> list[str]:
+        tree = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(FIXTURES / "gsm8k_dapo_dynamic_bs.yaml")))
+        tree["actor"].update(actor)
+        tree["actor"] = {k: v for k, v in tree["actor"].items() if v is not ...}
+        return areal.translate(tree).problems
+
+    (problem,) = problems(overlong_tokens=...)
+    assert problem.startswith("actor.overlong_reward_penalty: True needs actor.overlong_tokens")
+    (problem,) = problems(overlong_penalty_factor=None)
+    assert problem.startswith("actor.overlong_reward_penalty: True needs actor.overlong_penalty_factor")
+    # off, the window and factor are AReaL's leftovers: reported, not applied
+    t = _translated("gsm8k_grpo_lora.yaml")
+    assert "overlong_tokens" not in t.tree["actor"]["ppo"]
+    with pytest.raises(ConfigError) as e:
+        load_config(FIXTURES / "gsm8k_dapo_dynamic_bs.yaml", [*LORA, "actor.max_new_tokens=9000"], read_data=False)
+    (problem,) = e.value.problems
+    assert problem.startswith("actor.ppo.overlong_max_tokens: 9000 less overlong_tokens 512 is not below")

@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 
 from services.config.loader import config_from_dict
 from services.config.schema import PPOConfig
-from services.trainer.loss import batch_normalise, decoupled_ppo_loss, group_advantages, sequence_ratio
+from services.trainer.batching import advantages
+from services.trainer.loss import decoupled_ppo_loss, sequence_ratio
 from tests.fixtures.areal_ref import INSTALL, ReferenceMissing, load
 
 try:
@@ -254,6 +255,20 @@ SHAPING = {
     "example (x10, -0.5)": {},
     "AReaL defaults": {"reward_scaling": ..., "reward_bias": ...},
     "clipped at 3": {"reward_scaling": 10.0, "reward_bias": -0.5, "reward_clip": 3.0},
+    # completions are 1-7 tokens: the windows cover some of them and not others
+    "DAPO overlong, last 4 of 8": {
+        "overlong_reward_penalty": True,
+        "overlong_tokens": 4,
+        "overlong_penalty_factor": 1.0,
+        "max_new_tokens": 8,
+    },
+    "DAPO overlong, last 3 of 6 at 0.5, clipped at 3": {
+        "overlong_reward_penalty": True,
+        "overlong_tokens": 3,
+        "overlong_penalty_factor": 0.5,
+        "max_new_tokens": 6,
+        "reward_clip": 3.0,
+    },
 }
 
 
@@ -294,6 +309,10 @@ def _areal_advantages(batch: dict[str, Any], actor: dict[str, Any]) -> torch.Ten
         reward_clip=merged.get("reward_clip", 20.0),
         kl_ctl=0.0,
         use_decoupled_loss=True,
+        overlong_reward_penalty=merged.get("overlong_reward_penalty", False),
+        overlong_tokens=merged.get("overlong_tokens"),
+        overlong_penalty_factor=merged.get("overlong_penalty_factor"),
+        max_new_tokens=merged.get("max_new_tokens", 1024),
         **norms,
     )
     actor_ = REF.PPOActor(config, engine=None)
@@ -310,27 +329,12 @@ def _areal_advantages(batch: dict[str, Any], actor: dict[str, Any]) -> torch.Ten
 
 
 def _lorabus_advantages(batch: dict[str, Any], actor: dict[str, Any], n: int = 4) -> torch.Tensor:
+    """What the trainer computes (`batching.advantages`, which `to_samples` calls) from each
+    completion's reward and length."""
     p = _ppo(actor)
-    rewards = batch["rewards"]
-    groups = list(rewards.split(n))
-    advs = torch.cat(
-        group_advantages(
-            groups,
-            normalise=p.reward_norm,
-            group_adv_norm=p.group_adv_norm,
-            adv_norm_std=p.adv_norm_std,
-            batch_std=p.batch_std,
-            leave_one_out=p.leave_one_out,
-            reward_scaling=p.reward_scaling,
-            reward_bias=p.reward_bias,
-            reward_clip=p.reward_clip,
-            eps=p.norm_eps,
-        )
-    )
-    if p.batch_adv_norm:
-        # AReaL normalises per token: each completion counts with its length
-        advs = batch_normalise(advs, batch["completion"], use_std=p.batch_adv_norm_std, eps=p.norm_eps)
-    return advs.double()
+    rewards = list(batch["rewards"].split(n))
+    lengths = list(batch["completion"].split(n))
+    return torch.cat(advantages(rewards, lengths, p)).double()
 
 
 @pytest.mark.parametrize("shaping", SHAPING.values(), ids=list(SHAPING))

@@ -399,6 +399,24 @@ SGLANG = ("rollout.engine=sglang",)
             ("actor.ppo.batch_std=true", "actor.ppo.group_adv_norm=false"),
             "actor.ppo.batch_std: true has no effect (group_adv_norm: false already takes the batch's std)",
         ),
+        # DAPO's overlong penalty where it could never apply, or would apply to every completion
+        (
+            ("actor.ppo.overlong_max_tokens=16",),
+            "actor.ppo.overlong_max_tokens: 16 has no effect without actor.ppo.overlong_tokens",
+        ),
+        (("actor.ppo.overlong_tokens=0",), "actor.ppo.overlong_tokens: 0 must be >= 1"),
+        (
+            ("actor.ppo.overlong_tokens=20",),
+            "actor.ppo.overlong_tokens: 20 exceeds overlong_max_tokens 16, so even an empty completion is penalised",
+        ),
+        (
+            ("actor.ppo.overlong_tokens=4", "actor.ppo.overlong_max_tokens=20"),
+            "actor.ppo.overlong_max_tokens: 20 less overlong_tokens 4 is not below gconfig.max_new_tokens 16",
+        ),
+        (
+            ("actor.ppo.overlong_tokens=4", "actor.ppo.overlong_penalty_factor=0"),
+            "actor.ppo.overlong_penalty_factor: 0.0 must be > 0",
+        ),
         # how long a replica waits for a canary that follows its event
         (("rollout.canary_wait_s=0",), "rollout.canary_wait_s: 0.0 must be in (0, 3600] seconds"),
         (("rollout.canary_wait_s=7200",), "rollout.canary_wait_s: 7200.0 must be in (0, 3600] seconds"),
@@ -584,3 +602,10 @@ def test_a_group_of_one_is_refused_only_where_its_advantage_would_be_zero():
     null) or leave-one-out (RLOO: a lone sample's baseline is 0) rewards still train."""
     for override in ("actor.ppo.reward_norm=false", "actor.ppo.leave_one_out=true"):
         assert build("gconfig.n_samples=1", override).gconfig.n_samples == 1
+
+
+def test_overlong_penalty_ends_at_gconfig_s_cap_unless_told_otherwise():
+    # the window's end is the cap the completions were sampled under, filled in by the loader
+    assert build("actor.ppo.overlong_tokens=4").actor.ppo.overlong_max_tokens == 16
+    assert build("actor.ppo.overlong_tokens=4", "actor.ppo.overlong_max_tokens=12").actor.ppo.overlong_max_tokens == 12
+    assert build().actor.ppo.overlong_max_tokens is None

@@ -60,7 +60,12 @@ TOP: tuple[Entry, ...] = (
     ),
     Only("critic", None, "is not supported: lorabus trains GRPO (group advantages), no critic"),
     Only("teacher", None, "is not supported: lorabus has no teacher model (distillation)"),
-    Only("dynamic_bs", False, "is not supported: a lorabus step is rollout.consumer_batch_size groups"),
+    NoEffect(
+        "dynamic_bs",
+        "AReaL's dynamic_bs counts rejected trajectories toward a batch; lorabus's rollouts reject "
+        "none (AReaL's example scripts pass no dynamic_filter_fn either), so every step is "
+        "rollout.consumer_batch_size groups, as AReaL's would be",
+    ),
     Only("eval_gconfig", None, "is not supported: `lorabus evaluate` samples with gconfig"),
 )
 
@@ -127,6 +132,7 @@ ACTOR: tuple[Entry, ...] = (
     NoEffect("actor.grad_reduce_dtype", "lorabus reduces the adapter's fp32 gradients"),
     NoEffect("actor.optimizer_dtype", "lorabus keeps the adapter and its optimizer state in fp32"),
     NoEffect("actor.fsdp", "lorabus's FSDP2 engine shards each decoder layer; no wrap options"),
+    tf.overlong,
     NoEffect(
         "actor.max_new_tokens", "the trainer takes lengths from the trajectories (gconfig.max_new_tokens caps them)"
     ),
@@ -177,9 +183,6 @@ ACTOR: tuple[Entry, ...] = (
         for name, default in (
             ("c_clip", None),
             ("m2_threshold", None),
-            ("overlong_reward_penalty", False),
-            ("overlong_tokens", None),
-            ("overlong_penalty_factor", None),
             ("mask_no_eos_with_zero", False),
             ("discount", 1.0),
             ("gae_lambda", 1.0),

@@ -287,3 +287,26 @@ def megatron(x: Translator) -> None:
     else:
         x.noop(m, "actor.backend is not megatron")
     x.noop("actor.archon", "lorabus has no Archon engine")
+
+
+def overlong(x: Translator) -> None:
+    """DAPO's overlong penalty: three keys that mean something only together, and AReaL's
+    actor.max_new_tokens, which it reads for this and nothing else."""
+    a, p = "actor", "actor.ppo"
+    on = f"{a}.overlong_reward_penalty"
+    if not x.get(on, False):
+        x.only(on, False, "must be true or false")
+        for name in ("overlong_tokens", "overlong_penalty_factor"):
+            x.noop(f"{a}.{name}", "unused: overlong_reward_penalty is false")
+        return
+    missing = [n for n in ("overlong_tokens", "overlong_penalty_factor") if x.get(f"{a}.{n}") is None]
+    if missing:
+        named = " and ".join(f"actor.{n}" for n in missing)
+        x.refuse(on, f"needs {named} set, as AReaL asserts; give {'it' if len(missing) == 1 else 'them'} a value")
+        x.used.update(f"{a}.{n}" for n in ("overlong_tokens", "overlong_penalty_factor"))
+        return
+    x.used.add(on)
+    x.t.rows.append(Row(on, True, f"{p}.overlong_tokens set", "DAPO's soft overlong penalty, before reward shaping"))
+    x.to(f"{a}.overlong_tokens", f"{p}.overlong_tokens", note="the window before the end that the penalty spans")
+    x.to(f"{a}.overlong_penalty_factor", f"{p}.overlong_penalty_factor")
+    x.to(f"{a}.max_new_tokens", f"{p}.overlong_max_tokens", default=1024, note="where the penalty window ends")
