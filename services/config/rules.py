@@ -207,6 +207,29 @@ def check_reward_norm(cfg: LorabusConfig) -> list[str]:
     return out
 
 
+def check_sapo(cfg: LorabusConfig) -> list[str]:
+    """SAPO's gate replaces the clip and takes the ratio against the behaviour policy: settings
+    of the clip or of the decoupled loss beside it are refused, as AReaL refuses the latter."""
+    p = cfg.actor.ppo
+    out: list[str] = []
+    if not p.use_sapo_loss:
+        return out
+    if p.use_decoupled_loss:
+        out.append(
+            "actor.ppo.use_sapo_loss: true with actor.ppo.use_decoupled_loss: true, which AReaL refuses "
+            "(SAPO gates the ratio against the behaviour policy); set use_decoupled_loss: false"
+        )
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        if getattr(p, name) <= 0:
+            out.append(f"actor.ppo.{name}: {getattr(p, name)} must be > 0 (the gate's temperature)")
+    if p.eps_clip_higher is not None:
+        out.append(
+            f"actor.ppo.eps_clip_higher: {p.eps_clip_higher} has no effect with actor.ppo.use_sapo_loss: "
+            "the soft gate replaces the clip; remove it"
+        )
+    return out
+
+
 def check_overlong(cfg: LorabusConfig) -> list[str]:
     """DAPO's overlong penalty: refused where it could never apply, or would apply to every
     completion, rather than accepted and silently moot (run after `backfill`)."""
@@ -504,6 +527,7 @@ RULES = (
     check_canary_wait,
     check_reward_norm,
     check_overlong,
+    check_sapo,
     check_slab,
     check_vllm_slots,
     check_sglang_slots,

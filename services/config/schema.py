@@ -103,6 +103,13 @@ class PPOConfig(Section):
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """the ratio pi_theta/pi_prox that is clipped: per token, or per completion (GSPO: the
     geometric mean of its tokens' ratios, with the mean of their advantages), as AReaL's"""
+    use_sapo_loss: bool = False
+    """SAPO: a soft sigmoid gate on the ratio instead of PPO's clip (AReaL's use_sapo_loss); needs
+    use_decoupled_loss false, as AReaL's"""
+    sapo_tau_pos: float = 1.0
+    """the gate's temperature where the advantage is positive (larger: it closes sooner)"""
+    sapo_tau_neg: float = 1.05
+    """the gate's temperature where the advantage is negative or zero"""
     kl_ctl: float = 0.0
     reward_scaling: float = 1.0
     reward_bias: float = 0.0

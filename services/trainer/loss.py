@@ -172,6 +172,16 @@ def sequence_ratio(log_ratio: Tensor, advantages: Tensor, keep: Tensor) -> tuple
     return ratio, torch.where(keep, mean_adv.expand_as(advantages), torch.zeros_like(advantages))
 
 
+def sapo_gate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's soft gate in place of PPO's clip (AReaL's `sapo_loss_fn`): (4 / tau) *
+    sigmoid(tau * (ratio - 1)), with tau_pos where the advantage is positive and tau_neg
+    elsewhere. Its slope at ratio 1 is 1, so near the sampling policy it is the plain policy
+    gradient, and it flattens smoothly as the ratio moves away (a larger tau, sooner)."""
+    pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
+    neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
+    return torch.where(advantages > 0, pos, neg)
+
+
 def decoupled_ppo_loss(
     logprobs: Tensor,
     prox_logprobs: Tensor,
@@ -185,6 +195,7 @@ def decoupled_ppo_loss(
     imp_weight_mode: Literal["mask", "clamp", "none"] = "mask",
     use_decoupled_loss: bool = True,
     importance_sampling_level: Literal["token", "sequence"] = "token",
+    sapo_taus: tuple[float, float] | None = None,
     staleness: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The decoupled PPO loss, summed over tokens.
@@ -198,6 +209,8 @@ def decoupled_ppo_loss(
     weight out (AReaL's decoupled loss without `rejection_sampling`, its default): the ratio is
     still taken against pi_prox. `importance_sampling_level` sequence is GSPO as AReaL has it
     (`sequence_ratio`): each row is one completion and its ratio, clipped, stands for all its tokens.
+    `sapo_taus` (tau for positive, for negative advantages) replaces the clip with SAPO's soft
+    gate (`sapo_gate`); AReaL allows it only against the behaviour policy (no decoupled loss).
     """
     if imp_weight_mode not in ("mask", "clamp", "none"):
         raise ValueError(f"behav_imp_weight_mode: {imp_weight_mode!r} must be 'mask', 'clamp' or 'none'")
@@ -205,6 +218,8 @@ def decoupled_ppo_loss(
         raise ValueError(f"importance_sampling_level: {importance_sampling_level!r} must be 'token' or 'sequence'")
     if eps_clip <= 0:
         raise ValueError(f"eps_clip: {eps_clip} must be > 0")
+    if sapo_taus is not None and (use_decoupled_loss or min(sapo_taus) <= 0):
+        raise ValueError(f"use_sapo_loss: taus {sapo_taus} need to be > 0, without use_decoupled_loss (as AReaL's)")
     mask = loss_weights > 0
     prox = prox_logprobs if use_decoupled_loss else behave_logprobs
     prox = prox.detach()
@@ -233,15 +248,19 @@ def decoupled_ppo_loss(
         ratio, advantages = sequence_ratio(logprobs - prox, advantages, keep)
     else:
         ratio = torch.exp(logprobs - prox)
-    high = eps_clip if eps_clip_higher is None else eps_clip_higher
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    surrogate = -advantages * ratio
-    surrogate_clipped = -advantages * clipped_ratio
-    pg = torch.maximum(surrogate, surrogate_clipped)
+    if sapo_taus is None:
+        high = eps_clip if eps_clip_higher is None else eps_clip_higher
+        clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+        surrogate = -advantages * ratio
+        surrogate_clipped = -advantages * clipped_ratio
+        pg = torch.maximum(surrogate, surrogate_clipped)
+        # a masked token is out of the loss: it is neither clipped nor counted in the mean ratio
+        clipped = (surrogate_clipped > surrogate) & keep
+    else:
+        pg = -sapo_gate(ratio, advantages, *sapo_taus) * advantages
+        clipped = torch.zeros_like(mask)  # the gate bends the gradient; nothing is cut off
     if weighted:
         pg = pg * imp_weight
-    # a masked token is out of the loss: it is neither clipped nor counted in the mean ratio
-    clipped = (surrogate_clipped > surrogate) & keep
 
     loss = torch.where(mask, pg * loss_weights, torch.zeros_like(pg)).sum()
     with torch.no_grad():

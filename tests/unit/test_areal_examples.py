@@ -110,3 +110,27 @@ def test_overlong_settings_areal_would_not_run_are_refused_by_name():
         load_config(FIXTURES / "gsm8k_dapo_dynamic_bs.yaml", [*LORA, "actor.max_new_tokens=9000"], read_data=False)
     (problem,) = e.value.problems
     assert problem.startswith("actor.ppo.overlong_max_tokens: 9000 less overlong_tokens 512 is not below")
+
+
+def test_sapo_example_translates_to_the_soft_gate_against_the_behaviour_policy():
+    t = _translated("gsm8k_sapo.yaml")
+    assert t.problems == []
+    p = t.tree["actor"]["ppo"]
+    assert (p["use_sapo_loss"], p["sapo_tau_pos"], p["sapo_tau_neg"], p["use_decoupled_loss"]) == (
+        True,
+        1.0,
+        1.05,
+        False,
+    )
+    cfg = load_config(FIXTURES / "gsm8k_sapo.yaml", LORA, read_data=False)
+    assert cfg.actor.ppo.use_sapo_loss and not cfg.actor.ppo.use_decoupled_loss
+    # off, its temperatures are reported as unused, not applied
+    t = _translated("gsm8k_grpo_lora.yaml")
+    assert "use_sapo_loss" not in t.tree["actor"]["ppo"]
+
+
+def test_sapo_with_the_decoupled_loss_is_refused_by_name_as_areal_refuses_it():
+    with pytest.raises(ConfigError) as e:
+        load_config(FIXTURES / "gsm8k_sapo.yaml", [*LORA, "actor.use_decoupled_loss=true"], read_data=False)
+    (problem,) = e.value.problems
+    assert problem.startswith("actor.ppo.use_sapo_loss: true with actor.ppo.use_decoupled_loss: true")

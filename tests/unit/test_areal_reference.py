@@ -62,6 +62,9 @@ def _areal_config(actor: dict[str, Any]) -> Any:
         rejection_sampling=None if rs is None else REF.RejectionSamplingConfig(**rs),
         use_decoupled_loss=merged.get("use_decoupled_loss", False),
         importance_sampling_level=merged.get("importance_sampling_level", "token"),
+        use_sapo_loss=merged.get("use_sapo_loss", False),
+        sapo_tau_pos=merged.get("sapo_tau_pos", 1.0),
+        sapo_tau_neg=merged.get("sapo_tau_neg", 1.05),
     )
 
 
@@ -93,6 +96,28 @@ CASES = [
 ]
 
 
+SAPO_CASES = [
+    pytest.param(
+        {
+            "use_sapo_loss": True,
+            "sapo_tau_pos": pos,
+            "sapo_tau_neg": neg,
+            "use_decoupled_loss": False,
+            "recompute_logprob": False,
+            "rejection_sampling": rs,  # the example's, which AReaL ignores without the decoupled loss
+            "importance_sampling_level": level,
+        },
+        id=f"sapo-pos{pos}-neg{neg}-rs[{name}]-{'token' if level is ... else level}",
+    )
+    for (pos, neg), (name, rs), level in itertools.product(
+        ((..., ...), (1.0, 1.05), (0.5, 3.0)),
+        [(k, REJECTION[k]) for k in ("absent (AReaL's default)", "mask at 5 (example)")],
+        (..., "sequence"),
+    )
+]
+"""SAPO (AReaL's use_sapo_loss, its example's temperatures and others) at both ratio levels"""
+
+
 def _batch(seed: int) -> dict[str, torch.Tensor]:
     """Logprobs of three policies far enough apart that clipping, masking and clamping engage."""
     g = torch.Generator().manual_seed(seed)
@@ -110,22 +135,33 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _areal_loss(x: dict[str, torch.Tensor], cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """AReaL's loss and gradient (ppo_actor_loss_fn, in float64 as given) and the statistics its
+    """AReaL's loss and gradient (ppo_actor_loss_fn, or sapo_loss_fn, in float64 as given) and the statistics its
     step reports (grpo_loss_fn, which takes float32 only)."""
     # without the decoupled loss AReaL's prox is the rollout's logprobs (_compute_advantages)
     prox = x["prox"] if cfg["use_decoupled_loss"] else x["behave"]
     theta = x["theta"].clone().requires_grad_(True)
-    loss, _ = REF.ppo_actor_loss_fn(
-        logprobs=theta,
-        proximal_logprobs=prox,
-        old_logprobs=x["behave"],
-        advantages=x["adv"],
-        eps_clip=cfg["eps_clip"],
-        loss_mask=x["mask"],
-        eps_clip_higher=cfg["eps_clip_higher"],
-        rejection_sampling=cfg["rejection_sampling"],
-        importance_sampling_level=cfg["importance_sampling_level"],
-    )
+    if cfg["use_sapo_loss"]:
+        loss, _ = REF.sapo_loss_fn(
+            logprobs=theta,
+            old_logprobs=x["behave"],
+            advantages=x["adv"],
+            tau_pos=cfg["sapo_tau_pos"],
+            tau_neg=cfg["sapo_tau_neg"],
+            loss_mask=x["mask"],
+            importance_sampling_level=cfg["importance_sampling_level"],
+        )
+    else:
+        loss, _ = REF.ppo_actor_loss_fn(
+            logprobs=theta,
+            proximal_logprobs=prox,
+            old_logprobs=x["behave"],
+            advantages=x["adv"],
+            eps_clip=cfg["eps_clip"],
+            loss_mask=x["mask"],
+            eps_clip_higher=cfg["eps_clip_higher"],
+            rejection_sampling=cfg["rejection_sampling"],
+            importance_sampling_level=cfg["importance_sampling_level"],
+        )
     loss.backward()
     REF.stats_tracker.DEFAULT_TRACKER.export(reset=True)
     f32 = {k: v.float() if v.is_floating_point() else v for k, v in x.items()}
@@ -138,6 +174,9 @@ def _areal_loss(x: dict[str, torch.Tensor], cfg: dict[str, Any]) -> tuple[torch.
         c_clip=None,
         rejection_sampling=cfg["rejection_sampling"],
         importance_sampling_level=cfg["importance_sampling_level"],
+        use_sapo_loss=cfg["use_sapo_loss"],
+        sapo_tau_pos=cfg["sapo_tau_pos"],
+        sapo_tau_neg=cfg["sapo_tau_neg"],
         use_decoupled_loss=cfg["use_decoupled_loss"],
     )
     return loss.detach(), theta.grad, REF.stats_tracker.DEFAULT_TRACKER.export(reset=True)
@@ -158,12 +197,13 @@ def _lorabus_loss(x: dict[str, torch.Tensor], p: PPOConfig) -> tuple[torch.Tenso
         imp_weight_mode=p.behav_imp_weight_mode,
         use_decoupled_loss=p.use_decoupled_loss,
         importance_sampling_level=p.importance_sampling_level,
+        sapo_taus=(p.sapo_tau_pos, p.sapo_tau_neg) if p.use_sapo_loss else None,
     )
     loss.backward()
     return loss.detach(), theta.grad, stats.summary()
 
 
-@pytest.mark.parametrize("actor", CASES)
+@pytest.mark.parametrize("actor", CASES + SAPO_CASES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_loss_gradient_and_statistics_equal_areal_s(actor, seed):
     x = _batch(seed)

@@ -417,6 +417,19 @@ SGLANG = ("rollout.engine=sglang",)
             ("actor.ppo.overlong_tokens=4", "actor.ppo.overlong_penalty_factor=0"),
             "actor.ppo.overlong_penalty_factor: 0.0 must be > 0",
         ),
+        # SAPO's gate beside what it replaces
+        (
+            ("actor.ppo.use_sapo_loss=true",),
+            "actor.ppo.use_sapo_loss: true with actor.ppo.use_decoupled_loss: true, which AReaL refuses",
+        ),
+        (
+            ("actor.ppo.use_sapo_loss=true", "actor.ppo.use_decoupled_loss=false", "actor.ppo.sapo_tau_neg=0"),
+            "actor.ppo.sapo_tau_neg: 0.0 must be > 0",
+        ),
+        (
+            ("actor.ppo.use_sapo_loss=true", "actor.ppo.use_decoupled_loss=false", "actor.ppo.eps_clip_higher=0.28"),
+            "actor.ppo.eps_clip_higher: 0.28 has no effect with actor.ppo.use_sapo_loss",
+        ),
         # how long a replica waits for a canary that follows its event
         (("rollout.canary_wait_s=0",), "rollout.canary_wait_s: 0.0 must be in (0, 3600] seconds"),
         (("rollout.canary_wait_s=7200",), "rollout.canary_wait_s: 7200.0 must be in (0, 3600] seconds"),

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.trainer.loss import LossStats, decoupled_ppo_loss, group_advantages
+from services.trainer.loss import LossStats, decoupled_ppo_loss, group_advantages, sapo_gate
 
 
 def test_group_advantages_hand_computed():
@@ -175,7 +175,7 @@ def test_gspo_clips_a_completion_by_the_geometric_mean_of_its_ratios():
     assert theta.grad[1, 0].item() == pytest.approx(-math.exp(0.1) / 3)
 
 
-def test_engines_take_the_ratio_level_from_the_config():
+def test_engines_take_the_ratio_level_and_sapo_from_the_config():
     # every engine's micro-batch loss (fsdp2 and megatron both call micro_batch_loss)
     import msgspec
 
@@ -200,6 +200,25 @@ def test_engines_take_the_ratio_level_from_the_config():
         assert got.item() == pytest.approx(want.item())
     token = micro_batch_loss(lp, prox, mb, 0, PPOConfig(), "cpu")[0]
     assert token.item() != pytest.approx(got.item())
+    # and SAPO's gate, with its temperatures
+    sapo = msgspec.structs.replace(PPOConfig(), use_decoupled_loss=False, use_sapo_loss=True, sapo_tau_pos=0.5)
+    got, stats = micro_batch_loss(lp, prox, mb, 0, sapo, "cpu")
+    want, _ = decoupled_ppo_loss(
+        lp, prox, mb.behave_logprobs, mb.advantages, mb.loss_weights, use_decoupled_loss=False, sapo_taus=(0.5, 1.05)
+    )
+    assert got.item() == pytest.approx(want.item()) and stats.clipped == 0
+    plain = msgspec.structs.replace(sapo, use_sapo_loss=False)
+    assert micro_batch_loss(lp, prox, mb, 0, plain, "cpu")[0].item() != pytest.approx(got.item())
+
+
+def test_sapo_gate_is_the_policy_gradient_at_ratio_one_and_flattens_away_from_it():
+    ratio = torch.tensor([1.0, 1.0, 6.0, 0.2], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    gate = sapo_gate(ratio, adv, 1.0, 2.0)
+    assert gate[:2].tolist() == pytest.approx([4.0 * 0.5, 2.0 * 0.5])
+    (g,) = torch.autograd.grad(gate.sum(), ratio)
+    # slope 1 at ratio 1 for either temperature; far from it the gate hardly moves
+    assert g[:2].tolist() == pytest.approx([1.0, 1.0]) and g[2] < 0.05 and g[3] < 0.6
 
 
 def test_bad_ratio_level_is_rejected_with_field_name():

@@ -305,8 +305,12 @@ def _groups(vocab=32):
     ]
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_train_step_takes_a_real_gradient_step_on_adapter_only(level):
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"importance_sampling_level": "sequence"}, {"use_sapo_loss": True, "use_decoupled_loss": False}],
+    ids=["ppo", "gspo", "sapo"],
+)
+def test_train_step_takes_a_real_gradient_step_on_adapter_only(variant):
     torch.manual_seed(0)
     model = TinyMegatronLM()
     attach_lora(model, rank=4, alpha=8.0, targets=("linear_fc1", "linear_fc2"))
@@ -316,7 +320,7 @@ def test_train_step_takes_a_real_gradient_step_on_adapter_only(level):
     out_before = {n: p.clone() for n, p in named if "linear_out" in n}
     assert all(float(p.abs().max()) == 0.0 for p in out_before.values())  # B starts at zero
     opt = MasterAdapterOptimizer(named, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    ppo = msgspec.structs.replace(PPOConfig(), ppo_n_minibatches=2, importance_sampling_level=level)
+    ppo = msgspec.structs.replace(PPOConfig(), ppo_n_minibatches=2, **variant)
     stats = train_step(model, opt, _groups(), head_version=2, ppo=ppo, max_tokens=16)
     assert stats.tokens == sum(len(c.token_ids) for g in _groups() for c in g.completions)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0

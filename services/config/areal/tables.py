@@ -133,6 +133,7 @@ ACTOR: tuple[Entry, ...] = (
     NoEffect("actor.optimizer_dtype", "lorabus keeps the adapter and its optimizer state in fp32"),
     NoEffect("actor.fsdp", "lorabus's FSDP2 engine shards each decoder layer; no wrap options"),
     tf.overlong,
+    tf.sapo,
     NoEffect(
         "actor.max_new_tokens", "the trainer takes lengths from the trajectories (gconfig.max_new_tokens caps them)"
     ),
@@ -188,7 +189,6 @@ ACTOR: tuple[Entry, ...] = (
             ("gae_lambda", 1.0),
             ("gae_timestep_unit", "token"),
             ("gae_lambda_kwargs", {}),
-            ("use_sapo_loss", False),
             ("use_cispo_loss", False),
             ("prox_logp_method", "recompute"),
             ("log_agent_stats", False),

@@ -310,3 +310,16 @@ def overlong(x: Translator) -> None:
     x.to(f"{a}.overlong_tokens", f"{p}.overlong_tokens", note="the window before the end that the penalty spans")
     x.to(f"{a}.overlong_penalty_factor", f"{p}.overlong_penalty_factor")
     x.to(f"{a}.max_new_tokens", f"{p}.overlong_max_tokens", default=1024, note="where the penalty window ends")
+
+
+def sapo(x: Translator) -> None:
+    """SAPO's temperatures mean something only with use_sapo_loss."""
+    a, p = "actor", "actor.ppo"
+    if x.get(f"{a}.use_sapo_loss", False):
+        x.to(f"{a}.use_sapo_loss", f"{p}.use_sapo_loss", True, note="a soft gate instead of the clip")
+        x.to(f"{a}.sapo_tau_pos", f"{p}.sapo_tau_pos", default=1.0)
+        x.to(f"{a}.sapo_tau_neg", f"{p}.sapo_tau_neg", default=1.05)
+    else:
+        x.only(f"{a}.use_sapo_loss", False, "must be true or false")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            x.noop(f"{a}.{name}", "unused: use_sapo_loss is false")

@@ -134,6 +134,7 @@ def micro_batch_loss(
         imp_weight_mode=ppo.behav_imp_weight_mode,
         use_decoupled_loss=ppo.use_decoupled_loss,
         importance_sampling_level=ppo.importance_sampling_level,
+        sapo_taus=(ppo.sapo_tau_pos, ppo.sapo_tau_neg) if ppo.use_sapo_loss else None,
         staleness=(head_version - mb.versions).clamp(min=0).to(device).float(),
     )
 
