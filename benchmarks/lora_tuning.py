@@ -91,7 +91,7 @@ def time_forwards(groups: Sequence[SlotGroup], x: torch.Tensor, capture: bool, r
 
 
 STACKED_TILES = [(32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
-"""(columns, warps) per `expand_stacked_` program, the candidates of `sweep_stacked`"""
+"""(columns, warps) per `expand_stacked` program, the candidates of `sweep_stacked`"""
 
 
 def sweep_stacked(slots: LoraSlots, mix: Sequence[int], device: torch.device, capture: bool) -> dict:

@@ -1,4 +1,4 @@
-"""The low-rank correction of mixed-version rows, y += ((x @ A^T) * C) @ Bt, four ways.
+"""The low-rank correction of mixed-version rows, y + ((x @ A^T) * C) @ Bt, four ways.
 
 One call corrects a *group* of sibling linear layers that read the same input (q/k/v, or
 gate/up), whose outputs sit side by side in one `y [rows, N]`:
@@ -12,9 +12,10 @@ gate/up), whose outputs sit side by side in one `y [rows, N]`:
 matmul for the whole group, one mask multiply, one expand per member.
 
 "stacked" (the GPU default, `DEFAULT_CHOICE`): the slot pool keeps A's rows under W in one
-buffer, so the layer's own cuBLAS matmul returns x @ A^T beside x @ W^T, and `expand_stacked_`
-masks and adds it in one small kernel whose loads all start at once: one extra launch per
-group on the critical path, no side stream, no second pass over x.
+buffer, so the layer's own cuBLAS matmul returns x @ A^T beside x @ W^T, and `expand_stacked`
+masks it and writes y + the expand to a new contiguous tensor in one small kernel whose loads
+all start at once: one extra launch per group on the critical path, no side stream, no second
+pass over x.
 
 `correct_kernel_` is two Triton kernels for the whole group whatever G is: a split-K shrink
 that writes masked partial sums, then an expand that sums them and adds t @ Bt into y. They
@@ -61,14 +62,14 @@ BLOCK_K = 64
 K_CHUNK = 1024
 """input features per shrink program: the split-K width (down_proj's 8960 -> 9 programs)"""
 STACKED_BN = 32
-"""output columns per `expand_stacked_` program (more programs, each with less to load) and its
+"""output columns per `expand_stacked` program (more programs, each with less to load) and its
 warps: the fastest of seven tiles on the H200 (benchmarks/lora_tuning.py `sweep_stacked`; the
 spread between them was 3 %)"""
 STACKED_WARPS = 4
 
 Correction = Literal["torch", "triton", "stacked", "fused"]
 """how captured graphs correct a group's mixed rows: the reference, the two kernels beside
-cuBLAS, the shrink stacked into the layer's matmul plus one expand (`expand_stacked_`), or
+cuBLAS, the shrink stacked into the layer's matmul plus one expand (`expand_stacked`), or
 `linear_fused`"""
 
 Mode = Literal["auto", "torch", "triton", "stacked", "fused"]
@@ -246,26 +247,34 @@ def expand_kernel_(
     )  # fmt: skip
 
 
-def expand_stacked_(
+def expand_stacked(
     y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int], cols: torch.Tensor, rows_per_mask: int
-) -> None:
-    """y += (t * C) @ Bt, every member in one kernel, for the unmasked shrink t [rows, G * S * r]
-    that the stacked matmul left beside y (both may be column views of one tensor). `segs`
-    are host ints (at most three members): they are compiled in, so the kernel's loads do not
-    wait on a load of the segment table."""
+) -> torch.Tensor:
+    """y + (t * C) @ Bt as a new contiguous [rows, N] tensor, every member in one kernel, for the
+    unmasked shrink t [rows, G * S * r] that the stacked matmul left beside y (both may be
+    column views of one tensor; neither is written). `segs` are host ints (at most three
+    members): they are compiled in, so the kernel's loads do not wait on a load of the segment
+    table.
+
+    Out of place because a contiguous output keeps the residual add that follows o_proj and
+    down_proj on torch's vectorised kernel: y as a column view of the stacked matmul (row stride
+    N + G * S * r) sent it to the strided one, 192 against 86 us a decode step at batch 64 on an
+    H100 (Qwen2.5-1.5B, benchmarks/decode_breakdown.py, measured 2026-12-07)."""
     assert triton is not None
     rows, n = y.shape
     groups, sr = len(segs) - 1, cols.shape[1]
     if groups > 3:
-        raise ValueError(f"segs: {len(segs) - 1} members, expand_stacked_ takes at most 3 (q/k/v); split the group")
+        raise ValueError(f"segs: {len(segs) - 1} members, expand_stacked takes at most 3 (q/k/v); split the group")
+    out = torch.empty(rows, n, dtype=y.dtype, device=y.device)
     bounds = list(segs[1:]) + [n] * (3 - groups)
     bm = min(64, max(16, _pow2(rows)))
     tiles = max(triton.cdiv(segs[g + 1] - segs[g], STACKED_BN) for g in range(groups))
     _expand_stacked[(triton.cdiv(rows, bm), tiles, groups)](
-        y, t, cols, bt, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0),
+        y, t, cols, bt, out, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0), out.stride(0),
         B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), BM=bm,
         BN=STACKED_BN, num_warps=STACKED_WARPS,
     )  # fmt: skip
+    return out
 
 
 def linear_fused(
@@ -384,7 +393,7 @@ if triton is not None:
 
     @triton.jit
     def _expand_stacked(
-        y_ptr, t_ptr, c_ptr, bt_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt,
+        y_ptr, t_ptr, c_ptr, bt_ptr, out_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt, stride_out,
         B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr,
     ):  # fmt: skip
@@ -405,12 +414,13 @@ if triton is not None:
         c = tl.load(c_ptr + (rows // rows_per_mask)[:, None] * SR + cols[None, :], mask=in_t, other=0.0).to(tl.float32)
         t = tl.load(t_ptr + rows[:, None] * stride_t + (g * SR + cols)[None, :], mask=in_t, other=0.0)
         b = tl.load(bt_ptr + cols[:, None] * stride_bt + ns[None, :], mask=col_in[:, None] & n_in[None, :], other=0.0)
-        where = y_ptr + rows[:, None] * stride_y + ns[None, :]
-        y = tl.load(where, mask=row_in[:, None] & n_in[None, :], other=0.0)
+        inside = row_in[:, None] & n_in[None, :]
+        y = tl.load(y_ptr + rows[:, None] * stride_y + ns[None, :], mask=inside, other=0.0)
         acc = tl.dot((t.to(tl.float32) * c).to(b.dtype), b)
-        # rows on the head (all-zero signs) are left as they are
-        row_on = tl.max((c != 0).to(tl.int32), axis=1) > 0
-        tl.store(where, (y.to(tl.float32) + acc).to(y.dtype), mask=(row_in & row_on)[:, None] & n_in[None, :])
+        # every element of the new output is written, rows on the head too: their signs are all
+        # zero, so they get y + 0, which is y exactly
+        out = (y.to(tl.float32) + acc).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * stride_out + ns[None, :], out, mask=inside)
 
     @triton.jit
     def _fused(

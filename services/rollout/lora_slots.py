@@ -23,7 +23,9 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   `SlotGroup`: one matmul for their base outputs and one correction for all of them
   (`lora_kernels`). The group keeps its slots' A rows under its weight in one buffer, so on a
   GPU the default ("stacked") gets x @ W^T and x @ A^T from that one matmul and adds the masked
-  expand with one small kernel: a decoder layer puts 4 matmuls + 4 expands on the critical path
+  expand with one small kernel, which writes a new contiguous output (a column view of the
+  matmul would send the residual add after o_proj/down_proj to torch's strided kernel, 2.2x
+  slower on an H100): a decoder layer puts 4 matmuls + 4 expands on the critical path
   (0.93x the graph base on the H200 for mixed batches; 0.88x with the shrink as a second kernel
   on a side stream, 0.78x with three small kernels per module). The other corrections
   (`lora_kernels.Mode`) stay selectable and are tested against the same reference.
@@ -251,16 +253,18 @@ class SlotGroup:
         return y
 
     def _forward_stacked(self, x: torch.Tensor, x2: torch.Tensor, cols: torch.Tensor, per_row: int) -> torch.Tensor:
-        """One matmul gives y and the unmasked shrink side by side; the expand adds the masked
-        correction into y's columns in place."""
+        """One matmul gives y and the unmasked shrink side by side; the expand writes y plus the
+        masked correction to a contiguous [..., N] output, as the head-only F.linear returns
+        (`lora_kernels.expand_stacked` says why)."""
         n = self.segs[-1]
         ya = F.linear(x2, self._stacked, self._stacked_bias)
         y2, t = ya[:, :n], ya[:, n:]
         if lora_kernels.kernel_available(x.device, x.dtype):
-            lora_kernels.expand_stacked_(y2, t, self._bt_all, self.segs, cols, per_row)
+            out = lora_kernels.expand_stacked(y2, t, self._bt_all, self.segs, cols, per_row)
         else:
-            lora_kernels.expand_reference_(y2, lora_kernels.masked(t, cols, per_row), self._bt_all, self.segs)
-        return ya.view(*x.shape[:-1], ya.shape[1])[..., :n]
+            out = y2.contiguous()
+            lora_kernels.expand_reference_(out, lora_kernels.masked(t, cols, per_row), self._bt_all, self.segs)
+        return out.view(*x.shape[:-1], n)
 
 
 class SlotLinear(nn.Module):

@@ -67,11 +67,23 @@ def interpreted() -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(got[: 16 * per_row], y[: 16 * per_row])  # rows on the head untouched
         # the stacked path: the unmasked shrink comes out of the layer's matmul beside y, as
-        # column views of one tensor, and one kernel masks and expands it in place
+        # column views of one tensor, and one kernel masks and expands it into a new tensor
+        n = segs[-1]
         b_stacked = None if b is None else torch.cat([b, b.new_zeros(len(a))])
         ya = torch.nn.functional.linear(x, torch.cat([w, a]), b_stacked)
-        lora_kernels.expand_stacked_(ya[:, : segs[-1]], ya[:, segs[-1] :], bt, segs, cols, per_row)
-        torch.testing.assert_close(ya[:, : segs[-1]], want, atol=1e-4, rtol=1e-4)
+        before = ya.clone()
+        stacked = lora_kernels.expand_stacked(ya[:, :n], ya[:, n:], bt, segs, cols, per_row)
+        assert stacked.shape == (len(x), n) and stacked.is_contiguous()
+        assert torch.equal(ya, before)  # out of place: the matmul's output is not written
+        torch.testing.assert_close(stacked, want, atol=1e-4, rtol=1e-4)
+        # rows on the head, in the first block and between corrected rows, are written too, as y
+        on_head = (cols == 0).all(1).repeat_interleave(per_row)
+        assert on_head[: 16 * per_row].all() and on_head[16 * per_row :].any()
+        assert torch.equal(stacked[on_head], ya[on_head, :n])
+        # the CPU fallback of SlotGroup._forward_stacked gives the kernel's result
+        fallback = ya[:, :n].contiguous()
+        lora_kernels.expand_reference_(fallback, lora_kernels.masked(ya[:, n:], cols, per_row), bt, segs)
+        torch.testing.assert_close(stacked, fallback, atol=1e-4, rtol=1e-4)
         config = lora_kernels.with_stages(lora_kernels.FusedConfig(*tiles), n_slots * rank)
         fused = lora_kernels.linear_fused(x, w, b, a, bt, segs_dev, cols, per_row, config)
         torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
@@ -100,35 +112,73 @@ def interpreted() -> None:
     assert (logits["torch"][:10] - head_only[:10]).abs().max() > 1e-2  # older rows are corrected
     for correction in ("triton", "stacked", "fused", "auto"):
         torch.testing.assert_close(logits[correction], logits["torch"], atol=1e-5, rtol=1e-5)
+    assert_lone_members_contiguous(*models["stacked"], *models["torch"], mix)
     # "auto": a shape with a measured choice runs it (here the fused GEMM), the others the default
     model, slots = models["auto"]
     group = slots.groups[0]
     key = (20 * 5, group.segs[-1], group.in_features, len(group.segs) - 1, slots.table.slots * slots.rank)
     lora_kernels.TUNED[key] = lora_kernels.FusedConfig(16, 32, 32)
     calls: dict[str, list[torch.Size]] = {"fused": [], "stacked": []}
-    fused_kernel, stacked_kernel = lora_kernels.linear_fused, lora_kernels.expand_stacked_
+    fused_kernel, stacked_kernel = lora_kernels.linear_fused, lora_kernels.expand_stacked
 
     def fused(x: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
         calls["fused"].append(w.shape)
         return fused_kernel(x, w, *rest)
 
-    def stacked(y: torch.Tensor, *rest: Any) -> None:
+    def stacked(y: torch.Tensor, *rest: Any) -> torch.Tensor:
         calls["stacked"].append(y.shape)
-        stacked_kernel(y, *rest)
+        return stacked_kernel(y, *rest)
 
-    lora_kernels.linear_fused, lora_kernels.expand_stacked_ = fused, stacked  # type: ignore[assignment]
+    lora_kernels.linear_fused, lora_kernels.expand_stacked = fused, stacked  # type: ignore[assignment]
     try:
         with torch.no_grad(), slots.route(mix):
             torch.testing.assert_close(model(input_ids=ids).logits, logits["torch"], atol=1e-5, rtol=1e-5)
     finally:
         del lora_kernels.TUNED[key]
-        lora_kernels.linear_fused, lora_kernels.expand_stacked_ = fused_kernel, stacked_kernel
+        lora_kernels.linear_fused, lora_kernels.expand_stacked = fused_kernel, stacked_kernel
     # the first group's shape (one group per layer) ran fused, every other group stacked
     same_shape = [g for g in slots.groups if g.weight.shape == group.weight.shape]
     assert len(calls["fused"]) == len(same_shape) == 2
     assert len(calls["stacked"]) == len(slots.groups) - 2 and lora_kernels.DEFAULT_CHOICE == "stacked"
     checks += 1
     print(f"checked {checks}")
+
+
+def assert_lone_members_contiguous(model: Any, slots: Any, ref_model: Any, ref_slots: Any, mix: list[int]) -> None:
+    """o_proj and down_proj (groups of one member) under the stacked correction return a
+    contiguous output for a mixed batch, as the plain F.linear of a head-only batch does: the
+    residual add after them then runs on torch's vectorised kernel. `ref_*` is the same model
+    under the torch correction, whose outputs they must equal."""
+    assert slots.routing.correction == "stacked" and ref_slots.routing.correction == "torch"
+    generator = torch.Generator().manual_seed(11)
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        proj, ref = (m.model.layers[0].get_submodule(name) for m in (model, ref_model))
+        assert proj.group.segs == [0, proj.out_features]  # alone in its group
+        x = torch.randn(len(mix), 1, proj.in_features, generator=generator)
+        with torch.no_grad(), slots.route(mix), ref_slots.route(mix):
+            got, want = proj(x), ref(x)
+        assert got.is_contiguous(), f"{name}: stride {got.stride()} for shape {tuple(got.shape)}"
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_lone_members_are_contiguous_on_the_cpu_path():
+    """Without Triton's interpreter the stacked correction runs its torch fallback, which
+    must give the kernel's contiguous layout too."""
+    from services.rollout import lora_kernels
+    from services.rollout.lora_slots import LoraSlots
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    assert not lora_kernels.kernel_available(torch.device("cpu"), torch.float32)
+    built = []
+    for correction in ("stacked", "torch"):
+        model = tiny_qwen2(0)
+        adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
+        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
+        for v in range(3):
+            slots.load(v, adapters[v], 2.0)
+        slots.set_head(2)
+        built += [model, slots]
+    assert_lone_members_contiguous(*built, [0, 1, 2, 2, 0, 1])
 
 
 def test_merge_kernel_matches_torch_under_the_interpreter(outcomes):
