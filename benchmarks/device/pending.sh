@@ -13,20 +13,21 @@
 # which the first call carries and the later ones on the warm machine keep).
 #
 # A lease is ~1,800 s of device time and a machine's start ~270-300 of them: two full calls and
-# part of a third. Next lease, in this order (issue 34 has no GPU figure yet; 2026-12-07's second
-# lease ran fleet, fleet_together, kernel_tests, joint_step and engines for 33 and 27):
+# part of a third. A start that fails costs 90-180 s as well (eight failed on 12-07 late, and the
+# lease that finally came had time for the sweep and issue 27's profile only). Next lease, in
+# this order (issue 34's chain runs have no GPU figure yet; its sweep is in, 2026-12-07 late):
 #   1 carry .device/src.tgz                STAGE=chain   the chain task pre-trained (<= 240 s), then its
 #                                                        runs: k = 0 2 4 1 x seeds 1-3, 40 steps (resumable)
 #   2 (nothing carried)                    STAGE=chain   the runs the call before left (the task stays)
-#   3 what is left                         STAGE=sweep   issue 34's rank x learning rate on arith3, bf16
-#                                                        (9 cells of ~55 s; resumable, so a short call
-#                                                        keeps the cells it finished: LIMIT=<seconds>)
-# The lease after: issue 27 (STAGE=kernels with .device/pyw carried, mixed, then engines: vLLM's
-# four parts carried one a call, part_aa with kernels, part_ab..ad with the calls after) and issue 33 (STAGE=fleet, fleet_together:
-# the replicas' logs now say where the fleet's 36 s start-up goes; ~400 + ~380 s).
+#   3 what is left, .device/pyw carried    STAGE=mixed LIMIT=<s>   issue 27: the mixed step with the
+#                                                        contiguous expand output (12-07 late: 0.85x head)
+# The lease after: issue 27 (engines: vLLM's four parts carried one a call, part_aa with
+# STAGE=kernels, part_ab..ad with the calls after, engines last) and issue 33 (STAGE=fleet,
+# fleet_together, fleet_one_replica).
 # Also: STAGE=kernel_tests, joint_step, kernels, fleet_decode, sync_async (arith3; twice: a run
-# already recorded under /tmp/pending is not run again), and with less device time left than a
-# full call, STAGE=short LIMIT=<seconds>.
+# already recorded under /tmp/pending is not run again), sweep (done 12-07 late; seeds 2-3 of the
+# 1e-4 and 3e-4 columns would be the next cells), and with less device time left than a full
+# call, STAGE=short LIMIT=<seconds>.
 set -u
 L=h100 HBM=3.35
 nvidia-smi | grep -q H200 && L=h200 HBM=4.8
