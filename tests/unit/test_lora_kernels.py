@@ -1,8 +1,10 @@
 """The Triton correction kernel against the torch reference, on CPU under Triton's interpreter.
 
 Triton decides when it is imported whether it interprets, so the checks run in one child process
-started with TRITON_INTERPRET=1 (tests/fixtures/interpreted.py). On a GPU the same source compiles;
-benchmarks/embedded_engine.py compares its outputs with the reference path there."""
+started with TRITON_INTERPRET=1 (tests/fixtures/interpreted.py). On a GPU the same source compiles:
+the stacked expand, the default there, is checked compiled by the last test (run on the device by
+benchmarks/device/pending.sh), and benchmarks/embedded_engine.py compares every correction's
+outputs with the reference path."""
 
 import copy
 from typing import Any
@@ -258,3 +260,56 @@ def test_siblings_share_one_matmul_and_a_lone_call_recomputes():
     assert len(calls) == 2  # once for q/k/v, once for the lone k
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreted tests stand for it")
+def test_on_a_gpu_the_compiled_stacked_expand_is_the_reference():
+    """Compiled for the card, at a decode shape (Qwen2.5-1.5B's q/k/v widths, bf16, rank 16, four
+    slots, batch 64 with a quarter of its rows on older versions), the stacked expand writes
+    what the reference writes, and a whole model's logits under it are the torch correction's."""
+    pytest.importorskip("triton")
+    from services.rollout import lora_kernels
+    from services.rollout.lora_slots import LoraSlots
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    assert lora_kernels.kernel_available(dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(3)
+    segs, n_slots, rank, k, batch, head = [0, 1536, 1792, 2048], 4, 16, 1536, 64, 3
+    n = segs[-1]
+    x = torch.randn(batch, k, generator=g, device=dev, dtype=dtype)
+    w = torch.randn(n, k, generator=g, device=dev, dtype=dtype) / k**0.5
+    a = torch.randn(3 * n_slots * rank, k, generator=g, device=dev, dtype=dtype) / k**0.5
+    bt = torch.randn(n_slots * rank, n, generator=g, device=dev, dtype=dtype) / rank
+    signs = torch.zeros(batch, n_slots, device=dev, dtype=dtype)
+    for row in range(0, batch, 4):
+        signs[row, row % head] = 1.0
+        signs[row, head] = -1.0
+    cols = signs.repeat_interleave(rank, dim=1)
+    ya = torch.nn.functional.linear(x, torch.cat([w, a]))
+    got = lora_kernels.expand_stacked(ya[:, :n], ya[:, n:], bt, segs, cols, 1)
+    want = ya[:, :n].float()
+    lora_kernels.expand_reference_(want, lora_kernels.masked(ya[:, n:].float(), cols.float(), 1), bt.float(), segs)
+    assert got.is_contiguous() and (want - ya[:, :n].float()).abs().max() > 0.05
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    on_head = (cols == 0).all(1)
+    assert torch.equal(got[on_head], ya[on_head, :n])
+
+    built = []
+    for correction in ("stacked", "torch"):
+        model = tiny_qwen2(0).to(dev, dtype)  # the kernel runs in half precision only
+        adapters = {
+            v: {name: t.to(dev, dtype) for name, t in random_lora(model, 300 + v, 4, 0.2).items()} for v in range(3)
+        }
+        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
+        for v in range(3):
+            slots.load(v, adapters[v], 2.0)
+        slots.set_head(2)
+        built.append((model, slots))
+    ids = torch.randint(0, 97, (20, 5), generator=torch.Generator().manual_seed(5)).to(dev)
+    mix = [0] * 5 + [1] * 5 + [2] * 10
+    logits = []
+    for model, slots in built:
+        with torch.no_grad(), slots.route(mix):
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0].float(), logits[1].float(), atol=3e-2, rtol=3e-2)
