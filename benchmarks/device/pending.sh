@@ -13,7 +13,7 @@
 # which the first call carries and the later ones on the warm machine keep).
 #
 # A lease is ~1,800 s of device time and a machine's start ~270-300 of them: two full calls and
-# part of a third. A start that fails costs 90-180 s as well (eight failed on 12-07 late, and the
+# part of a third. A start that fails costs 90-180 s as well (four failed and four were refused on 12-07 late, and the
 # lease that finally came had time for the sweep and issue 27's profile only). Next lease, in
 # this order (issue 34's chain runs have no GPU figure yet; its sweep is in, 2026-12-07 late):
 #   1 carry .device/src.tgz                STAGE=chain   the chain task pre-trained (<= 240 s), then its
