@@ -27,6 +27,20 @@ def test_kernel_matches_the_reference_under_the_interpreter(outcomes):
     assert "checked" in outcomes["correction"].output()
 
 
+def three_versions(correction: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """The tiny Qwen2 with versions 0-2 of a random adapter loaded under `correction`, 2 the head."""
+    from services.rollout.lora_slots import LoraSlots
+    from tests.fixtures.tiny import random_lora, tiny_qwen2
+
+    model = tiny_qwen2(0).to(device, dtype)
+    adapters = {v: {k: t.to(device, dtype) for k, t in random_lora(model, 300 + v, 4, 0.2).items()} for v in range(3)}
+    slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
+    for v in range(3):
+        slots.load(v, adapters[v], 2.0)
+    slots.set_head(2)
+    return model, slots
+
+
 def interpreted() -> None:
     from services.rollout import lora_kernels
 
@@ -91,18 +105,7 @@ def interpreted() -> None:
         torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
         checks += 1
     # a whole model: every correction gives the same logits for a mixed batch
-    from services.rollout.lora_slots import LoraSlots
-    from tests.fixtures.tiny import random_lora, tiny_qwen2
-
-    models = {}
-    for correction in ("torch", "triton", "stacked", "fused", "auto"):
-        model = tiny_qwen2(0)
-        adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
-        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
-        for v in range(3):
-            slots.load(v, adapters[v], 2.0)
-        slots.set_head(2)
-        models[correction] = (model, slots)
+    models = {correction: three_versions(correction) for correction in ("torch", "triton", "stacked", "fused", "auto")}
     ids = torch.randint(0, 97, (20, 5), generator=torch.Generator().manual_seed(5))
     mix = [0] * 5 + [1] * 5 + [2] * 10
     logits = {}
@@ -167,20 +170,9 @@ def test_lone_members_are_contiguous_on_the_cpu_path():
     """Without Triton's interpreter the stacked correction runs its torch fallback, which
     must give the kernel's contiguous layout too."""
     from services.rollout import lora_kernels
-    from services.rollout.lora_slots import LoraSlots
-    from tests.fixtures.tiny import random_lora, tiny_qwen2
 
     assert not lora_kernels.kernel_available(torch.device("cpu"), torch.float32)
-    built = []
-    for correction in ("stacked", "torch"):
-        model = tiny_qwen2(0)
-        adapters = {v: random_lora(model, 300 + v, 4, 0.2) for v in range(3)}
-        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
-        for v in range(3):
-            slots.load(v, adapters[v], 2.0)
-        slots.set_head(2)
-        built += [model, slots]
-    assert_lone_members_contiguous(*built, [0, 1, 2, 2, 0, 1])
+    assert_lone_members_contiguous(*three_versions("stacked"), *three_versions("torch"), [0, 1, 2, 2, 0, 1])
 
 
 def test_merge_kernel_matches_torch_under_the_interpreter(outcomes):
@@ -269,8 +261,6 @@ def test_on_a_gpu_the_compiled_stacked_expand_is_the_reference():
     what the reference writes, and a whole model's logits under it are the torch correction's."""
     pytest.importorskip("triton")
     from services.rollout import lora_kernels
-    from services.rollout.lora_slots import LoraSlots
-    from tests.fixtures.tiny import random_lora, tiny_qwen2
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     assert lora_kernels.kernel_available(dev, dtype)
@@ -295,17 +285,8 @@ def test_on_a_gpu_the_compiled_stacked_expand_is_the_reference():
     on_head = (cols == 0).all(1)
     assert torch.equal(got[on_head], ya[on_head, :n])
 
-    built = []
-    for correction in ("stacked", "torch"):
-        model = tiny_qwen2(0).to(dev, dtype)  # the kernel runs in half precision only
-        adapters = {
-            v: {name: t.to(dev, dtype) for name, t in random_lora(model, 300 + v, 4, 0.2).items()} for v in range(3)
-        }
-        slots = LoraSlots.install(model, adapters[0], slots=3, correction=correction)
-        for v in range(3):
-            slots.load(v, adapters[v], 2.0)
-        slots.set_head(2)
-        built.append((model, slots))
+    # in half precision, where the kernel runs
+    built = [three_versions(correction, "cuda", dtype) for correction in ("stacked", "torch")]
     ids = torch.randint(0, 97, (20, 5), generator=torch.Generator().manual_seed(5)).to(dev)
     mix = [0] * 5 + [1] * 5 + [2] * 10
     logits = []
