@@ -78,6 +78,8 @@ VARIANTS = {
     "fused_norm_kernel": "fused_kv, and services.rollout.norm_kernel for the RMSNorms (one launch each, no casts)",
     "fused_swiglu": "fused_norm_kernel, and services.rollout.swiglu_kernel for the MLPs' silu(gate) * up",
     "fused_attention": "fused_swiglu, and services.rollout.attention_kernel for the one-token attention",
+    "fused_residual": "fused_attention, and services.rollout.decoder_layer for the residual adds (the first with the"
+    " norm after it; o_proj's and down_proj's LoRA corrections in them)",
 }
 """each variant is the one before it and one change more"""
 
@@ -92,6 +94,7 @@ SWITCHED = {
     "fused_norm_kernel": "LORABUS_FUSED_NORM_KERNEL",
     "fused_swiglu": "LORABUS_FUSED_SWIGLU",
     "fused_attention": "LORABUS_FUSED_ATTENTION",
+    "fused_residual": "LORABUS_FUSED_RESIDUAL",
 }
 """the variants whose kernel is switched by the environment, read at each call"""
 
@@ -200,6 +203,7 @@ def step_breakdown(
         # a cache of this DecodeGraphs' own: nothing outlives the variant, unlike the rope's patch
         fused_kv_write=stacks_on(variant, "fused_kv"),
         fused_mlp=stacks_on(variant, "fused_swiglu"),
+        fused_residual=stacks_on(variant, "fused_residual"),
     )
 
     def run(new: int):

@@ -38,7 +38,7 @@ kernel_tests() {  # the new decode kernels compiled for the card and checked aga
   PYTHONPATH="$PYTHONPATH:/tmp/pyt" timeout 120 python -m pytest -q -p no:cacheprovider --noconftest \
     -o addopts="" -rs -k gpu tests/unit/test_norm_kernel.py tests/unit/test_kv_write.py \
     tests/unit/test_swiglu_kernel.py tests/unit/test_attention_kernel.py tests/unit/test_sample_kernel.py \
-    tests/unit/test_lora_kernels.py \
+    tests/unit/test_lora_kernels.py tests/unit/test_decoder_layer.py \
     >"$OUT/gpu_kernel_tests_$L.txt" 2>&1
   tail -5 "$OUT/gpu_kernel_tests_$L.txt"
   grep -i unavailable "$OUT/gpu_kernel_tests_$L.txt" | head -3  # a kernel that fell back to torch
@@ -124,11 +124,12 @@ chain_task)  # issue 34: the long-rollout task, pre-trained on the card (its mod
 sync_async_chain)  # issue 34: the chain task's runs alone (the task made by chain_task or chain)
   sync_async_chain
   ;;
-mixed)  # issue 27: where a step with rows on older versions goes (the mixed batches' 0.89-0.91 of base),
-  # after the kernels' GPU tests (the stacked expand writes a new contiguous output since 12-07 late)
+mixed)  # issue 27: where a step with rows on older versions goes (the mixed batches' 0.85 of base on
+  # 12-07 late), after the kernels' GPU tests: the stacked expand's contiguous output (fused_attention)
+  # beside the decoder layer's fused residual adds with o_proj's and down_proj's corrections in them
   kernel_tests
   timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
-    --shapes qwen2.5-1.5b --batches 64 16 256 --variants fused_attention --mixes head mixed25 mixed3 \
+    --shapes qwen2.5-1.5b --batches 64 256 --variants fused_attention fused_residual --mixes head mixed25 mixed3 \
     --out "$OUT/decode_breakdown_mixed_$L.json" 2>&1 | grep -v USDT | tail -12
   ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)

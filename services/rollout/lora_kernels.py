@@ -247,14 +247,46 @@ def expand_kernel_(
     )  # fmt: skip
 
 
+class Pending(NamedTuple):
+    """A lone member's correction, (t * C) @ Bt, not yet added to its output: what the stacked
+    matmul left beside y (`t` [rows, S * r], unmasked, any row stride), the signs `cols`
+    [batch, S * r], `bt` [S * r, N] and the slots' `rank`. The kernel that reads y next adds it
+    (`norm_kernel.add_normalize`, `expand_stacked` with a residual): one launch fewer and one
+    pass over y fewer than correcting y first."""
+
+    t: torch.Tensor
+    cols: torch.Tensor
+    bt: torch.Tensor
+    rows_per_mask: int
+    rank: int
+
+    def added_to(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y [rows, N] corrected (plus `residual` [rows, N] where given), a new contiguous
+        tensor: the kernel where it runs, else torch."""
+        segs = [0, y.shape[1]]
+        if kernel_available(y.device, y.dtype):
+            return expand_stacked(y, self.t, self.bt, segs, self.cols, self.rows_per_mask, residual)
+        out = y.contiguous()
+        expand_reference_(out, masked(self.t, self.cols, self.rows_per_mask), self.bt, segs)
+        return out if residual is None else residual + out
+
+
 def expand_stacked(
-    y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, segs: Sequence[int], cols: torch.Tensor, rows_per_mask: int
+    y: torch.Tensor,
+    t: torch.Tensor,
+    bt: torch.Tensor,
+    segs: Sequence[int],
+    cols: torch.Tensor,
+    rows_per_mask: int,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y + (t * C) @ Bt as a new contiguous [rows, N] tensor, every member in one kernel, for the
     unmasked shrink t [rows, G * S * r] that the stacked matmul left beside y (both may be
     column views of one tensor; neither is written). `segs` are host ints (at most three
     members): they are compiled in, so the kernel's loads do not wait on a load of the segment
-    table.
+    table. With `residual` [rows, N] (contiguous) the output is `residual + (y + correction)`,
+    each sum rounded to y's dtype as torch's two adds round: a decoder layer's last residual add
+    and down_proj's correction in one launch.
 
     Out of place because a contiguous output keeps the residual add that follows o_proj and
     down_proj on torch's vectorised kernel: y as a column view of the stacked matmul (row stride
@@ -265,14 +297,19 @@ def expand_stacked(
     groups, sr = len(segs) - 1, cols.shape[1]
     if groups > 3:
         raise ValueError(f"segs: {len(segs) - 1} members, expand_stacked takes at most 3 (q/k/v); split the group")
-    out = torch.empty(rows, n, dtype=y.dtype, device=y.device)
+    if residual is not None and (residual.shape != (rows, n) or residual.stride(1) != 1):
+        got = f"shape {tuple(residual.shape)}, stride {residual.stride()}"
+        raise ValueError(f"residual: {got}; pass y's shape [{rows}, {n}] with contiguous rows")
+    dtype = y.dtype if residual is None else torch.promote_types(y.dtype, residual.dtype)
+    out = torch.empty(rows, n, dtype=dtype, device=y.device)
     bounds = list(segs[1:]) + [n] * (3 - groups)
     bm = min(64, max(16, _pow2(rows)))
     tiles = max(triton.cdiv(segs[g + 1] - segs[g], STACKED_BN) for g in range(groups))
+    res = out if residual is None else residual
     _expand_stacked[(triton.cdiv(rows, bm), tiles, groups)](
-        y, t, cols, bt, out, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0), out.stride(0),
-        B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)), BM=bm,
-        BN=STACKED_BN, num_warps=STACKED_WARPS,
+        y, t, cols, bt, res, out, rows, rows_per_mask, y.stride(0), t.stride(0), bt.stride(0), res.stride(0),
+        out.stride(0), B1=bounds[0], B2=bounds[1], B3=bounds[2], SR=sr, SR_PAD=max(16, triton.next_power_of_2(sr)),
+        BM=bm, BN=STACKED_BN, HAS_RES=residual is not None, num_warps=STACKED_WARPS,
     )  # fmt: skip
     return out
 
@@ -393,9 +430,9 @@ if triton is not None:
 
     @triton.jit
     def _expand_stacked(
-        y_ptr, t_ptr, c_ptr, bt_ptr, out_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt, stride_out,
-        B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr,
+        y_ptr, t_ptr, c_ptr, bt_ptr, r_ptr, out_ptr, M, rows_per_mask, stride_y, stride_t, stride_bt, stride_r,
+        stride_out, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, HAS_RES: tl.constexpr,
     ):  # fmt: skip
         """One program: a tile of member g's columns for BM rows. Its four loads (signs, t, Bt,
         y) depend on nothing loaded, so they are in flight together: at decode sizes the kernel
@@ -419,8 +456,11 @@ if triton is not None:
         acc = tl.dot((t.to(tl.float32) * c).to(b.dtype), b)
         # every element of the new output is written, rows on the head too: their signs are all
         # zero, so they get y + 0, which is y exactly
-        out = (y.to(tl.float32) + acc).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_out + ns[None, :], out, mask=inside)
+        out = (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(r_ptr + rows[:, None] * stride_r + ns[None, :], mask=inside, other=0.0)
+            out = r.to(tl.float32) + out.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_out + ns[None, :], out.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _fused(

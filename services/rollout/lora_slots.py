@@ -181,6 +181,8 @@ class SlotGroup:
         self._bt_all = self.bt.view(slots * rank, n)
         self._segs_dev = torch.tensor(self.segs, dtype=torch.int32, device=self.weight.device)
         self._pending: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
+        self.late: Late | None = None
+        """set by `deferred` around the code that consumes a lone member's output"""
 
     @property
     def w0(self) -> torch.Tensor:
@@ -255,16 +257,70 @@ class SlotGroup:
     def _forward_stacked(self, x: torch.Tensor, x2: torch.Tensor, cols: torch.Tensor, per_row: int) -> torch.Tensor:
         """One matmul gives y and the unmasked shrink side by side; the expand writes y plus the
         masked correction to a contiguous [..., N] output, as the head-only F.linear returns
-        (`lora_kernels.expand_stacked` says why)."""
+        (`lora_kernels.expand_stacked` says why). Inside `deferred`, a lone member returns y as
+        it is (a column view) and leaves the correction to whoever reads y next."""
         n = self.segs[-1]
         ya = F.linear(x2, self._stacked, self._stacked_bias)
         y2, t = ya[:, :n], ya[:, n:]
+        late = self.late
+        if late is not None and lora_kernels.kernel_available(x.device, x.dtype):
+            out = y2.view(*x.shape[:-1], n)
+            late.hold(out, lora_kernels.Pending(t, cols, self._bt_all, per_row, self.buffers.rank))
+            return out
         if lora_kernels.kernel_available(x.device, x.dtype):
             out = lora_kernels.expand_stacked(y2, t, self._bt_all, self.segs, cols, per_row)
         else:
             out = y2.contiguous()
             lora_kernels.expand_reference_(out, lora_kernels.masked(t, cols, per_row), self._bt_all, self.segs)
         return out.view(*x.shape[:-1], n)
+
+
+class Late:
+    """What a `deferred` block collects: the lone member's output, returned without its
+    correction, and the correction (`lora_kernels.Pending`) that whoever reads the output must
+    add. At most one per block; `take` hands it over exactly once."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: tuple[torch.Tensor, lora_kernels.Pending] | None = None
+
+    def hold(self, out: torch.Tensor, pending: lora_kernels.Pending) -> None:
+        if self._held is not None:
+            raise RuntimeError("deferred: the layer ran twice in one block; its first output would stay uncorrected")
+        self._held = (out, pending)
+
+    def take(self, out: torch.Tensor) -> lora_kernels.Pending | None:
+        """The correction `out` still lacks, or None if it lacks none. `out` must be the
+        output held (the same view): anything else means the block computed on from an
+        uncorrected tensor, which is refused rather than returned wrong."""
+        held, self._held = self._held, None
+        if held is None:
+            return None
+        if (out.data_ptr(), out.shape, out.stride()) != (held[0].data_ptr(), held[0].shape, held[0].stride()):
+            raise RuntimeError(
+                f"deferred: got a tensor of shape {tuple(out.shape)} that is not the layer's output "
+                f"{tuple(held[0].shape)}; its correction cannot be added to it"
+            )
+        return held[1]
+
+
+@contextlib.contextmanager
+def deferred(module: nn.Module) -> Iterator[Late]:
+    """Run a block in which `module`, if it is a LoRA slot layer alone in its group, returns its
+    output without the mixed rows' correction when the stacked kernel path would add it; the
+    caller adds it with the kernel that reads the output next (`Late.take` gives it). A module
+    of any other kind computes as always, and `take` gives None."""
+    late = Late()
+    group = module.group if isinstance(module, SlotLinear) and len(module.group.segs) == 2 else None
+    if group is None:
+        yield late
+        return
+    group.late = late
+    try:
+        yield late
+    finally:
+        group.late = None
 
 
 class SlotLinear(nn.Module):

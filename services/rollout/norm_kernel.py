@@ -23,15 +23,12 @@ where the sums are exact, and on random rows the module's formula with `mean` mo
 3 ulps; the kernel compiles to 16-byte loads and stores for sm_90 with Triton 3.9). Every thread
 of a row must hold the same sum, so the kernel is built without fused multiply-adds (`_launch`).
 
-Not fused with the residual add before it. Qwen2 and Llama layers do `hidden = residual +
-attn_out; residual = hidden; hidden = post_attention_layernorm(hidden)` inside the decoder
-layer's forward, and the layer's last add (`residual + mlp_out`) reaches the next layer's input
-norm through the model's layer loop; the norm module only ever sees the sum. Fusing the first
-means replacing transformers' decoder-layer forward (its signature moved between 5.17 on the
-GPU image and 5.24 here), the second also the model's loop, and neither can be checked the way
-the norms and the rope are (run beside the original on a probe, kept only if equal) without
-running attention and its cache write twice. At stake: the 56 bfloat16 adds of a step, 0.087 ms
-of the 3.47 (half of them inside a layer). That is work for a decoder layer of the rollout's own.
+`add_normalize` is the same norm with the residual add before it (`decoder_layer` calls it for
+`residual + attn_out` and post_attention_layernorm, which transformers' layer does as two
+launches), and, for a row on an older adapter version, o_proj's low-rank correction added to
+`attn_out` first: `lora_kernels.Pending`, one launch instead of three. Each sum is rounded to the
+dtype torch's adds round to, so the sum it writes is torch's bit for bit (the correction's
+products summed in its own order) and the norm of it is `normalize`'s.
 
 `normalize` returns None where it does not take the call (a tensor that needs its gradient, a
 CPU tensor outside Triton's interpreter, a layout or dtype it does not read, a row wider than
@@ -41,14 +38,15 @@ The launch reads no device value on the host and allocates through torch, so a C
 captures it as it is.
 
 Invariant: where it runs, the output has transformers' shape and dtype and its formula's value
-up to the summation order of the squares; the input and the weight are not written.
+up to the summation order of the squares (and of a correction's products); the inputs and the
+weight are not written.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.rollout.lora_kernels import give_up, triton, triton_runs
+from services.rollout.lora_kernels import Pending, give_up, triton, triton_runs
 
 if triton is not None:
     import triton.language as tl
@@ -66,6 +64,10 @@ BUILD = {"enable_fp_fusion": False}
 threads, and a thread that fused its own square into it (`fma(x, x, partner's rounded square)`)
 would hold a sum its partner does not: one row's elements normalised by different means (seen on
 an H100: outputs 9 float32 ulps of the mean away, where 4 explain any order of the sum)"""
+
+RANK_CHUNK = 8
+"""a correction's rank columns read at a time by `add_normalize`: [8, 2048] float32 of Bt in a
+program's registers at the widest Qwen2.5 rows we measured (1.5B), whatever the rank"""
 
 _BROKEN: list[str] = []
 """why the kernel failed in this process (then it is not tried again)"""
@@ -101,6 +103,63 @@ def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     except Exception as exc:  # a Triton that cannot build it: torch's path, said once
         give_up(_BROKEN, exc, "fused RMSNorm kernel", "normalising in torch")
         return None
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of `t` seen as [numel / width, width], or None where
+    its leading dims do not collapse to one evenly strided row index (a column slice of one
+    matmul's output does collapse). A dim of size 1 says nothing: torch gives it any stride."""
+    stride = expect = None
+    for size, step in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if expect is None:
+            stride = step
+        elif step != expect:
+            return None
+        expect = step * size
+    return t.shape[-1] if stride is None else stride
+
+
+def add_normalize(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pending: Pending | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(s, norm(s))` for `s = residual + x`, with `pending`'s correction added to x first, in one
+    launch; None where the kernel does not take the call (as `normalize`; x may also be a column
+    slice of a matmul's output), and then the caller computes its own way."""
+    if not takes(residual, weight) or x.shape != residual.shape or x.dtype not in DTYPES:
+        return None
+    if x.device != residual.device or x.stride(-1) != 1 or row_stride(x) is None or x.requires_grad:
+        return None
+    if pending is not None and (pending.t.stride(-1) != 1 or pending.cols.dim() != 2):
+        return None
+    if pending is not None and pending.cols.shape[1] % pending.rank:
+        return None
+    try:
+        return _launch_add(x, residual, weight, eps, pending)
+    except Exception as exc:  # a Triton that cannot build it: torch's path, said once
+        give_up(_BROKEN, exc, "fused RMSNorm kernel", "normalising in torch")
+        return None
+
+
+def _launch_add(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pending: Pending | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert triton is not None
+    width = weight.shape[0]
+    summed = torch.empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
+    out = torch.empty(residual.shape, dtype=torch.promote_types(weight.dtype, summed.dtype), device=x.device)
+    block = triton.next_power_of_2(width)
+    warps = max(1, min(16, block // 256))
+    t, cols, bt = (x, x, x) if pending is None else (pending.t, pending.cols, pending.bt)
+    rank = 16 if pending is None else pending.rank
+    _add_rms_norm[(residual.numel() // width,)](
+        x, residual, weight, summed, out, t, cols, bt, float(eps), row_stride(x), t.stride(-2),
+        1 if pending is None else pending.rows_per_mask, bt.stride(0), width=width, block=block,
+        slots=0 if pending is None else cols.shape[1] // rank, rank=rank, chunk=RANK_CHUNK, num_warps=warps,
+        **BUILD,
+    )  # fmt: skip
+    return summed, out
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,5 +204,47 @@ if triton is not None:
         inv = tl.div_rn(1.0, tl.sqrt_rn(var))
         # transformers rounds the normalised row to the input's dtype before the weight multiplies
         y = _round(x * inv, x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m).to(tl.float32)
+        tl.store(o_ptr + row * width + offs, _round(w * y, o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _add_rms_norm(
+        x_ptr, r_ptr, w_ptr, s_ptr, o_ptr, t_ptr, c_ptr, bt_ptr, eps, stride_x, stride_t, rows_per_mask, stride_bt,
+        width: tl.constexpr, block: tl.constexpr, slots: tl.constexpr, rank: tl.constexpr, chunk: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row: `x += (t * c) @ Bt` over the slots whose signs are not all zero
+        (a row on the head has none: it reads no Bt), `s = round(r + round(x))` stored, then
+        `_rms_norm` of s."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, block)
+        m = offs < width
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if slots > 0:
+            # a slot's sign is the same on its `rank` columns: one load says whether the row uses it
+            signs = c_ptr + (row // rows_per_mask) * (slots * rank)
+            acc = tl.zeros([block], dtype=tl.float32)
+            for slot in tl.static_range(slots):
+                sign = tl.load(signs + slot * rank).to(tl.float32)
+                if sign != 0:
+                    for k0 in tl.static_range(0, rank, chunk):
+                        ks = k0 + tl.arange(0, chunk)
+                        k_in = ks < rank
+                        t = tl.load(t_ptr + row * stride_t + slot * rank + ks, mask=k_in, other=0.0).to(tl.float32)
+                        # the signed shrink in Bt's dtype, as expand_stacked hands it to its dot
+                        v = (t * sign).to(bt_ptr.dtype.element_ty).to(tl.float32)
+                        b = tl.load(
+                            bt_ptr + (slot * rank + ks)[:, None] * stride_bt + offs[None, :],
+                            mask=k_in[:, None] & m[None, :],
+                            other=0.0,
+                        ).to(tl.float32)
+                        acc += tl.sum(v[:, None] * b, axis=0)
+            x = _round(x + acc, x_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.load(r_ptr + row * width + offs, mask=m, other=0.0).to(tl.float32)
+        s = _round(r + x, s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * width + offs, s, mask=m)
+        s = s.to(tl.float32)
+        var = tl.div_rn(tl.sum(s * s, axis=0), width) + eps
+        inv = tl.div_rn(1.0, tl.sqrt_rn(var))
+        y = _round(s * inv, s_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=m).to(tl.float32)
         tl.store(o_ptr + row * width + offs, _round(w * y, o_ptr.dtype.element_ty), mask=m)

@@ -39,6 +39,7 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from proto.messages import FinishReason
 from services.rollout import (
     decode_attention,
+    decoder_layer,
     fused_norm,
     kv_write,
     lora_kernels,
@@ -171,7 +172,9 @@ class DecodeGraphs:
     `fused_norm.RMSNorm` in place of the model's equal RMSNorms. False keeps the model's own.
     `fused_kv_write` (default) writes each layer's keys and values into the cache with
     `kv_write`'s kernel where Triton runs (a cache of this object's, not a change to the model);
-    `fused_mlp` (default) computes each gated MLP's `silu(gate) * up` with `swiglu_kernel`'s.
+    `fused_mlp` (default) computes each gated MLP's `silu(gate) * up` with `swiglu_kernel`'s;
+    `fused_residual` (default) gives each decoder layer `decoder_layer`'s forward (its residual
+    adds fused with the norm and the LoRA corrections around them).
     `pad_batches` (default: where graphs are captured) makes `batch_size` round a batch up to
     its size class.
     """
@@ -188,6 +191,7 @@ class DecodeGraphs:
         fused_rope: bool = True,
         fused_kv_write: bool = True,
         fused_mlp: bool = True,
+        fused_residual: bool = True,
         pad_batches: bool | None = None,
     ):
         reason = static_unsupported(model)
@@ -201,6 +205,7 @@ class DecodeGraphs:
             fused_norms=fused_norms,
             fused_rope=fused_rope,
             fused_mlp=fused_mlp,
+            fused_residual=fused_residual,
         )
         self.model = model
         self.capture = capture
@@ -255,11 +260,12 @@ def prepare(
     fused_norms: bool = True,
     fused_rope: bool = True,
     fused_mlp: bool = True,
+    fused_residual: bool = True,
 ) -> None:
     """Make `model` ready for the static decode paths (this module's and `continuous`'s):
     `decode_attention` for the one-token step, `fused_norm` in place of its RMSNorms,
-    `rope_kernel` for its rotary embedding and `swiglu_kernel` for its gated MLPs where Triton
-    runs."""
+    `rope_kernel` for its rotary embedding, `swiglu_kernel` for its gated MLPs and
+    `decoder_layer` for its residual adds where Triton runs."""
     if grouped_attention:
         decode_attention.use(model)
     if fused_norms:
@@ -268,6 +274,9 @@ def prepare(
         rope_kernel.use(model)
     if fused_mlp:
         swiglu_kernel.use(model)
+    if fused_residual:
+        # after the norms: the fused add reads the weight of `fused_norm`'s module
+        decoder_layer.use(model)
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from services.rollout.lora_kernels import give_up, triton, triton_runs
-from services.rollout.norm_kernel import DTYPES
+from services.rollout.norm_kernel import DTYPES, row_stride
 
 if triton is not None:
     import triton.language as tl
@@ -69,24 +69,10 @@ def takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
         return False
     if gate.dtype not in DTYPES or gate.device != up.device or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return False
-    if _row_stride(gate) is None or _row_stride(up) is None:
+    if row_stride(gate) is None or row_stride(up) is None:
         return False
     grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     return not grad and available(gate.device)
-
-
-def _row_stride(t: torch.Tensor) -> int | None:
-    """The stride between consecutive rows of `t` seen as [numel / width, width], or None where
-    its leading dims do not collapse to one evenly strided row index."""
-    if t.dim() == 1:
-        return t.shape[0]
-    stride = t.stride(-2)
-    expect = stride
-    for size, step in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size != 1 and step != expect:
-            return None
-        expect = step * size if size != 1 else expect
-    return stride
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
@@ -109,7 +95,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # libdevice is not in Triton's interpreter: there numpy's exp computes (the tests on CPU)
     compiled = gate.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     _swiglu[(rows, triton.cdiv(width, BLOCK))](
-        gate, up, out, _row_stride(gate), _row_stride(up), width, block=BLOCK, compiled=compiled, num_warps=4
+        gate, up, out, row_stride(gate), row_stride(up), width, block=BLOCK, compiled=compiled, num_warps=4
     )
     return out
 
