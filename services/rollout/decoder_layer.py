@@ -48,32 +48,14 @@ def available(device: torch.device) -> bool:
 def add_norm(
     residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, pending: Pending | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(s, norm(s))` for `s = residual + x` (plus `pending`'s correction of x): one launch where
-    `norm` is the fused RMSNorm and the kernel takes the call."""
+    """`(s, norm(s))` for `s = residual + x` (x `pending.y`, corrected first, where given): one
+    launch where `norm` is the fused RMSNorm and the kernel takes the call."""
     if isinstance(norm, fused_norm.RMSNorm):
         both = norm_kernel.add_normalize(x, residual, norm.weight, norm.variance_epsilon, pending)
         if both is not None:
             return both
-    if pending is not None:
-        x = corrected(x, pending)
-    s = residual + x
+    s = residual + (x if pending is None else pending.resolved())
     return s, norm(s)
-
-
-def add(residual: torch.Tensor, x: torch.Tensor, pending: Pending | None) -> torch.Tensor:
-    """`residual + x` (plus `pending`'s correction of x)."""
-    if pending is None:
-        return residual + x
-    width = x.shape[-1]
-    flat = residual.reshape(-1, width)
-    if not flat.is_contiguous():
-        return residual + corrected(x, pending)
-    return pending.added_to(x.reshape(-1, width), flat).view(residual.shape)
-
-
-def corrected(x: torch.Tensor, pending: Pending) -> torch.Tensor:
-    width = x.shape[-1]
-    return pending.added_to(x.reshape(-1, width)).view(x.shape)
 
 
 def layer_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
@@ -93,7 +75,7 @@ def layer_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
         with lora_slots.deferred(m.mlp.down_proj) as late:
             h = m.mlp(h)
             pending = late.take(h)
-        return add(hidden, h, pending)
+        return hidden + h if pending is None else pending.resolved(residual=hidden)
 
     forward.lorabus_layer = True  # type: ignore[attr-defined]
     return forward

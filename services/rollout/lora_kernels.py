@@ -248,27 +248,35 @@ def expand_kernel_(
 
 
 class Pending(NamedTuple):
-    """A lone member's correction, (t * C) @ Bt, not yet added to its output: what the stacked
-    matmul left beside y (`t` [rows, S * r], unmasked, any row stride), the signs `cols`
-    [batch, S * r], `bt` [S * r, N] and the slots' `rank`. The kernel that reads y next adds it
-    (`norm_kernel.add_normalize`, `expand_stacked` with a residual): one launch fewer and one
+    """A group's output `y` [..., N] without its correction, (t * C) @ Bt, and what the
+    correction needs: the unmasked shrink the stacked matmul left beside y (`t` [rows, G * S *
+    r], any row stride), the signs `cols` [batch, S * r], `bt` [S * r, N], the slots' `rank` and
+    the members' column bounds `segs` (host ints, (0, N) for a lone member). The kernel that
+    reads y next adds it (`norm_kernel.add_normalize` for o_proj, `expand_stacked` with a
+    residual for down_proj, `swiglu_kernel.silu_times` for gate/up): one launch fewer and one
     pass over y fewer than correcting y first."""
 
+    y: torch.Tensor
     t: torch.Tensor
     cols: torch.Tensor
     bt: torch.Tensor
     rows_per_mask: int
     rank: int
+    segs: tuple[int, ...]
 
-    def added_to(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """y [rows, N] corrected (plus `residual` [rows, N] where given), a new contiguous
-        tensor: the kernel where it runs, else torch."""
-        segs = [0, y.shape[1]]
-        if kernel_available(y.device, y.dtype):
-            return expand_stacked(y, self.t, self.bt, segs, self.cols, self.rows_per_mask, residual)
-        out = y.contiguous()
-        expand_reference_(out, masked(self.t, self.cols, self.rows_per_mask), self.bt, segs)
-        return out if residual is None else residual + out
+    def resolved(self, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y corrected (plus `residual`, y's shape, where given) as a new contiguous tensor: the
+        stacked expand where it runs, else torch."""
+        n = self.y.shape[-1]
+        y2 = self.y.reshape(-1, n)
+        flat = None if residual is None else residual.reshape(-1, n)
+        if kernel_available(y2.device, y2.dtype) and (flat is None or flat.stride(1) == 1):
+            out = expand_stacked(y2, self.t, self.bt, self.segs, self.cols, self.rows_per_mask, flat)
+        else:
+            out = y2.contiguous()
+            expand_reference_(out, masked(self.t, self.cols, self.rows_per_mask), self.bt, self.segs)
+            out = out if flat is None else flat + out
+        return out.view(self.y.shape)
 
 
 def expand_stacked(

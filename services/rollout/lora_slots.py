@@ -265,7 +265,7 @@ class SlotGroup:
         late = self.late
         if late is not None and lora_kernels.kernel_available(x.device, x.dtype):
             out = y2.view(*x.shape[:-1], n)
-            late.hold(out, lora_kernels.Pending(t, cols, self._bt_all, per_row, self.buffers.rank))
+            late.hold(lora_kernels.Pending(out, t, cols, self._bt_all, per_row, self.buffers.rank, tuple(self.segs)))
             return out
         if lora_kernels.kernel_available(x.device, x.dtype):
             out = lora_kernels.expand_stacked(y2, t, self._bt_all, self.segs, cols, per_row)
@@ -276,43 +276,49 @@ class SlotGroup:
 
 
 class Late:
-    """What a `deferred` block collects: the lone member's output, returned without its
-    correction, and the correction (`lora_kernels.Pending`) that whoever reads the output must
-    add. At most one per block; `take` hands it over exactly once."""
+    """What a `deferred` block collects: the group's output without its correction, as a
+    `lora_kernels.Pending` that whoever reads the output must resolve. At most one per block;
+    `take` hands it over exactly once."""
 
     __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._held: tuple[torch.Tensor, lora_kernels.Pending] | None = None
+        self._held: lora_kernels.Pending | None = None
 
-    def hold(self, out: torch.Tensor, pending: lora_kernels.Pending) -> None:
+    def hold(self, pending: lora_kernels.Pending) -> None:
         if self._held is not None:
             raise RuntimeError("deferred: the layer ran twice in one block; its first output would stay uncorrected")
-        self._held = (out, pending)
+        self._held = pending
 
-    def take(self, out: torch.Tensor) -> lora_kernels.Pending | None:
-        """The correction `out` still lacks, or None if it lacks none. `out` must be the
-        output held (the same view): anything else means the block computed on from an
-        uncorrected tensor, which is refused rather than returned wrong."""
-        held, self._held = self._held, None
-        if held is None:
+    def take(self, *outs: torch.Tensor) -> lora_kernels.Pending | None:
+        """The correction that `outs`, the group's members' outputs in order (their column
+        slices of the one output held), still lack, or None if they lack none. Anything else
+        means the block computed on from an uncorrected tensor, which is refused rather than
+        returned wrong."""
+        pending, self._held = self._held, None
+        if pending is None:
             return None
-        if (out.data_ptr(), out.shape, out.stride()) != (held[0].data_ptr(), held[0].shape, held[0].stride()):
+        members = [pending.y[..., lo:hi] for lo, hi in itertools.pairwise(pending.segs)]
+        if len(outs) != len(members) or any(_view(a) != _view(b) for a, b in zip(outs, members)):
             raise RuntimeError(
-                f"deferred: got a tensor of shape {tuple(out.shape)} that is not the layer's output "
-                f"{tuple(held[0].shape)}; its correction cannot be added to it"
+                f"deferred: got {[tuple(o.shape) for o in outs]}, not the layer's outputs "
+                f"{[tuple(m.shape) for m in members]}; their correction cannot be added to them"
             )
-        return held[1]
+        return pending
+
+
+def _view(t: torch.Tensor) -> tuple[int, torch.Size, tuple[int, ...]]:
+    return t.data_ptr(), t.shape, t.stride()
 
 
 @contextlib.contextmanager
 def deferred(module: nn.Module) -> Iterator[Late]:
-    """Run a block in which `module`, if it is a LoRA slot layer alone in its group, returns its
-    output without the mixed rows' correction when the stacked kernel path would add it; the
-    caller adds it with the kernel that reads the output next (`Late.take` gives it). A module
+    """Run a block in which `module`'s group, if `module` is a LoRA slot layer, returns its
+    outputs without the mixed rows' correction when the stacked kernel path would add it; the
+    caller adds it with the kernel that reads the outputs next (`Late.take` gives it). A module
     of any other kind computes as always, and `take` gives None."""
     late = Late()
-    group = module.group if isinstance(module, SlotLinear) and len(module.group.segs) == 2 else None
+    group = module.group if isinstance(module, SlotLinear) else None
     if group is None:
         yield late
         return

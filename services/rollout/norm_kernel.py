@@ -124,14 +124,15 @@ def row_stride(t: torch.Tensor) -> int | None:
 def add_normalize(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pending: Pending | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(s, norm(s))` for `s = residual + x`, with `pending`'s correction added to x first, in one
-    launch; None where the kernel does not take the call (as `normalize`; x may also be a column
-    slice of a matmul's output), and then the caller computes its own way."""
+    """`(s, norm(s))` for `s = residual + x`, with `pending`'s correction added to x first (x is
+    then `pending.y`, a lone member's output), in one launch; None where the kernel does not take
+    the call (as `normalize`; x may also be a column slice of a matmul's output), and then the
+    caller computes its own way."""
     if not takes(residual, weight) or x.shape != residual.shape or x.dtype not in DTYPES:
         return None
     if x.device != residual.device or x.stride(-1) != 1 or row_stride(x) is None or x.requires_grad:
         return None
-    if pending is not None and (pending.t.stride(-1) != 1 or pending.cols.dim() != 2):
+    if pending is not None and (pending.t.stride(-1) != 1 or pending.cols.dim() != 2 or len(pending.segs) != 2):
         return None
     if pending is not None and pending.cols.shape[1] % pending.rank:
         return None

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.rollout.lora_kernels import give_up, triton, triton_runs
+from services.rollout import lora_slots
+from services.rollout.lora_kernels import Pending, give_up, triton, triton_runs
 from services.rollout.norm_kernel import DTYPES, row_stride
 
 if triton is not None:
@@ -50,6 +51,10 @@ if triton is not None:
 
 BLOCK = 1024
 """columns per program: 9 programs a row for Qwen2.5-1.5B's 8,960, 4 warps of 8 bfloat16 each"""
+
+CORRECTED_BN = 32
+"""columns per program of the corrected kernel, as `lora_kernels.STACKED_BN` (whose tile it
+shares: it is that expand with the product as its epilogue)"""
 
 _BROKEN: list[str] = []
 """why the kernel failed in this process (then it is not tried again)"""
@@ -75,13 +80,17 @@ def takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return not grad and available(gate.device)
 
 
-def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+def silu_times(gate: torch.Tensor, up: torch.Tensor, pending: Pending | None = None) -> torch.Tensor | None:
     """`silu(gate) * up` (see the module docstring) in one launch, or None where the kernel does
-    not take the call or cannot be built, and then the caller computes its own way."""
+    not take the call or cannot be built, and then the caller computes its own way. With
+    `pending` (gate and up are then its two members' columns of `pending.y`) each gets its LoRA
+    correction first, in the same launch."""
     if not takes(gate, up):
         return None
+    if pending is not None and (pending.segs != (0, gate.shape[-1], 2 * gate.shape[-1]) or pending.t.stride(-1) != 1):
+        return None
     try:
-        return _launch(gate, up)
+        return _launch(gate, up) if pending is None else _launch_corrected(gate, up, pending)
     except Exception as exc:  # a Triton that cannot build it: torch's path, said once
         give_up(_BROKEN, exc, "fused SwiGLU kernel", "computing the MLP in torch")
         return None
@@ -100,17 +109,40 @@ def _launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _launch_corrected(gate: torch.Tensor, up: torch.Tensor, pending: Pending) -> torch.Tensor:
+    assert triton is not None
+    width = gate.shape[-1]
+    rows = gate.numel() // width
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    compiled = gate.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    sr = pending.cols.shape[1]
+    bm = min(64, max(16, triton.next_power_of_2(rows)))
+    _swiglu_corrected[(triton.cdiv(rows, bm), triton.cdiv(width, CORRECTED_BN))](
+        gate, up, pending.t, pending.cols, pending.bt, out, rows, width, pending.rows_per_mask, row_stride(gate),
+        row_stride(up), pending.t.stride(-2), pending.bt.stride(0), sr=sr, sr_pad=max(16, triton.next_power_of_2(sr)),
+        bm=bm, bn=CORRECTED_BN, compiled=compiled, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def gated_forward(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """`mlp`'s forward with the kernel where it applies; the projections are called as the
-    module calls them (the gate's first: siblings of one matmul keep its output for the up's)."""
+    module calls them (the gate's first: siblings of one matmul keep its output for the up's).
+    Where gate and up are one LoRA slot group, the group's correction of mixed-version rows is
+    left to the kernel (`lora_slots.deferred`)."""
 
     # looked up at each call, as the module's own forward does: the rollout's LoRA slots may
     # replace the projections after this
     m: Any = mlp
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate, up = m.gate_proj(x), m.up_proj(x)
-        h = silu_times(gate, up)
+        with lora_slots.deferred(m.gate_proj) as late:
+            gate, up = m.gate_proj(x), m.up_proj(x)
+            pending = late.take(gate, up)
+        h = silu_times(gate, up, pending)
+        if h is None and pending is not None:
+            both = pending.resolved()
+            gate, up = both[..., : gate.shape[-1]], both[..., gate.shape[-1] :]
         return m.down_proj(m.act_fn(gate) * up if h is None else h)
 
     forward.lorabus_swiglu = True  # type: ignore[attr-defined]
@@ -172,3 +204,39 @@ if triton is not None:
             silu = g / (1.0 + tl.exp(-g))
         s = _round(silu, g_ptr.dtype.element_ty).to(tl.float32)
         tl.store(o_ptr + row * width + offs, _round(s * u, o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_corrected(
+        g_ptr, u_ptr, t_ptr, c_ptr, bt_ptr, o_ptr, n_rows, width, rows_per_mask, g_row, u_row, stride_t, stride_bt,
+        sr: tl.constexpr, sr_pad: tl.constexpr, bm: tl.constexpr, bn: tl.constexpr, compiled: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (bm rows, bn columns): gate and up each plus its member's masked
+        expand, `lora_kernels._expand_stacked`'s tile, rounded to the dtype as that kernel
+        writes them, then `_swiglu`'s product. Every load depends on nothing loaded."""
+        rows = tl.program_id(0) * bm + tl.arange(0, bm)
+        row_in = rows < n_rows
+        ks = tl.arange(0, sr_pad)
+        k_in = ks < sr
+        ns = tl.program_id(1) * bn + tl.arange(0, bn)
+        n_in = ns < width
+        in_t = row_in[:, None] & k_in[None, :]
+        c = tl.load(c_ptr + (rows // rows_per_mask)[:, None] * sr + ks[None, :], mask=in_t, other=0.0).to(tl.float32)
+        t_row = t_ptr + rows[:, None] * stride_t + ks[None, :]
+        tg = tl.load(t_row, mask=in_t, other=0.0)
+        tu = tl.load(t_row + sr, mask=in_t, other=0.0)
+        b_in = k_in[:, None] & n_in[None, :]
+        bg = tl.load(bt_ptr + ks[:, None] * stride_bt + ns[None, :], mask=b_in, other=0.0)
+        bu = tl.load(bt_ptr + ks[:, None] * stride_bt + (width + ns)[None, :], mask=b_in, other=0.0)
+        inside = row_in[:, None] & n_in[None, :]
+        yg = tl.load(g_ptr + rows[:, None] * g_row + ns[None, :], mask=inside, other=0.0)
+        yu = tl.load(u_ptr + rows[:, None] * u_row + ns[None, :], mask=inside, other=0.0)
+        g = _round(yg.to(tl.float32) + tl.dot((tg.to(tl.float32) * c).to(bg.dtype), bg), g_ptr.dtype.element_ty)
+        u = _round(yu.to(tl.float32) + tl.dot((tu.to(tl.float32) * c).to(bu.dtype), bu), u_ptr.dtype.element_ty)
+        g = g.to(tl.float32)
+        if compiled:
+            silu = tl.div_rn(g, 1.0 + libdevice.exp(-g))
+        else:
+            silu = g / (1.0 + tl.exp(-g))
+        s = _round(silu, g_ptr.dtype.element_ty).to(tl.float32)
+        out = _round(s * u.to(tl.float32), o_ptr.dtype.element_ty)
+        tl.store(o_ptr + rows[:, None] * width + ns[None, :], out, mask=inside)

@@ -52,7 +52,7 @@ def test_models_get_the_fused_layer_only_where_their_logits_stay_their_own(outco
     assert "models checked" in outcomes["models"].output()
 
 
-def test_a_mixed_version_batch_gives_the_unfused_logits_with_two_launches_fewer_a_layer(outcomes):
+def test_a_mixed_version_batch_gives_the_unfused_logits_with_three_launches_fewer_a_layer(outcomes):
     assert "mixed model checked" in outcomes["mixed model"].output()
 
 
@@ -70,20 +70,23 @@ def test_outside_a_slot_layer_nothing_is_deferred():
         assert late.take(out) is None
 
 
-def test_a_held_correction_is_given_only_for_the_output_it_belongs_to():
+def test_a_held_correction_is_given_only_for_the_outputs_it_belongs_to():
     from services.rollout import lora_kernels, lora_slots
 
     y = torch.randn(3, 8)
-    pending = lora_kernels.Pending(torch.randn(3, 4), torch.ones(3, 4), torch.randn(4, 8), 1, 2)
+    pending = lora_kernels.Pending(y, torch.randn(3, 8), torch.ones(3, 4), torch.randn(4, 8), 1, 2, (0, 5, 8))
     late = lora_slots.Late()
-    late.hold(y, pending)
+    late.hold(pending)
     with pytest.raises(RuntimeError, match="ran twice"):
-        late.hold(y, pending)
-    with pytest.raises(RuntimeError, match="not the layer's output"):
-        late.take(y.clone())
-    late.hold(y, pending)
-    assert late.take(y[:, :]) is pending  # the same view
-    assert late.take(y) is None  # handed over once
+        late.hold(pending)
+    with pytest.raises(RuntimeError, match="not the layer's outputs"):
+        late.take(y[:, :5].clone(), y[:, 5:])
+    late.hold(pending)
+    with pytest.raises(RuntimeError, match="not the layer's outputs"):
+        late.take(y)  # the whole output, not its two members
+    late.hold(pending)
+    assert late.take(y[:, :5], y[:, 5:]) is pending  # the members' views
+    assert late.take(y[:, :5], y[:, 5:]) is None  # handed over once
 
 
 def test_without_triton_the_model_keeps_its_own_layers(monkeypatch):
@@ -175,7 +178,7 @@ def check_corrections(
         bt = (torch.randn(n_slots * r, n, generator=g) / r).to(device, dtype)
         residual = torch.randn(rows, n, generator=g).to(device, dtype)
         weight = torch.randn(n, generator=g).to(device, dtype)
-        pending = lora_kernels.Pending(t, cols, bt, per_row, r)
+        pending = lora_kernels.Pending(y, t, cols, bt, per_row, r, (0, n))
         # the reference: the correction added in torch, then torch's add
         fixed = y.contiguous()
         lora_kernels.expand_reference_(fixed, lora_kernels.masked(t, cols, per_row), bt, [0, n])
@@ -193,7 +196,8 @@ def check_corrections(
         last = lora_kernels.expand_stacked(y, t, bt, [0, n], cols, per_row, residual)
         torch.testing.assert_close(last, residual + fixed, atol=tol, rtol=tol)
         assert torch.equal(last[on_head], (residual + y)[on_head])
-        torch.testing.assert_close(pending.added_to(y, residual), last, atol=tol, rtol=tol)
+        torch.testing.assert_close(pending.resolved(residual), last, atol=tol, rtol=tol)
+        torch.testing.assert_close(pending.resolved(), fixed, atol=tol, rtol=tol)
     print("corrections checked")
 
 
@@ -249,39 +253,52 @@ def check_models() -> None:
 
 @torch.no_grad()
 def check_mixed_model() -> None:
-    from services.rollout import decoder_layer, fused_norm, lora_kernels, norm_kernel
+    from services.rollout import decoder_layer, fused_norm, lora_kernels, norm_kernel, swiglu_kernel
     from tests.unit.test_lora_kernels import three_versions
 
     ids = torch.randint(0, 97, (20, 3), generator=torch.Generator().manual_seed(5))
     mix = [0] * 5 + [1] * 5 + [2] * 10
     ref, ref_slots = three_versions("torch")
-    model, slots = three_versions("stacked")
-    fused_norm.fuse(model)
-    layers = decoder_layer.use(model)
-    assert layers == 2
-    calls: dict[str, list[bool]] = {"add_norm": [], "expand": []}
-    launch, expand = norm_kernel._launch_add, lora_kernels.expand_stacked
+    with ref_slots.route([2] * 20):
+        head_only = ref(input_ids=ids).logits
+    for mlp in (False, True):
+        model, slots = three_versions("stacked")
+        fused_norm.fuse(model)
+        layers = decoder_layer.use(model)
+        assert layers == 2
+        if mlp:
+            assert swiglu_kernel.use(model) == layers
+        calls: dict[str, list[bool]] = {"add_norm": [], "expand": [], "swiglu": []}
+        launch, expand, swiglu = norm_kernel._launch_add, lora_kernels.expand_stacked, swiglu_kernel._launch_corrected
 
-    def spy_launch(*args):
-        calls["add_norm"].append(args[4] is not None)
-        return launch(*args)
+        def spy_launch(*args):
+            calls["add_norm"].append(args[4] is not None)
+            return launch(*args)
 
-    def spy_expand(*args):
-        calls["expand"].append(len(args) > 6 and args[6] is not None)
-        return expand(*args)
+        def spy_expand(*args):
+            calls["expand"].append(len(args) > 6 and args[6] is not None)
+            return expand(*args)
 
-    norm_kernel._launch_add, lora_kernels.expand_stacked = spy_launch, spy_expand
-    try:
-        with slots.route(mix), ref_slots.route(mix):
-            got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
-    finally:
-        norm_kernel._launch_add, lora_kernels.expand_stacked = launch, expand
-    assert (want[:10] - ref(input_ids=ids).logits[:10]).abs().max() > 1e-2  # older rows are corrected
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # per layer: o_proj's correction in the fused add; q/k/v and gate/up expand as before, and
-    # down_proj's with the residual
-    assert calls["add_norm"] == [True] * layers
-    assert sorted(calls["expand"]) == [False] * (2 * layers) + [True] * layers
+        def spy_swiglu(*args):
+            calls["swiglu"].append(True)
+            return swiglu(*args)
+
+        norm_kernel._launch_add, lora_kernels.expand_stacked = spy_launch, spy_expand
+        swiglu_kernel._launch_corrected = spy_swiglu
+        try:
+            with slots.route(mix), ref_slots.route(mix):
+                got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        finally:
+            norm_kernel._launch_add, lora_kernels.expand_stacked = launch, expand
+            swiglu_kernel._launch_corrected = swiglu
+        assert (want[:10] - head_only[:10]).abs().max() > 1e-2  # older rows are corrected
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # per layer: o_proj's correction in the fused add, down_proj's in the last add's expand,
+        # gate/up's in the SwiGLU kernel where the MLP has it (else expanded as before), q/k/v's
+        # expanded as before
+        assert calls["add_norm"] == [True] * layers
+        assert sorted(calls["expand"]) == [False] * ((1 if mlp else 2) * layers) + [True] * layers
+        assert calls["swiglu"] == [True] * (layers if mlp else 0)
     print("mixed model checked")
 
 

@@ -27,6 +27,7 @@ INTERPRETED = checks_in(
     __file__,
     {
         "products": ("check_products",),
+        "corrected products": ("check_corrected_products",),
         "mlps": ("check_mlps",),
         "static engine": ("interpreted_static_engine",),
         "slab engine": ("interpreted_slab_engine",),
@@ -42,6 +43,10 @@ def outcomes() -> dict[str, Outcome]:
 
 def test_the_kernel_is_torchs_silu_times_up_on_a_matmuls_column_slices(outcomes):
     assert "products checked" in outcomes["products"].output()
+
+
+def test_gate_and_up_get_their_lora_correction_in_the_same_launch(outcomes):
+    assert "corrected products checked" in outcomes["corrected products"].output()
 
 
 def test_transformers_gated_mlps_are_routed_through_it_and_others_are_not(outcomes):
@@ -61,6 +66,7 @@ def test_on_a_gpu_the_compiled_kernel_is_torchs_product_too(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("LORABUS_FUSED_SWIGLU", raising=False)
     check_products("cuda")
+    check_corrected_products("cuda")
 
 
 def test_compiled_for_an_h100_it_calls_libdevices_exp_and_divides_exactly():
@@ -161,6 +167,43 @@ def check_products(device: str = "cpu") -> None:
     assert close(got, torch.nn.functional.silu(both[..., :96]) * both[..., 96:])
     assert same >= 0.999 * total, (same, total)
     print(f"products checked: half precision bit for bit {same}/{total}")
+
+
+@torch.no_grad()
+def check_corrected_products(device: str = "cpu") -> None:
+    """gate/up as the stacked matmul leaves them for a mixed-version batch (a column slice each
+    of [rows, 2 * width + 2 * S * r], the shrink beside them) and their `Pending` correction:
+    the product of the corrected gate and up, which `Pending.resolved` computes apart."""
+    from services.rollout import lora_kernels, swiglu_kernel
+    from tests.unit.test_decoder_layer import signs
+
+    g = torch.Generator().manual_seed(8)
+    shapes = [(40, 9, 3, 4, 1), (72, 37, 2, 16, 2)] if device == "cpu" else [(8960, 64, 4, 16, 1)]
+    dtypes = (torch.float32,) if device == "cpu" else (torch.bfloat16,)
+    for width, batch, n_slots, rank, per_row in shapes:
+        for dtype in dtypes:
+            rows, sr = batch * per_row, n_slots * rank
+            ya = torch.randn(rows, 2 * width + 2 * sr, generator=g).to(device, dtype)
+            y, t = ya[:, : 2 * width], ya[:, 2 * width :]
+            bt = (torch.randn(sr, 2 * width, generator=g) / rank).to(device, dtype)
+            cols = signs(batch, n_slots, rank, 0, dtype).to(device)
+            pending = lora_kernels.Pending(y, t, cols, bt, per_row, rank, (0, width, 2 * width))
+            got = swiglu_kernel.silu_times(y[:, :width], y[:, width:], pending)
+            assert got is not None and got.shape == (rows, width) and got.is_contiguous()
+            both = pending.resolved()
+            want = torch.nn.functional.silu(both[:, :width]) * both[:, width:]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            plain = torch.nn.functional.silu(y[:, :width]) * y[:, width:]
+            assert (want - plain).abs().max() > 0.1  # the correction is not nothing
+            on_head = (cols == 0).all(1).repeat_interleave(per_row)
+            assert close(got[on_head], plain[on_head])  # rows on the head: the plain product
+    # a group of other bounds (not gate | up of equal widths) is left to the caller
+    y = torch.randn(4, 20).to(device)
+    odd = lora_kernels.Pending(y, torch.randn(4, 8).to(device), torch.ones(4, 4).to(device),
+                               torch.randn(4, 20).to(device), 1, 4, (0, 12, 20))  # fmt: skip
+    assert swiglu_kernel.silu_times(y[:, :10], y[:, 10:], odd) is None
+    print("corrected products checked")
 
 
 @torch.no_grad()
