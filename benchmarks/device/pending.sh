@@ -54,9 +54,9 @@ fleet_out() {  # at most 8 files come back from a call: the JSON, the plot and t
   [ -d "$KEEP/out/multi_run_${L}_logs" ] && tar -czf "$OUT/multi_run_${L}_logs.tgz" -C "$KEEP/out" "multi_run_${L}_logs"
 }
 sync_async_chain() {  # k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a run (resumable: call it
-  # again on the same machine and the recorded runs are kept)
-  timeout $((585 - SECONDS)) python benchmarks/sync_async.py --task chain --steps 40 --ks 0 2 4 1 --seeds 1 2 3 \
-    --max-wall-s $((470 - SECONDS)) --out "$KEEP/sync_async_chain_$L.json" 2>&1 | tail -40
+  # again on the same machine and the recorded runs are kept); LIMIT: the call's seconds
+  timeout $((${LIMIT:-585} - SECONDS)) python benchmarks/sync_async.py --task chain --steps 40 --ks 0 2 4 1 \
+    --seeds 1 2 3 --max-wall-s $((${LIMIT:-585} - 115 - SECONDS)) --out "$KEEP/sync_async_chain_$L.json" 2>&1 | tail -40
   cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
   tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
 }
