@@ -84,6 +84,12 @@ VARIANTS = {
 """each variant is the one before it and one change more"""
 
 
+SIDE_BY_SIDE_FROM = "fused_rope"
+"""the first variant that `--side-by-side` takes: the earlier ones leave modules or patches on
+the model (fused_norm's RMSNorms, the rope's module function) that the cells after them would
+run with, so they are measured variant by variant"""
+
+
 def stacks_on(variant: str, base: str) -> bool:
     """Whether `variant` includes `base`'s change (it is `base` or comes after it)."""
     order = list(VARIANTS)
@@ -276,7 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         "per variant)",
     )  # fmt: skip
     ap.add_argument("--mixes", nargs="+", choices=MIXES, default=["head"], help="the rows' versions (MIXES)")
+    ap.add_argument(
+        "--side-by-side", action="store_true",
+        help="cells batch by batch and mix by mix, the variants next to each other in each (a call cut short "
+        f"still brings pairs); for variants from {SIDE_BY_SIDE_FROM} on only",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    early = [v for v in args.variants if not stacks_on(v, SIDE_BY_SIDE_FROM)]
+    if args.side_by_side and early:
+        print(
+            f"--side-by-side: variants {early} come before {SIDE_BY_SIDE_FROM}, whose rope patch stays on the "
+            "model for the cells after it; drop them or --side-by-side",
+            file=sys.stderr,
+        )
+        return 2
     device = torch.device("cpu" if args.tiny else "cuda")
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny for a CPU run", file=sys.stderr)
@@ -297,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         slots.set_head(2)
         own = model.config._attn_implementation
         cells = [(v, mix, b) for v in VARIANTS if v in args.variants for mix in args.mixes for b in batches]
+        if args.side_by_side:
+            cells = [(v, mix, b) for b in batches for mix in args.mixes for v in VARIANTS if v in args.variants]
         for variant, mix, batch in cells:
             model.config._attn_implementation = own  # "grouped" switches it; "own" runs on what was loaded
             versions = row_versions(mix, batch, [0, 1, 2])

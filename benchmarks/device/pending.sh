@@ -35,7 +35,7 @@ KEEP=/tmp/pending  # survives between calls while the machine stays warm
 mkdir -p "$KEEP"
 kernel_tests() {  # the new decode kernels compiled for the card and checked against their references
   python3 -m pip install -q --no-index --no-deps --target /tmp/pyt "${TREE:?TREE: the carried tree}"/.device/pyw/*.whl
-  PYTHONPATH="$PYTHONPATH:/tmp/pyt" timeout 120 python -m pytest -q -p no:cacheprovider --noconftest \
+  PYTHONPATH="$PYTHONPATH:/tmp/pyt" timeout 150 python -m pytest -q -p no:cacheprovider --noconftest \
     -o addopts="" -rs -k gpu tests/unit/test_norm_kernel.py tests/unit/test_kv_write.py \
     tests/unit/test_swiglu_kernel.py tests/unit/test_attention_kernel.py tests/unit/test_sample_kernel.py \
     tests/unit/test_lora_kernels.py tests/unit/test_decoder_layer.py \
@@ -130,6 +130,7 @@ mixed)  # issue 27: where a step with rows on older versions goes (the mixed bat
   kernel_tests
   timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
     --shapes qwen2.5-1.5b --batches 64 256 --variants fused_attention fused_residual --mixes head mixed25 mixed3 \
+    --side-by-side \
     --out "$OUT/decode_breakdown_mixed_$L.json" 2>&1 | grep -v USDT | tail -12
   ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
