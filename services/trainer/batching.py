@@ -195,6 +195,11 @@ class MicroBatch:
 
 
 def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
+    """`samples` as right-padded tensors. A fixed number of tensor operations whatever the
+    batch's size (every field filled through a row mask from one flat list): the trainer's step
+    thread collates each micro-batch twice a step, holding the GIL throughout, and a small tensor
+    op per row and field cost ~30 us a sample a collate (arith3's 8 runs of 128 samples: ~60 ms
+    a joint step, against ~8 ms so)."""
     if not samples:
         raise ValueError("collate: empty micro-batch")
     length = max(len(s.input_ids) for s in samples)
@@ -202,22 +207,27 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
     if first_target < 1:
         raise ValueError("collate: every sample needs at least one prompt token")
     b, width = len(samples), length - first_target
+    for s in samples:
+        if len(s.behave_logprobs) != s.completion_len or len(s.versions) != s.completion_len:
+            raise ValueError(
+                f"collate: a sample of {s.completion_len} completion tokens has {len(s.behave_logprobs)} "
+                f"behaviour logprobs and {len(s.versions)} versions; it needs one of each per token"
+            )
+    ends = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)[:, None]
+    starts = torch.tensor([s.prompt_len for s in samples], dtype=torch.long)[:, None]
+    tokens = torch.arange(length) < ends  # [b, length]: each row's tokens
+    columns = torch.arange(first_target, length)
+    completion = (columns >= starts) & (columns < ends)  # [b, width]: each row's completion tokens
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, length), dtype=torch.long)
-    weights = torch.zeros((b, width))
+    input_ids[tokens] = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    attention_mask = tokens.long()
+    weights = torch.where(completion, torch.tensor([s.token_weight for s in samples])[:, None], 0.0)
     behave = torch.zeros((b, width))
+    behave[completion] = torch.tensor([x for s in samples for x in s.behave_logprobs], dtype=behave.dtype)
     versions = torch.zeros((b, width), dtype=torch.long)
-    advantages = torch.zeros((b, width))
+    versions[completion] = torch.tensor([v for s in samples for v in s.versions], dtype=torch.long)
+    advantages = torch.where(completion, torch.tensor([s.advantage for s in samples])[:, None], 0.0)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s.input_ids)
-        input_ids[i, :n] = torch.tensor(s.input_ids)
-        attention_mask[i, :n] = 1
-        lo, hi = s.prompt_len - first_target, n - first_target
-        weights[i, lo:hi] = s.token_weight
-        behave[i, lo:hi] = torch.tensor(s.behave_logprobs)
-        versions[i, lo:hi] = torch.tensor(s.versions)
-        advantages[i, lo:hi] = s.advantage
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
