@@ -7,6 +7,7 @@ serves the bus, the others follow its broadcasts.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     # in the first version's canary (a forward of the sharded model)
     initial = engine.adapter_state() if ckpt is None else None
     canary, _ = trainer_canary.timed(engine)
+    freeze_startup()
     if engine.rank != 0:
         ranks.worker_loop(engine)
         return leave(engine)
@@ -63,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         os._exit(1)  # a send is stuck in gloo: a normal exit would wait for it
     return leave(engine)
+
+
+def freeze_startup() -> None:
+    """Put what start-up built (the model, the optimizer, every import) out of the cyclic
+    collector's sight: its full collections then scan only what the steps make. In a CPU fleet
+    of 8 runs the trainer tracked 417k objects and a full collection stopped every thread, the
+    step's and the event loop's, for up to 355 ms (7 of them 1.34 s in 50 s)."""
+    gc.collect()
+    gc.freeze()
 
 
 def leave(engine: TrainEngine) -> int:
