@@ -99,6 +99,38 @@ def test_without_triton_the_model_keeps_its_own_layers(monkeypatch):
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 
+def test_the_three_kernels_build_for_an_h100_and_a_row_on_the_head_reads_no_slot():
+    """Built for sm_90 on this CPU (tests/fixtures/ptx.py) at the Qwen2.5-1.5B decode shapes in
+    bf16: the fused add with o_proj's correction (four slots of rank 16) and without, the
+    corrected SwiGLU, the last add's expand with its residual. The corrected add branches
+    around each slot's loads (a row on the head skips them all), which the plain one has no
+    reason to."""
+    pytest.importorskip("triton")
+    from services.rollout import lora_kernels, norm_kernel, swiglu_kernel
+    from tests.fixtures.ptx import sm90_ptx
+
+    args = ("x_ptr r_ptr w_ptr s_ptr o_ptr t_ptr c_ptr bt_ptr eps stride_x stride_t rows_per_mask "
+            "stride_bt").split()  # fmt: skip
+    signature = {a: "*bf16" if a.endswith("_ptr") else "i32" for a in args} | {"eps": "fp32"}
+    signature |= dict.fromkeys(("width", "block", "slots", "rank", "chunk"), "constexpr")
+    ptx = {}
+    for slots in (0, 4):
+        constants = {"width": 1536, "block": 2048, "slots": slots, "rank": 16, "chunk": norm_kernel.RANK_CHUNK}
+        ptx[slots] = sm90_ptx(norm_kernel._add_rms_norm, signature, constants, num_warps=8, **norm_kernel.BUILD)
+    assert ptx[4].count("bra") > ptx[0].count("bra")
+    args = "g_ptr u_ptr t_ptr c_ptr bt_ptr o_ptr n_rows width rows_per_mask g_row u_row stride_t stride_bt".split()
+    signature = {a: "*bf16" if a.endswith("_ptr") else "i32" for a in args}
+    signature |= dict.fromkeys(("sr", "sr_pad", "bm", "bn", "compiled"), "constexpr")
+    constants = {"sr": 64, "sr_pad": 64, "bm": 64, "bn": swiglu_kernel.CORRECTED_BN, "compiled": True}
+    assert "div.rn.f32" in sm90_ptx(swiglu_kernel._swiglu_corrected, signature, constants, num_warps=4)
+    args = ("y_ptr t_ptr c_ptr bt_ptr r_ptr out_ptr M rows_per_mask stride_y stride_t stride_bt stride_r "
+            "stride_out").split()  # fmt: skip
+    signature = {a: "*bf16" if a.endswith("_ptr") else "i32" for a in args}
+    signature |= dict.fromkeys(("B1", "B2", "B3", "SR", "SR_PAD", "BM", "BN", "HAS_RES"), "constexpr")
+    constants = {"B1": 1536, "B2": 1536, "B3": 1536, "SR": 64, "SR_PAD": 64, "BM": 64, "BN": 32, "HAS_RES": True}
+    assert sm90_ptx(lora_kernels._expand_stacked, signature, constants, num_warps=4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreted tests stand for it")
 def test_on_a_gpu_the_compiled_fused_add_is_the_reference():
     """Compiled for the card at a decode shape (Qwen2.5-1.5B's o_proj, bf16, rank 16, four slots,
