@@ -13,17 +13,21 @@
 # which the first call carries and the later ones on the warm machine keep).
 #
 # A lease is ~1,800 s of device time and a machine's start ~270-300 of them: two full calls and
-# part of a third. A start that fails costs 90-180 s as well (four failed and four were refused on 12-07 late, and the
-# lease that finally came had time for the sweep and issue 27's profile only). Next lease, in
-# this order (issue 34's chain runs have no GPU figure yet; its sweep is in, 2026-12-07 late):
-#   1 carry .device/src.tgz                STAGE=chain   the chain task pre-trained (<= 240 s), then its
-#                                                        runs: k = 0 2 4 1 x seeds 1-3, 40 steps (resumable)
-#   2 (nothing carried)                    STAGE=chain   the runs the call before left (the task stays)
-#   3 what is left, .device/pyw carried    STAGE=mixed LIMIT=<s>   issue 27: the mixed step with the
-#                                                        contiguous expand output (12-07 late: 0.85x head)
-# The lease after: issue 27 (engines: vLLM's four parts carried one a call, part_aa with
-# STAGE=kernels, part_ab..ad with the calls after, engines last) and issue 33 (STAGE=fleet,
-# fleet_together, fleet_one_replica).
+# part of a third. A start that fails costs 90-180 s as well (12-07 late: four failed and four
+# were refused; 12-08: eight failed starts and nine refusals cost 946 s of the 1,800, and
+# then none was lent for the rest of the session). Next lease, in this order:
+#   1 carry .device/src.tgz + .device/pyw  STAGE=mixed LIMIT=270   issue 27: the kernels' GPU tests
+#                                          (the decoder layer's fused add and the corrected SwiGLU are
+#                                          the default since 12-08 and have run on no GPU yet), then the
+#                                          mixed step, fused_attention beside fused_residual, side by side
+#   2 (nothing carried)                    STAGE=chain   issue 34: the chain task pre-trained (<= 240 s),
+#                                          then its runs: k = 0 2 4 1 x seeds 1-3, 40 steps (resumable;
+#                                          LIMIT=<s> where less than a full call is left)
+#   3 (nothing carried)                    STAGE=chain   the runs the call before left (the task stays)
+# The lease after: the rest of the chain runs, then issue 27 (engines: vLLM's four parts carried one
+# a call, part_aa with STAGE=kernels, part_ab..ad with the calls after, engines last) and issue 33
+# (STAGE=fleet, fleet_together, fleet_one_replica: the trainer's collate and gc.freeze of 12-08 are
+# not yet measured there).
 # Also: STAGE=kernel_tests, joint_step, kernels, fleet_decode, sync_async (arith3; twice: a run
 # already recorded under /tmp/pending is not run again), sweep (done 12-07 late; seeds 2-3 of the
 # 1e-4 and 3e-4 columns would be the next cells), and with less device time left than a full
