@@ -80,6 +80,8 @@ VARIANTS = {
     "fused_attention": "fused_swiglu, and services.rollout.attention_kernel for the one-token attention",
     "fused_residual": "fused_attention, and services.rollout.decoder_layer for the residual adds (the first with the"
     " norm after it; o_proj's and down_proj's LoRA corrections in them)",
+    "few_stretches": "fused_residual, and the attention's stretches sized for 128 programs, not 512 (at batch 64 one"
+    " a (row, KV head): no merge launch)",
 }
 """each variant is the one before it and one change more"""
 
@@ -104,6 +106,9 @@ SWITCHED = {
 }
 """the variants whose kernel is switched by the environment, read at each call"""
 
+SET = {"few_stretches": ("LORABUS_ATTENTION_PROGRAMS", "128")}
+"""the variants that set an environment variable to a value (unset for the others)"""
+
 
 @contextlib.contextmanager
 def kernel_switches(variant: str):
@@ -111,9 +116,14 @@ def kernel_switches(variant: str):
     is read at each call, so a variant's graphs capture what it said; fused_norm's modules and
     the MLPs' routed forwards stay on the model across variants, and without this the kernels
     (the default on CUDA) would run in every variant that has them."""
-    before = {env: os.environ.get(env) for env in SWITCHED.values()}
+    before = {env: os.environ.get(env) for env in [*SWITCHED.values(), *(env for env, _ in SET.values())]}
     for base, env in SWITCHED.items():
         os.environ[env] = "1" if stacks_on(variant, base) else "0"
+    for base, (env, value) in SET.items():
+        if stacks_on(variant, base):
+            os.environ[env] = value
+        else:
+            os.environ.pop(env, None)
     try:
         yield
     finally:

@@ -24,6 +24,8 @@
 #                                          then its runs: k = 0 2 4 1 x seeds 1-3, 40 steps (resumable;
 #                                          LIMIT=<s> where less than a full call is left)
 #   3 (nothing carried)                    STAGE=chain   the runs the call before left (the task stays)
+#   and where a short call fits: STAGE=stretches LIMIT=<s> (issue 27: the attention's 128 programs
+#   against 512 on the head, the step's share of the HBM limit at batch 64 being 37.7 % of 40)
 # The lease after: the rest of the chain runs, then issue 27 (engines: vLLM's four parts carried one
 # a call, part_aa with STAGE=kernels, part_ab..ad with the calls after, engines last) and issue 33
 # (STAGE=fleet, fleet_together, fleet_one_replica: the trainer's collate and gc.freeze of 12-08 are
@@ -64,7 +66,7 @@ sync_async_chain() {  # k = 0 1 2 4 x seeds 1 2 3 on the chain task, 40 steps a 
   cp "$KEEP"/sync_async_chain_"$L".json "$KEEP"/sync_async_chain_"$L".png "$OUT"/ 2>/dev/null
   tar -czf "$OUT/sync_async_chain_${L}_runs.tgz" -C "$KEEP" "sync_async_chain_${L}_runs"
 }
-case "${STAGE:?STAGE: chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode or sync_async}" in
+case "${STAGE:?STAGE: chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, stretches, short, fleet_decode or sync_async}" in
 kernel_tests)  # issue 27: the kernels' GPU tests alone
   kernel_tests
   ;;
@@ -137,6 +139,12 @@ mixed)  # issue 27: where a step with rows on older versions goes (the mixed bat
     --side-by-side \
     --out "$OUT/decode_breakdown_mixed_$L.json" 2>&1 | grep -v USDT | tail -12
   ;;
+stretches)  # issue 27: the attention's stretches for 128 programs against 512 (at batch 64: no merge
+  # launch, whose 28 launches took 0.10 ms of the 2.67 ms step on 12-07 late), on the head
+  timeout $((${LIMIT:-570} - SECONDS)) python benchmarks/decode_breakdown.py --hbm-tbs "$HBM" \
+    --shapes qwen2.5-1.5b --batches 64 16 1 256 --variants fused_residual few_stretches --side-by-side \
+    --out "$OUT/decode_breakdown_stretches_$L.json" 2>&1 | grep -v USDT | tail -10
+  ;;
 joint_step)  # issue 33: N runs' train steps together against one after another (the 0.5B shape)
   timeout $((585 - SECONDS)) python benchmarks/joint_step.py --out "$OUT/joint_step_$L.json" 2>&1 | tail -8
   ;;
@@ -147,6 +155,6 @@ engines)  # issue 27: a vLLM server, then the embedded engine, on the same work 
     --engines vllm embedded --out-dir "$OUT" --label "$L" --vllm-site /tmp/vsite \
     --vllm-arg=--gpu-memory-utilization --vllm-arg=0.5 2>&1 | tail -30
   ;;
-*) echo "STAGE: $STAGE is not one of chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, short, fleet_decode, sync_async" >&2
+*) echo "STAGE: $STAGE is not one of chain, sweep, fleet, fleet_one_replica, fleet_together, kernel_tests, joint_step, engines, mixed, chain_task, sync_async_chain, kernels, stretches, short, fleet_decode, sync_async" >&2
   exit 2 ;;
 esac

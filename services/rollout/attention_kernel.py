@@ -38,6 +38,8 @@ values, by the mask's kind), which no decode reads: every live row attends to it
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from services.rollout.lora_kernels import give_up, triton, triton_runs
@@ -87,11 +89,25 @@ def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: tor
     return not grad and available(query.device)
 
 
-def splits_for(batch_heads: int, length: int) -> int:
-    """How many stretches each (row, KV head) is cut into: enough for TARGET_PROGRAMS, each at
-    least one block long. A pure function of the shapes: a graph captured once stays right."""
+def target_programs() -> int:
+    """TARGET_PROGRAMS, or LORABUS_ATTENTION_PROGRAMS where set (read at each launch, so a graph
+    captures what it said): benchmarks/decode_breakdown.py's `few_stretches` variant sets 128,
+    one program a (row, KV head) at batch 64 and no merge launch, against the 512 measured."""
+    raw = os.environ.get("LORABUS_ATTENTION_PROGRAMS")
+    if raw is None:
+        return TARGET_PROGRAMS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            f"LORABUS_ATTENTION_PROGRAMS: {raw!r} is not a positive integer; unset it for {TARGET_PROGRAMS}"
+        )
+    return int(raw)
+
+
+def splits_for(batch_heads: int, length: int, target: int = TARGET_PROGRAMS) -> int:
+    """How many stretches each (row, KV head) is cut into: enough for `target` programs, each at
+    least one block long. A pure function of its arguments: a graph captured once stays right."""
     blocks = -(-length // BLOCK_N)
-    want = -(-TARGET_PROGRAMS // batch_heads)
+    want = -(-target // batch_heads)
     return max(1, min(blocks, want))
 
 
@@ -115,7 +131,7 @@ def _launch(
     assert triton is not None
     b, h, g, d = query.shape
     length = key.shape[2]
-    per = -(-length // splits_for(b * h, length))
+    per = -(-length // splits_for(b * h, length, target_programs()))
     span = -(-per // BLOCK_N) * BLOCK_N  # positions per stretch, in whole blocks
     splits = -(-length // span)
     out = torch.empty((b, h, g, d), dtype=query.dtype, device=query.device)

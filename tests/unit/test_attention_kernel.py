@@ -82,6 +82,21 @@ def test_the_kernel_builds_for_an_h100_with_its_mask_scan():
     assert branches[True] > branches[False]
 
 
+def test_the_programs_a_step_aims_for_can_be_set_and_a_bad_setting_is_named(monkeypatch):
+    from services.rollout.attention_kernel import TARGET_PROGRAMS, splits_for, target_programs
+
+    monkeypatch.delenv("LORABUS_ATTENTION_PROGRAMS", raising=False)
+    assert target_programs() == TARGET_PROGRAMS
+    monkeypatch.setenv("LORABUS_ATTENTION_PROGRAMS", "128")
+    assert target_programs() == 128
+    # batch 64 of two KV heads on a 256-position cache: four stretches at 512, one at 128
+    assert splits_for(128, 256, TARGET_PROGRAMS) == 4 and splits_for(128, 256, target_programs()) == 1
+    for bad in ("0", "-4", "many"):
+        monkeypatch.setenv("LORABUS_ATTENTION_PROGRAMS", bad)
+        with pytest.raises(ValueError, match="LORABUS_ATTENTION_PROGRAMS: .* not a positive integer; unset it"):
+            target_programs()
+
+
 def test_a_step_is_cut_into_enough_stretches_to_cover_the_gpu_and_no_more_than_its_blocks():
     from services.rollout.attention_kernel import BLOCK_N, TARGET_PROGRAMS, splits_for
 
