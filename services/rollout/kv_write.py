@@ -9,8 +9,11 @@ slab of continuous batching (`slab_cache.SlabCache`) writes each row at its own 
 two advanced-index assignments. Here one program copies one (row, token, head) of K and of V
 to its place, the position read from a device tensor: the layer's counter (every row at one
 position) or the slab's `lengths` (each row at its own), so a captured graph replays it as it
-is. The counter's `add_` stays a kernel of its own, as transformers has it: reading and
-advancing it in one launch would race between the programs.
+is. The counter's `add_` stays a kernel of its own: reading and advancing it in one launch would
+race between the programs. But it is one a step, not one a layer: once a forward has passed every
+layer through the kernel, the layers share one counter (they all hold the same count then) and
+only the last layer advances it, after its own write (28 int64 launches of a Qwen2.5-1.5B step
+were 0.034 ms of 2.67 at batch 64 on an H100).
 
 Not fused into `rope_kernel`: `apply_rotary_pos_emb(q, k, cos, sin)` sees neither V, nor the
 layer's cache, nor the write position; `Cache.update` is the one call every decoder makes after
@@ -31,6 +34,8 @@ truncates (tests/unit/test_kv_write.py checks copies, and casts to float16).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers import StaticCache, cache_utils
@@ -122,24 +127,46 @@ def _launch(
 
 class FusedStaticCache(StaticCache):
     """transformers' `StaticCache`, its full-attention layers written through the kernel at the
-    layer's own counter, which then advances as `StaticLayer.update` advances it."""
+    layer's counter. A forward that wrote every layer through the kernel ends by giving them one
+    shared counter (the last layer's), which from then on only the last layer advances: each
+    layer's `cumulative_length` still reads the count, one launch a step advances it."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        layers = getattr(self, "layers", None)
-        layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-        if (
-            layer is not None
-            # its update is the one this replaces (not a sliding window's or a subclass's)
-            and _LAYER_UPDATE is not None
-            and type(layer).update is _LAYER_UPDATE
-            and getattr(layer, "is_initialized", False)  # allocated by its first update
-            and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
-            and not getattr(self, "offloading", False)
-            and fused(layer.keys, layer.values, key_states, value_states, layer.cumulative_length)
-        ):
-            layer.cumulative_length.add_(key_states.shape[-2])
-            return layer.keys, layer.values
+        layers: list[Any] = getattr(self, "layers", None) or []
+        layer = layers[layer_idx] if layer_idx < len(layers) else None
+        if layer is not None and _takes(layer, getattr(self, "offloading", False)):
+            if fused(layer.keys, layer.values, key_states, value_states, layer.cumulative_length):
+                counter = layers[-1].cumulative_length
+                last = layer is layers[-1]
+                if last or layer.cumulative_length is not counter:
+                    layer.cumulative_length.add_(key_states.shape[-2])
+                if last and any(other.cumulative_length is not counter for other in layers):
+                    self._share_counter(layers)
+                return layer.keys, layer.values
+            if layer_idx != len(layers) - 1 and layer.cumulative_length is layers[-1].cumulative_length:
+                # torch writes and advances the counter it reads: this layer's own again
+                layer.cumulative_length = layer.cumulative_length.clone()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @staticmethod
+    def _share_counter(layers: list[Any]) -> None:
+        """After a forward that advanced every layer's own counter by the same tokens (each wrote
+        through the kernel), all point at the last layer's; a layer any other way keeps its own."""
+        if all(_takes(layer, False) for layer in layers):
+            for layer in layers[:-1]:
+                layer.cumulative_length = layers[-1].cumulative_length
+
+
+def _takes(layer: Any, offloading: bool) -> bool:
+    """Whether a cache layer is one the kernel writes: transformers' own full-attention layer
+    (not a sliding window's or a subclass's), allocated by its first update, not offloaded."""
+    return (
+        _LAYER_UPDATE is not None
+        and type(layer).update is _LAYER_UPDATE
+        and getattr(layer, "is_initialized", False)
+        and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+        and not offloading
+    )
 
 
 if triton is not None:

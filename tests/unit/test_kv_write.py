@@ -184,10 +184,38 @@ def interpreted_static_cache() -> None:
             for mine, theirs in zip(fused.layers, own.layers):
                 assert int(mine.cumulative_length) == int(theirs.cumulative_length) == 10
                 assert mine.cumulative_length.device == theirs.cumulative_length.device
+            # the first kernel-written forward left one counter for all layers, the last's
+            counter = fused.layers[-1].cumulative_length
+            assert all(layer.cumulative_length is counter for layer in fused.layers)
+            # a step torch writes (the kernel refusing it) gives a layer its own counter back, and
+            # the cache still holds what transformers' holds; the next kernel step shares again
+            fused_write = kv_write.fused
+            kv_write.fused = lambda *args: False
+            try:
+                steps = [(3, 1)]
+                for b, tokens in steps:
+                    for layer in range(config.num_hidden_layers):
+                        key, value = (
+                            as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
+                            as_the_layer_makes_it(b, tokens, 2, 8, dtype, g),
+                        )
+                        got, want = fused.update(key, value, layer), own.update(key, value, layer)
+                        assert all(torch.equal(x, y) for x, y in zip(got, want)), (dtype, layer, "torch")
+            finally:
+                kv_write.fused = fused_write
+            assert fused.layers[0].cumulative_length is not counter
+            for layer in range(config.num_hidden_layers):
+                key, value = as_the_layer_makes_it(3, 1, 2, 8, dtype, g), as_the_layer_makes_it(3, 1, 2, 8, dtype, g)
+                got, want = fused.update(key, value, layer), own.update(key, value, layer)
+                assert all(torch.equal(x, y) for x, y in zip(got, want)), (dtype, layer, "again")
+            assert all(layer.cumulative_length is counter for layer in fused.layers)
+            assert [int(layer.cumulative_length) for layer in own.layers] == [12] * config.num_hidden_layers
+            assert int(counter) == 12
     finally:  # the module's other checks run after this one, in the same child
         kv_write._launch = launch
-    # the first call of each layer allocates (the cache's own), the four after it are the kernel's
-    assert len(launches) == 2 * 2 * 4
+    # the first call of each layer allocates (the cache's own), the four after it and the last
+    # step are the kernel's
+    assert len(launches) == 2 * 2 * 5
     print("static cache checked")
 
 
