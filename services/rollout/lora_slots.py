@@ -27,8 +27,12 @@ base tokens/s; two versions mixed in a batch, 0.13x). Here:
   matmul would send the residual add after o_proj/down_proj to torch's strided kernel, 2.2x
   slower on an H100): a decoder layer puts 4 matmuls + 4 expands on the critical path
   (0.93x the graph base on the H200 for mixed batches; 0.88x with the shrink as a second kernel
-  on a side stream, 0.78x with three small kernels per module). The other corrections
-  (`lora_kernels.Mode`) stay selectable and are tested against the same reference.
+  on a side stream, 0.78x with three small kernels per module). Inside `deferred` a group
+  returns its output uncorrected and hands the correction (`lora_kernels.Pending`) to the
+  kernel that reads the output next (`decoder_layer`: o_proj's to the fused add and norm,
+  down_proj's to the last add, gate/up's to the SwiGLU), which leaves q/k/v's expand as the one
+  extra launch a layer. The other corrections (`lora_kernels.Mode`) stay selectable and are
+  tested against the same reference.
 - Re-merging on a head change recomputes W from a pristine copy W0, so there is no drift
   however many versions pass: one batched matmul per member of each group shape, over every
   layer at once (`ShapeBuffers.merge`: 7 for a Qwen model, not one per module). Memory cost:
