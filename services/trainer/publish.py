@@ -5,7 +5,9 @@ kept in the store beside the adapters). The event's msg_id is `adapter-<epoch>-v
 before publishing the trainer asks the ADAPTERS stream whether its own `adapter.v<N>.ready`
 (of its epoch) is already there: a retry or a restarted trainer can therefore never announce
 one version twice, even after JetStream's dedup window, and an event of another epoch on that
-subject (someone announcing the trainer's next number first) does not stop it.
+subject (someone announcing the trainer's next number first) does not stop it. That look-up
+(a JetStream round trip per version) is skipped where it cannot find anything (`Announced`):
+in steady state, past the first version a trainer announces after it starts.
 
 Order (`deliver`):
 - object path: serialise, upload, then the event (it never names an object that is not
@@ -45,6 +47,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proto import codec, subjects
@@ -63,6 +66,7 @@ log = logging.getLogger(__name__)
 EPOCH_NAME = "trainer.epoch"
 
 __all__ = [
+    "Announced",
     "adapter_key",
     "announced_key",
     "deliver",
@@ -202,6 +206,38 @@ async def published_event(bus, run: str, version: int, epoch: str) -> AdapterRea
                     version, event.trainer_epoch, epoch)  # fmt: skip
         return None
     return event
+
+
+@dataclass
+class Announced:
+    """Which versions of a run this trainer may find announced by its epoch already, so that
+    `publish_adapter` asks the stream (`published_event`) about those only. One per run's life
+    in a trainer process (a `runs.Rank0`); `stored`: the highest version the store held when
+    that life began (`resume.highest_stored_version`), None when it held none.
+
+    Why the others cannot be: every event follows its version's claim in the store (the object
+    or the `announced` marker: `deliver`), so the stream holds the epoch's events of versions up
+    to `stored` at most when the life begins; after that, only this life announces the run, and
+    it is asked about each version it announces. So once the life's first version has been
+    looked up (where a restart re-announces its checkpoint's version), a version above both it
+    and `stored`, and above every version announced since, was never announced."""
+
+    stored: int | None = None
+    clear_above: int | None = None
+    """versions above it were never announced by this epoch; None: look every version up (the
+    life's first version has not been)"""
+
+    def begin(self, stored: int | None) -> None:
+        """A new life of the run (its start, `stored` as above): the next version is looked up."""
+        self.stored, self.clear_above = stored, None
+
+    def needs_lookup(self, version: int) -> bool:
+        return self.clear_above is None or version <= self.clear_above
+
+    def announced(self, version: int) -> None:
+        """`version` was looked up (announced before, or not) or announced now."""
+        floor = max(version, -1 if self.stored is None else self.stored)
+        self.clear_above = floor if self.clear_above is None else max(self.clear_above, version)
 
 
 def _checked_put(store: ObjectStore, key: str, weights: bytes, sha256: str) -> ObjectRef:
@@ -372,16 +408,22 @@ async def publish_adapter(
     sender: XcclSender | None = None,
     weights: bytes | None = None,
     canary_follows: bool = False,
+    announced: Announced | None = None,
 ) -> AdapterReady | None:
     """Store and/or broadcast `tensors` as version `version` and announce it (see `deliver`
     for the order), on either path; returns the event, or None when this version had been
     announced already by this trainer epoch (then only a missing object copy of the same
     weights is stored). `canary_follows`: the caller publishes the version's canary after the
-    event (`publish_canary`); the event never waits for it."""
-    previous = await published_event(bus, run, version, epoch)
-    if previous is not None:
-        await _repair(store, previous, run, version, tensors, weights)
-        return None
+    event (`publish_canary`); the event never waits for it. `announced`: the run's record in
+    this trainer (`Announced`), which spares the stream a look-up where it cannot find one;
+    None: every version is looked up."""
+    if announced is None or announced.needs_lookup(version):
+        previous = await published_event(bus, run, version, epoch)
+        if announced is not None:
+            announced.announced(version)
+        if previous is not None:
+            await _repair(store, previous, run, version, tensors, weights)
+            return None
     sent: list[AdapterReady] = []
 
     async def publish(payloads: list[Payload]) -> None:
@@ -391,4 +433,6 @@ async def publish_adapter(
         sent.append(event)
 
     await deliver(store, run=run, version=version, tensors=tensors, publish=publish, sender=sender, weights=weights)
+    if announced is not None:
+        announced.announced(version)
     return sent[0]

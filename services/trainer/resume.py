@@ -58,6 +58,9 @@ class Resume:
     trained_seqs: tuple[tuple[int, int], ...] = ()
     canary: Canary | None = None
     """the first version's canary: the engine holds exactly these weights when it starts"""
+    highest_stored: int | None = None
+    """the highest version the store held (`highest_stored_version`): versions above it and above
+    the first were never announced (`publish.Announced`)"""
 
     @classmethod
     def plan(
@@ -76,10 +79,12 @@ class Resume:
                     "initial: None without a checkpoint; gather the untrained adapter "
                     "(engine.adapter_state() on every rank) before serving"
                 )
-            return cls(version, adapter_io.to_bytes(initial), initial, frozenset(), canary=canary)
+            return cls(version, adapter_io.to_bytes(initial), initial, frozenset(), canary=canary,
+                       highest_stored=highest_stored)  # fmt: skip
         tensors = ckpt.adapter
         weights = ckpt.adapter_bytes if unchanged else adapter_io.to_bytes(tensors)
-        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs), canary)
+        return cls(version, weights, tensors, frozenset(ckpt.trained_ids), tuple(ckpt.trained_seqs), canary,
+                   highest_stored)  # fmt: skip
 
 
 def restore(engine: TrainEngine, cfg: LorabusConfig) -> checkpoint.Checkpoint | None:

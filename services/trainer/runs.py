@@ -67,7 +67,7 @@ from services.trainer import canary as trainer_canary
 from services.trainer import checkpoint, metrics, mismatch
 from services.trainer.accepted import AcceptedQueue
 from services.trainer.engines.base import SharedBaseEngine, StepStats, TrainEngine
-from services.trainer.publish import ensure_canary, publish_adapter, publish_canary
+from services.trainer.publish import Announced, ensure_canary, publish_adapter, publish_canary
 from services.trainer.ranks import Followers, Step, Work, run_steps
 from services.trainer.resume import Resume
 
@@ -100,6 +100,9 @@ class Rank0:
     """the XCCL group host (`actor.weight_update_mode: xccl`), else None"""
     epoch: str
     """the run's trainer epoch, carried by every adapter event (`publish.trainer_epoch`)"""
+    announced: Announced = field(default_factory=Announced)
+    """the versions the stream is asked about before each is announced (`publish.Announced`):
+    reset by the run's start (`TrainWorker.start`)"""
 
     async def announce(
         self,
@@ -127,6 +130,7 @@ class Rank0:
             sender=self.sender,
             weights=weights,
             canary_follows=canary_follows,
+            announced=self.announced,
         )
 
     async def send_canary(self, version: int, canary: Canary, event: AdapterReady | None) -> None:
@@ -486,6 +490,7 @@ class TrainWorker:
         """Announce the first version (again, if it was), then collect the first batch."""
         ctx, start = self.ctx, self.begin
         self.version = start.version
+        ctx.announced.begin(start.highest_stored)  # its first version is looked up
         event = await ctx.announce(start.version, start.tensors, weights=start.weights,
                                    canary_follows=start.canary is not None)  # fmt: skip
         log.info("run %s: v%d %s", self.run, start.version, "announced" if event else "was already announced")
