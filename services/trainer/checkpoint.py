@@ -19,7 +19,6 @@ beside one of these.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
@@ -120,14 +119,11 @@ class _Layout:
         """`obj` with every plain CPU tensor in its dicts, lists and tuples replaced by a
         `_TensorRef` to its bytes, which are queued (no copy when contiguous)."""
         if _raw(obj):
-            t = obj.contiguous()
-            ref = _TensorRef(self.size, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
-                             tuple(t.shape))  # fmt: skip
+            # the bytes in place, through no torch call that releases the GIL
+            view, t = adapter_io.host_bytes(obj)
+            ref = _TensorRef(self.size, view.nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape))
             if ref.nbytes == 0:
                 return ref
-            # the bytes in place, through no torch call that releases the GIL (reshape and view
-            # do, and each costs a wait for it beside a busy thread: ~2 ms a tensor)
-            view = memoryview((ctypes.c_ubyte * ref.nbytes).from_address(t.data_ptr())).cast("B")
             self.tensors.append(t)
             self.buffers.append(view)
             self.size += view.nbytes
