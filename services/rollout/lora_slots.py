@@ -265,18 +265,12 @@ class SlotGroup:
         it is (a column view) and leaves the correction to whoever reads y next."""
         n = self.segs[-1]
         ya = F.linear(x2, self._stacked, self._stacked_bias)
-        y2, t = ya[:, :n], ya[:, n:]
-        late = self.late
-        if late is not None and lora_kernels.kernel_available(x.device, x.dtype):
-            out = y2.view(*x.shape[:-1], n)
-            late.hold(lora_kernels.Pending(out, t, cols, self._bt_all, per_row, self.buffers.rank, tuple(self.segs)))
-            return out
-        if lora_kernels.kernel_available(x.device, x.dtype):
-            out = lora_kernels.expand_stacked(y2, t, self._bt_all, self.segs, cols, per_row)
-        else:
-            out = y2.contiguous()
-            lora_kernels.expand_reference_(out, lora_kernels.masked(t, cols, per_row), self._bt_all, self.segs)
-        return out.view(*x.shape[:-1], n)
+        y = ya[:, :n].view(*x.shape[:-1], n)
+        pending = lora_kernels.Pending(y, ya[:, n:], cols, self._bt_all, per_row, self.buffers.rank, tuple(self.segs))
+        if self.late is not None and lora_kernels.kernel_available(x.device, x.dtype):
+            self.late.hold(pending)
+            return y
+        return pending.resolved()
 
 
 class Late:
